@@ -1,0 +1,42 @@
+"""The `switchyard` console script: one entry point, subcommands dispatch to each component's `main(argv)`."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+USAGE = """usage: switchyard <command> [args]
+
+commands:
+  serve              run the router daemon
+  worker sim         run a simulated vLLM-like worker
+  demo               the main job: router + 4 simulated workers + a Mooncake slice, printing a results table
+  bench sim          discrete-event simulation of N workers in virtual time
+  bench live         router + simulated worker processes over loopback gRPC: router-added latency
+  bench profiles     fit error of each performance profile against the measured tables
+
+Run `switchyard <command> --help` for a command's options.
+"""
+
+COMMANDS: dict[tuple[str, ...], str] = {
+    ("serve",): "switchyard.router.server",
+    ("worker", "sim"): "switchyard.workers.sim_worker",
+    ("demo",): "switchyard.bench.demo",
+    ("bench", "sim"): "switchyard.bench.sim",
+    ("bench", "live"): "switchyard.bench.live",
+    ("bench", "profiles"): "switchyard.bench.profiles",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    for words, module in COMMANDS.items():
+        if tuple(args[: len(words)]) == words:
+            entry = importlib.import_module(module).main
+            return int(entry(args[len(words) :]) or 0)
+    print(USAGE, file=sys.stderr if args and args[0] not in ("-h", "--help") else sys.stdout)
+    return 0 if args and args[0] in ("-h", "--help") else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
