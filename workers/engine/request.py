@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 
 import xxhash
+
 from switchyard.workers.engine.types import EngineRequest, FinishReason
 
 _M64 = (1 << 64) - 1

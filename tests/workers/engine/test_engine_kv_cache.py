@@ -8,6 +8,7 @@ import pickle
 
 import xxhash
 from engine_testlib import make_engine, make_request
+
 from switchyard.ext.blockhash import block_digests, to_event_hash
 from switchyard.workers.engine.kv_cache_manager import KVCacheManager
 from switchyard.workers.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from switchyard.workers.engine.perf_model import find_data_dir, fit_coeffs, table_errors
 from switchyard.workers.engine.profiles import PROFILES, get_profile, load_profile_tables
 

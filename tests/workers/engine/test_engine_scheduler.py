@@ -4,6 +4,7 @@ budget, recompute preemption (victim, front of waiting), priorities, aborts, det
 from __future__ import annotations
 
 from engine_testlib import make_engine, make_request
+
 from switchyard.workers.engine.request import Request, output_tokens, token_base
 from switchyard.workers.engine.types import EngineRequest, FinishReason
 

@@ -1,0 +1,124 @@
+"""Per-request records of a simulation run, and the summary numbers computed from them (latency percentiles,
+throughput, cache hit ratio, balance, SLO attainment). Plain data in, a JSON-ready dict out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# Request outcomes
+OK = "ok"
+REJECTED_TOO_LONG = "rejected_too_long"  # prompt does not fit max_model_len (admission)
+REJECTED_QUEUE_FULL = "rejected_queue_full"  # router queue at max_size
+NO_WORKER = "no_worker"  # the policy returned no decision
+INCOMPLETE = "incomplete"  # still running when the simulation stopped (should not happen)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What the collector learned about one request; times on the virtual clock, seconds."""
+
+    request_id: str
+    arrival_s: float
+    num_prompt_tokens: int
+    max_tokens: int
+    status: str = INCOMPLETE
+    worker_id: str = ""
+    dispatch_s: float = -1.0  # left the router queue / was routed
+    first_token_s: float = -1.0
+    finish_s: float = -1.0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the engine served from its prefix cache
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def e2e_s(self) -> float:
+        return self.finish_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first; 0 for single-token outputs."""
+        if self.num_output_tokens <= 1:
+            return 0.0
+        return (self.finish_s - self.first_token_s) / (self.num_output_tokens - 1)
+
+
+def dist(values: Sequence[float] | np.ndarray) -> dict[str, float]:
+    """mean, p50, p90, p99 (numpy 'linear' percentiles); zeros when empty."""
+    a = np.asarray(values, dtype=np.float64)
+    if a.size == 0:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def summarize(
+    records: Sequence[RequestRecord],
+    worker_ids: Sequence[str],
+    prefix_cache_queries: int,
+    prefix_cache_hits: int,
+    num_preemptions: int,
+    slo_ttft_s: float,
+    slo_tpot_s: float,
+) -> dict[str, object]:
+    """The metrics of one (policy, rate) run. Rejected requests count as SLO misses."""
+    done = [r for r in records if r.status == OK]
+    status_counts: dict[str, int] = {}
+    for r in records:
+        status_counts[r.status] = status_counts.get(r.status, 0) + 1
+    ttft = np.array([r.ttft_s for r in done])
+    e2e = np.array([r.e2e_s for r in done])
+    multi = [r for r in done if r.num_output_tokens > 1]
+    tpot = np.array([r.tpot_s for r in multi])
+    norm = np.array([r.e2e_s / max(1, r.num_output_tokens) for r in done])
+    out_tokens = sum(r.num_output_tokens for r in done)
+    t_first = min((r.arrival_s for r in records), default=0.0)
+    t_last = max((r.finish_s for r in done), default=t_first)
+    makespan = max(t_last - t_first, 1e-9)
+
+    per_worker = {w: 0 for w in worker_ids}
+    for r in records:
+        if r.worker_id in per_worker:
+            per_worker[r.worker_id] += 1
+    counts = np.array(list(per_worker.values()), dtype=np.float64)
+    mean_count = float(counts.mean()) if counts.size else 0.0
+
+    ttft_ok = np.array([r.ttft_s <= slo_ttft_s for r in done], dtype=bool)
+    tpot_ok = np.array([r.tpot_s <= slo_tpot_s for r in done], dtype=bool)
+    n = max(1, len(records))
+    return {
+        "num_requests": len(records),
+        "num_completed": len(done),
+        "status": dict(sorted(status_counts.items())),
+        "ttft_s": dist(ttft),
+        "tpot_s": dist(tpot),
+        "e2e_s": dist(e2e),
+        "norm_latency_s_per_token": dist(norm),
+        "queue_wait_s": dist([r.dispatch_s - r.arrival_s for r in done]),  # held in the router queue
+        "num_held": sum(1 for r in done if r.dispatch_s > r.arrival_s),
+        "throughput_req_s": len(done) / makespan,
+        "throughput_output_tok_s": out_tokens / makespan,
+        "prefix_cache_hit_ratio": prefix_cache_hits / prefix_cache_queries if prefix_cache_queries else 0.0,
+        "prefix_cache_hits_tokens": prefix_cache_hits,
+        "prefix_cache_queries_tokens": prefix_cache_queries,
+        "prompt_cached_tokens_frac": (
+            sum(r.num_cached_tokens for r in done) / max(1, sum(r.num_prompt_tokens for r in done))
+        ),
+        "num_preemptions": num_preemptions,
+        "requests_per_worker": per_worker,
+        "balance_max_over_mean": float(counts.max() / mean_count) if mean_count else 0.0,
+        "balance_cv": float(counts.std() / mean_count) if mean_count else 0.0,
+        "slo": {
+            "ttft_s": slo_ttft_s,
+            "tpot_s": slo_tpot_s,
+            "ttft_attainment": float(ttft_ok.sum()) / n,
+            "tpot_attainment": float(tpot_ok.sum()) / n,
+            "attainment": float((ttft_ok & tpot_ok).sum()) / n,
+        },
+        "sim_duration_s": makespan,
+    }

@@ -1,0 +1,649 @@
+"""`switchyard bench sim`: discrete-event replay of a trace against N simulated engines in virtual time.
+
+Dynamo-style offline replay: a logical clock over a heap of events (engine step completions, KV-event
+deliveries) merged with the sorted arrivals and two periodic ticks (Stats polls, policy ticks). Each worker is
+the same `EngineCore` the simulated worker process runs; every router-side concern goes through the daemon's
+own code: `Fleet` (the one ingestion path for Stats and KV events), the policy registry, and the router queue's
+hold condition. What a policy sees is what it would see live: Stats every `--stats-interval`, KV events
+`--event-lag` after the step that produced them.
+
+Run: `switchyard bench sim --trace mooncake-conversation --workers 8 --policies round_robin,least_request`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import logging
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from switchyard.bench import report
+from switchyard.bench.metrics import (
+    INCOMPLETE,
+    NO_WORKER,
+    OK,
+    REJECTED_QUEUE_FULL,
+    REJECTED_TOO_LONG,
+    RequestRecord,
+    summarize,
+)
+from switchyard.bench.traces import (
+    PromptFactory,
+    Trace,
+    TraceRequest,
+    load_trace,
+    scale_time,
+    scale_to_rate,
+    take_slice,
+)
+from switchyard.bench.workloads import ARRIVALS, WorkloadSpec, make_workload
+from switchyard.router.clock import VirtualClock
+from switchyard.router.fleet import Fleet, StatsSample, WorkerInfo
+from switchyard.router.policies.base import Policy, RoutingContext, WorkerId
+from switchyard.router.policies.registry import POLICIES, make_policy
+from switchyard.router.queue import QueueEntry, QueueFull, RequestQueue, should_hold
+from switchyard.workers.engine.kv_events import KvEventBatch
+from switchyard.workers.engine.types import EngineRequest, StepResult
+
+log = logging.getLogger(__name__)
+
+INF = math.inf
+DEFAULT_PROFILE = "llama3-8b-a100"
+MODEL = "sim-model"
+
+# Heap event kinds; the number is also the tie-break order at equal times.
+_STEP_DONE = 0
+_KV_DELIVERY = 1
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """One simulation run: the fleet, the policy, and the router's modelled signal delays."""
+
+    policy: str = "round_robin"
+    num_workers: int = 8
+    profile: str = DEFAULT_PROFILE
+    block_size: int = 16
+    stats_interval_s: float = 0.2  # the daemon's Stats poll period (router.config WorkersConfig default)
+    event_lag_s: float = 0.005  # step end -> KV events ingested by the router
+    tick_interval_s: float = 0.1  # Policy.on_tick period (RoutingConfig.tick_interval_ms default)
+    use_queue: bool = True  # hold requests in the router queue while every worker is saturated
+    queue_max_size: int = 1024  # QueueConfig.max_size default
+    kv_usage_hold_frac: float = 0.95  # QueueConfig.kv_usage_hold_frac default
+    seed: int = 0  # prompt tokens and engine output tokens
+    engine_overrides: dict[str, Any] = field(default_factory=dict)  # extra EngineConfig fields
+
+
+@dataclass(slots=True)
+class SimResult:
+    config: SimConfig
+    records: list[RequestRecord]
+    worker_ids: list[str]
+    engine_stats: list[Any]  # EngineStats per worker at the end
+    sim_end_s: float  # virtual time when the last event ran
+    wall_s: float
+    num_events: int
+    num_engine_steps: int
+    num_engine_iterations: int
+
+    def summary(self, slo_ttft_s: float, slo_tpot_s: float) -> dict[str, Any]:
+        out = summarize(
+            self.records,
+            self.worker_ids,
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in self.engine_stats),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in self.engine_stats),
+            num_preemptions=sum(s.num_preemptions for s in self.engine_stats),
+            slo_ttft_s=slo_ttft_s,
+            slo_tpot_s=slo_tpot_s,
+        )
+        out["num_engine_steps"] = self.num_engine_steps
+        out["num_engine_iterations"] = self.num_engine_iterations
+        out["num_events"] = self.num_events
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------- engine
+def make_engine(profile_name: str, block_size: int, overrides: dict[str, Any]) -> Any:
+    """One EngineCore with the named profile (the same construction the simulated worker uses)."""
+    from switchyard.workers.engine.core import EngineConfig, EngineCore
+    from switchyard.workers.engine.profiles import get_profile
+
+    profile = get_profile(profile_name)
+    return EngineCore(EngineConfig(block_size=block_size, **overrides), profile)
+
+
+def _stats_sample(s: Any, prev_gen_tokens: int, interval_s: float) -> StatsSample:
+    """The Worker.Stats sample a worker with engine stats `s` would send."""
+    return StatsSample(
+        num_running=s.num_running,
+        num_waiting=s.num_waiting,
+        kv_blocks_used=s.kv_blocks_used,
+        kv_blocks_total=s.kv_blocks_total,
+        prefix_cache_queries=s.prefix_cache_queries,
+        prefix_cache_hits=s.prefix_cache_hits,
+        num_waiting_uncached_tokens=s.num_waiting_uncached_tokens,
+        num_iterations=s.num_iterations,
+        num_preemptions=s.num_preemptions,
+        generation_tokens_per_s=(s.generation_tokens_total - prev_gen_tokens) / interval_s if interval_s else 0.0,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- simulator
+class Simulator:
+    """One run: a trace, a fleet of engines, one policy. `run()` once."""
+
+    def __init__(
+        self, trace: Trace, cfg: SimConfig, prompts: PromptFactory | None = None, policy: Policy | None = None
+    ) -> None:
+        """`policy` overrides `cfg.policy` (tests pass a spy); `prompts` may be shared between runs (its memo)."""
+        self.trace = trace
+        self.cfg = cfg
+        self.prompts = prompts or PromptFactory(cfg.block_size, seed=cfg.seed)
+        self.policy: Policy = policy if policy is not None else make_policy(cfg.policy)
+        self.clock = VirtualClock()  # the router's clock; advanced by the event loop
+        self.fleet = Fleet()
+        self.queue = RequestQueue(cfg.queue_max_size)
+        self.cores: list[Any] = []
+        self.worker_ids: list[WorkerId] = []
+        for i in range(cfg.num_workers):
+            core = make_engine(cfg.profile, cfg.block_size, cfg.engine_overrides)
+            wid = WorkerId(f"w{i}")
+            c = core.config
+            info = WorkerInfo(
+                worker_id=wid,
+                model=MODEL,
+                max_model_len=c.max_model_len,
+                block_size=c.block_size,
+                kv_capacity_blocks=core.stats().kv_blocks_total,
+                block_hash_algo=core.block_hash_algo,
+                block_hash_seed=core.block_hash_seed,
+                max_num_seqs=c.max_num_seqs,
+                max_num_batched_tokens=c.max_num_batched_tokens,
+                perf_profile=cfg.profile,
+            )
+            self.fleet.add_worker(info)
+            self.policy.on_worker_change(wid, 0.0)
+            self.cores.append(core)
+            self.worker_ids.append(wid)
+        c0 = self.cores[0]
+        if (self.prompts.block_size, self.prompts.hash_algo, self.prompts.hash_seed) != (
+            cfg.block_size, c0.block_hash_algo, c0.block_hash_seed
+        ):
+            raise ValueError("the PromptFactory's block size / hash recipe differs from the engines'")
+        self.max_model_len = self.cores[0].config.max_model_len
+        self._index = {w: i for i, w in enumerate(self.worker_ids)}
+
+        self._heap: list[tuple[float, int, int, int, Any]] = []  # (time, kind, seq, worker, payload)
+        self._seq = 0
+        self._busy = [False] * cfg.num_workers
+        self._kick: set[int] = set()  # workers to (re)start once all events at the current time ran
+        self._kv_seq = [0] * cfg.num_workers
+        self._prev_gen = [0] * cfg.num_workers
+        self._records: dict[str, RequestRecord] = {}
+        self._next_arrival_s = INF
+        self._next_periodic_s = 0.0  # the next Stats poll or policy tick
+        self.num_events = 0
+        self.num_engine_steps = 0
+        self.num_engine_iterations = 0
+
+    # -------------------------------------------------------------------- heap
+    def _push(self, t: float, kind: int, worker: int, payload: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, kind, self._seq, worker, payload))
+
+    # -------------------------------------------------------------------- main loop
+    def run(self) -> SimResult:
+        wall0 = time.perf_counter()
+        reqs = self.trace.requests
+        n = len(reqs)
+        ai = 0
+        self._next_arrival_s = reqs[0].arrival_s if n else INF
+        next_stats = 0.0  # the daemon polls Stats on connect, then every interval
+        next_tick = self.cfg.tick_interval_s
+        heap = self._heap
+        now = 0.0
+        idle_polls = 0  # stats polls with held requests but nothing running or arriving (stuck guard)
+        while True:
+            t_heap = heap[0][0] if heap else INF
+            t_arr = self._next_arrival_s
+            self._next_periodic_s = min(next_stats, next_tick)
+            t = min(t_heap, t_arr, self._next_periodic_s)
+            idle = t_heap == INF and t_arr == INF
+            if self._kick and (t > now or idle):
+                self._run_kicks(now)  # all events at `now` ran: start the engines that got work
+                continue
+            if idle and not len(self.queue):
+                break  # no work left anywhere: every engine is idle (a busy one has a STEP_DONE queued)
+            now = t
+            self.clock.advance_to(now)
+            self.num_events += 1
+            if t_heap <= t:
+                _, kind, _, w, payload = heapq.heappop(heap)
+                if kind == _STEP_DONE:
+                    self._on_step_done(w, payload, now)
+                else:
+                    self._on_kv_delivery(w, payload, now)
+            elif next_stats <= t:
+                self._on_stats_poll(now)
+                next_stats = now + self.cfg.stats_interval_s
+                idle_polls = idle_polls + 1 if idle else 0
+                if idle_polls > 10:
+                    log.warning("held requests with an idle fleet at t=%.3f: releasing them", now)
+                    self._drain_queue(now, force=True)
+            elif next_tick <= t:
+                self.fleet.set_time(now)
+                self.policy.on_tick(now)
+                self._drain_queue(now)
+                next_tick = now + self.cfg.tick_interval_s
+            else:
+                req = reqs[ai]
+                ai += 1
+                self._next_arrival_s = reqs[ai].arrival_s if ai < n else INF
+                self._on_arrival(req, now)
+        for rec in self._records.values():
+            if rec.status == OK and rec.finish_s < 0:
+                rec.status = INCOMPLETE
+        wall = time.perf_counter() - wall0
+        records = [self._records[r.request_id] for r in reqs if r.request_id in self._records]
+        return SimResult(
+            config=self.cfg,
+            records=records,
+            worker_ids=list(self.worker_ids),
+            engine_stats=[c.stats() for c in self.cores],
+            sim_end_s=now,
+            wall_s=wall,
+            num_events=self.num_events,
+            num_engine_steps=self.num_engine_steps,
+            num_engine_iterations=self.num_engine_iterations,
+        )
+
+    # -------------------------------------------------------------------- engines
+    def _horizon(self, now: float) -> float:
+        """Until when an engine may fast-forward: the next moment a request could be dispatched to it."""
+        h = self._next_arrival_s
+        if len(self.queue):
+            # a held request may be released by any event (a finish, a Stats poll, a tick)
+            h = min(h, self._next_periodic_s, self._heap[0][0] if self._heap else INF)
+        return h
+
+    def _run_kicks(self, now: float) -> None:
+        if not self._kick:
+            return
+        kicks = sorted(self._kick)
+        self._kick.clear()
+        for w in kicks:
+            self._start_step(w, now)
+
+    def _start_step(self, w: int, now: float) -> None:
+        if self._busy[w]:
+            return
+        core = self.cores[w]
+        if not core.has_unfinished():
+            return
+        res: StepResult | None = core.step(now, horizon_s=self._horizon(now))
+        if res is None:
+            return  # nothing schedulable; a later dispatch kicks it again
+        self._busy[w] = True
+        self.num_engine_steps += 1
+        self.num_engine_iterations += res.num_iterations
+        end = res.start_s + res.duration_s
+        self._push(end, _STEP_DONE, w, res)
+        events = core.take_kv_events()
+        if events:
+            self._kv_seq[w] += 1
+            batch = KvEventBatch(seq=self._kv_seq[w], ts=end, events=tuple(events))
+            self._push(end + self.cfg.event_lag_s, _KV_DELIVERY, w, batch)
+
+    def _on_step_done(self, w: int, res: StepResult, now: float) -> None:
+        self._busy[w] = False
+        wid = self.worker_ids[w]
+        records = self._records
+        policy = self.policy
+        finished = False
+        for out in res.outputs:
+            rec = records.get(out.request_id)
+            if rec is None:
+                continue
+            if out.new_token_ids and rec.first_token_s < 0:
+                # a fast-forwarded result is decode-only, so a first token comes from a 1-iteration step;
+                # if not, it appeared at the end of the first iteration
+                first = now if res.num_iterations == 1 else res.start_s + res.duration_s / res.num_iterations
+                rec.first_token_s = first
+                rec.num_cached_tokens = out.num_cached_tokens
+                policy.on_first_token(out.request_id, wid, now)
+            if out.finish_reason is not None:
+                rec.finish_s = now
+                rec.num_output_tokens = out.num_output_tokens
+                if rec.first_token_s < 0:
+                    rec.first_token_s = now
+                finished = True
+                self.fleet.set_time(now)
+                self.fleet.note_done(wid)  # the daemon's order (dispatch._end_attempt): note_done, on_finish
+                policy.on_finish(out.request_id, wid, now, out.num_output_tokens)
+        if finished:
+            self._drain_queue(now)  # the daemon pumps the queue after a finish
+        self._kick.add(w)
+
+    def _on_kv_delivery(self, w: int, batch: KvEventBatch, now: float) -> None:
+        wid = self.worker_ids[w]
+        self.fleet.apply_kv_events(wid, batch)
+        self.policy.on_kv_events(wid, batch)
+
+    def _on_stats_poll(self, now: float) -> None:
+        fleet = self.fleet
+        fleet.set_time(now)
+        for w, core in enumerate(self.cores):
+            s = core.stats()
+            sample = _stats_sample(s, self._prev_gen[w], self.cfg.stats_interval_s)
+            self._prev_gen[w] = s.generation_tokens_total
+            fleet.apply_stats(self.worker_ids[w], sample, now)
+        self._drain_queue(now)
+
+    # -------------------------------------------------------------------- router side
+    def _on_arrival(self, req: TraceRequest, now: float) -> None:
+        max_tokens = req.num_output_tokens
+        rec = RequestRecord(req.request_id, now, req.num_prompt_tokens, max_tokens)
+        self._records[req.request_id] = rec
+        if req.num_prompt_tokens > self.max_model_len:
+            rec.status = REJECTED_TOO_LONG  # the daemon's admission rejects it before routing
+            return
+        rec.max_tokens = max(1, min(max_tokens, self.max_model_len - req.num_prompt_tokens))
+        tokens = self.prompts.tokens(req)
+        ctx = RoutingContext(
+            request_id=req.request_id,
+            model=MODEL,
+            prompt_token_ids=tokens,
+            block_hashes=self.prompts.block_hashes(req, tokens),
+            max_tokens=rec.max_tokens,
+            arrival_s=now,
+        )
+        self.fleet.set_time(now)
+        if self.cfg.use_queue and (len(self.queue) or should_hold(self.fleet.routable(MODEL), self.cfg.kv_usage_hold_frac)):
+            try:
+                # it waits for the next pump (a Stats poll, a finish, a tick), as in the daemon
+                self.queue.push(QueueEntry(req.request_id, MODEL, now, payload=(ctx, rec)))
+            except QueueFull:
+                rec.status = REJECTED_QUEUE_FULL
+            return
+        self._dispatch(ctx, rec, now)
+
+    def _hold(self, eligible: Sequence[Any]) -> bool:
+        return should_hold(eligible, self.cfg.kv_usage_hold_frac)
+
+    def _drain_queue(self, now: float, force: bool = False) -> None:
+        """Release held requests, head first, while the hold condition is false (the daemon's dispatcher loop)."""
+        if not len(self.queue):
+            return
+        self.fleet.set_time(now)
+        hold = (lambda eligible: False) if force else self._hold
+        while True:
+            entry = self.queue.release(MODEL, self.fleet.routable(MODEL), hold)
+            if entry is None:
+                return
+            ctx, rec = entry.payload
+            self._dispatch(ctx, rec, now)
+
+    def _dispatch(self, ctx: RoutingContext, rec: RequestRecord, now: float) -> None:
+        decision = self.policy.select(ctx, self.fleet, now)
+        target = self.fleet.get(decision.worker_id) if decision is not None else None
+        if decision is None or target is None or not target.is_routable:
+            rec.status = NO_WORKER  # the daemon answers UNAVAILABLE
+            return
+        wid = decision.worker_id
+        self.fleet.note_dispatch(wid)  # the daemon's order (dispatch._bind): note_dispatch, on_dispatch
+        self.policy.on_dispatch(ctx, decision, now)
+        rec.status = OK
+        rec.worker_id = wid
+        rec.dispatch_s = now
+        w = self._index[wid]
+        try:
+            self.cores[w].add_request(self._engine_request(ctx, decision, now))
+        except ValueError as e:  # e.g. prompt + output can never fit this worker's KV cache
+            log.warning("request %s rejected by worker %s: %s", ctx.request_id, wid, e)
+            rec.status = REJECTED_TOO_LONG
+            self.policy.on_abort(ctx.request_id, wid, now)
+            self.fleet.note_done(wid)
+            return
+        self._kick.add(w)
+
+    def _engine_request(self, ctx: RoutingContext, decision: Any, now: float) -> EngineRequest:
+        return EngineRequest(
+            request_id=ctx.request_id,
+            prompt_token_ids=ctx.prompt_token_ids,
+            max_tokens=ctx.max_tokens,
+            arrival_s=now,
+            ignore_eos=False,
+            seed=self.cfg.seed,
+            priority=decision.priority,
+            predicted_output_tokens=decision.predicted_output_tokens,
+            target_output_tokens=ctx.max_tokens,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+TRACE_DEFAULTS: dict[str, dict[str, float]] = {
+    # Mooncake conversation: 59 min at 3.4 req/s, 12k-token prompts. Default: the first 10 minutes as recorded.
+    "mooncake-conversation": {"duration": 600.0},
+    "azure-code": {"duration": 600.0},
+    "azure-conv": {"duration": 300.0},
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="switchyard bench sim", description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", default="mooncake-conversation",
+                   help="mooncake-conversation | azure-code | azure-conv | poisson | gamma | PATH (.jsonl/.csv)")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--policies", default="round_robin,least_request,power_of_two",
+                   help=f"comma-separated, the first is the baseline; known: {','.join(sorted(POLICIES))}")
+    p.add_argument("--profile", default=DEFAULT_PROFILE, help="engine performance profile")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("load and slice")
+    g.add_argument("--time-scale", type=float, default=None, help="multiply inter-arrival times (<1 = more load)")
+    g.add_argument("--rate", type=float, default=None, help="rescale arrivals to this mean req/s")
+    g.add_argument("--rates", default=None, help="comma-separated req/s values to sweep")
+    g.add_argument("--start", type=float, default=0.0, help="slice start, trace seconds")
+    g.add_argument("--duration", type=float, default=None,
+                   help="slice length in trace seconds before rescaling (default per trace: mooncake 600, "
+                        "azure-code 600, azure-conv 300, also for a path to their files; other files, or with --max-requests: no time limit)")
+    g.add_argument("--max-requests", type=int, default=None)
+    g = p.add_argument_group("router model")
+    g.add_argument("--stats-interval", type=float, default=0.2, help="Stats poll period, s")
+    g.add_argument("--event-lag", type=float, default=0.005, help="KV event delivery lag, s")
+    g.add_argument("--tick-interval", type=float, default=0.1, help="policy on_tick period, s")
+    g.add_argument("--no-queue", action="store_true", help="route at arrival; never hold in the router queue")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="override the engine's max_num_seqs")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="override the profile's KV capacity")
+    g = p.add_argument_group("synthetic workloads (--trace poisson|gamma)")
+    g.add_argument("--num-requests", type=int, default=200)
+    g.add_argument("--cv", type=float, default=2.0, help="gamma inter-arrival CV")
+    g.add_argument("--prompt-len", default="lognormal:1024:0.6")
+    g.add_argument("--output-len", default="lognormal:128:0.8")
+    g.add_argument("--prefix-groups", type=int, default=0)
+    g.add_argument("--prefix-len", type=int, default=512)
+    g = p.add_argument_group("report")
+    g.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO, s")
+    g.add_argument("--slo-tpot", type=float, default=0.1, help="TPOT SLO, s")
+    g.add_argument("--out", default=None, help="output folder (default results/sim-<trace>/)")
+    g.add_argument("--no-plots", action="store_true")
+    g.add_argument("--jobs", type=int, default=1, help="run the (policy, load) pairs in this many processes")
+    g.add_argument("--profile-cpu", action="store_true", help="run under cProfile and print the top functions")
+    return p
+
+
+def load_workload(args: argparse.Namespace) -> Trace:
+    if args.trace in ARRIVALS:
+        spec = WorkloadSpec(
+            arrival=args.trace,
+            rate=args.rate or 4.0,
+            cv=args.cv if args.trace == "gamma" else 1.0,
+            num_requests=args.max_requests or args.num_requests,
+            prompt_len=args.prompt_len,
+            output_len=args.output_len,
+            prefix_groups=args.prefix_groups,
+            prefix_len=args.prefix_len,
+        )
+        trace = make_workload(spec, seed=args.seed)
+        return take_slice(trace, args.start, args.duration, args.max_requests)
+    trace = load_trace(args.trace)
+    duration = args.duration
+    if duration is None and args.max_requests is None:
+        duration = TRACE_DEFAULTS.get(trace.name, {}).get("duration")
+    return take_slice(trace, args.start, duration, args.max_requests)
+
+
+def parse_policies(spec: str) -> list[str]:
+    policies = [p.strip() for p in spec.split(",") if p.strip()]
+    for name in policies:
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
+    if not policies:
+        raise ValueError("--policies is empty")
+    return policies
+
+
+def _sim_config(args: argparse.Namespace, policy: str) -> SimConfig:
+    overrides: dict[str, Any] = {}
+    if args.max_num_seqs:
+        overrides["max_num_seqs"] = args.max_num_seqs
+    if args.num_kv_blocks:
+        overrides["num_kv_blocks"] = args.num_kv_blocks
+    return SimConfig(
+        policy=policy,
+        num_workers=args.workers,
+        profile=args.profile,
+        block_size=args.block_size,
+        stats_interval_s=args.stats_interval,
+        event_lag_s=args.event_lag,
+        tick_interval_s=args.tick_interval,
+        use_queue=not args.no_queue,
+        seed=args.seed,
+        engine_overrides=overrides,
+    )
+
+
+def run_one(
+    args: argparse.Namespace, trace: Trace, policy: str, load: tuple[str, float], prompts: PromptFactory | None
+) -> dict[str, Any]:
+    """One (policy, load) run -> its report entry (module-level so a process pool can call it)."""
+    res = Simulator(trace, _sim_config(args, policy), prompts).run()
+    sim_s = res.sim_end_s
+    speed = sim_s / res.wall_s if res.wall_s > 0 else 0.0
+    print(
+        f"  {policy:<16} rate={trace.mean_rate:6.2f} req/s  {len(trace.requests)} req  "
+        f"simulated {sim_s:8.1f} s in {res.wall_s:6.1f} s wall = {speed:7.1f}x",
+        flush=True,
+    )
+    return {
+        "policy": policy,
+        "rate": trace.mean_rate,
+        "load": {load[0]: load[1]},
+        "metrics": res.summary(args.slo_ttft, args.slo_tpot),
+        "timing": {"wall_s": res.wall_s, "simulated_s": sim_s, "sim_speed": speed},
+    }
+
+
+def run_sweep(args: argparse.Namespace, base: Trace) -> dict[str, Any]:
+    """Every (load, policy) pair on the same trace slice; returns the report's data."""
+    policies = parse_policies(args.policies)
+    # --rates / --rate rescale to a mean rate and take precedence over --time-scale; a synthetic trace is
+    # generated at --rate, so there --rate is not a rescale
+    if args.rates:
+        loads = [("rate", float(r)) for r in args.rates.split(",") if r.strip()]
+    elif args.rate and args.trace not in ARRIVALS:
+        loads = [("rate", args.rate)]
+    else:
+        loads = [("time_scale", args.time_scale or 1.0)]
+    jobs = [
+        (scale_to_rate(base, v) if k == "rate" else scale_time(base, v), policy, (k, v))
+        for k, v in loads
+        for policy in policies
+    ]
+    if args.jobs > 1 and len(jobs) > 1:
+        # one process per run (results are identical: each run is deterministic on its own)
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
+            futures = [pool.submit(run_one, args, t, p, load, None) for t, p, load in jobs]
+            runs = [f.result() for f in futures]
+    else:
+        prompts = PromptFactory(args.block_size, seed=args.seed)  # shared: its hash memo carries over
+        runs = [run_one(args, t, p, load, prompts) for t, p, load in jobs]
+    return {
+        "trace": {
+            "name": base.name,
+            "source": base.source,
+            "num_requests": len(base.requests),
+            "slice_duration_s": base.duration_s,
+            "mean_rate_req_s": base.mean_rate,
+        },
+        "config": {
+            "workers": args.workers,
+            "profile": args.profile,
+            "block_size": args.block_size,
+            "seed": args.seed,
+            "stats_interval_s": args.stats_interval,
+            "event_lag_s": args.event_lag,
+            "tick_interval_s": args.tick_interval,
+            "use_queue": not args.no_queue,
+            "policies": policies,
+            "slo_ttft_s": args.slo_ttft,
+            "slo_tpot_s": args.slo_tpot,
+        },
+        "runs": runs,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        parse_policies(args.policies)
+        base = load_workload(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"bench sim: {e}", file=sys.stderr)
+        return 2
+    if not base.requests:
+        print("bench sim: the trace slice is empty", file=sys.stderr)
+        return 2
+    out = Path(args.out or f"results/sim-{base.name}")
+    print(
+        f"bench sim: trace {base.name} ({len(base.requests)} requests over {base.duration_s:.0f} s, "
+        f"{base.mean_rate:.2f} req/s), {args.workers} x {args.profile}, policies {args.policies}",
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    if args.profile_cpu:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        result = prof.runcall(run_sweep, args, base)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    else:
+        result = run_sweep(args, base)
+    elapsed = time.perf_counter() - t0
+    paths = report.write_report(result, out, plots=not args.no_plots)
+    print()
+    print(report.markdown_table(result))
+    wall = sum(r["timing"]["wall_s"] for r in result["runs"])
+    simulated = sum(r["timing"]["simulated_s"] for r in result["runs"])
+    print(
+        f"\nsimulator speed: {simulated:.0f} simulated s in {wall:.1f} s of event loop = "
+        f"{simulated / max(wall, 1e-9):.1f}x per run ({elapsed:.1f} s elapsed for the whole sweep, "
+        f"{simulated / max(elapsed, 1e-9):.1f}x)"
+    )
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

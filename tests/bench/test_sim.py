@@ -1,0 +1,145 @@
+"""The discrete-event simulator: a tiny run completes every request, is deterministic, and feeds the fleet view
+only after the modelled Stats-poll interval and KV-event lag."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from switchyard.bench import sim
+from switchyard.bench.metrics import OK
+from switchyard.bench.workloads import WorkloadSpec, make_workload
+from switchyard.router.policies.least_request import LeastRequest
+
+PROFILE = "llama2-70b-h100-tp4"  # 4k context
+
+
+def _workload(n: int = 50, groups: int = 2):
+    # 50 requests at 8 req/s, prompts 300..1500 tokens of which 512 are one of 2 shared system prompts
+    spec = WorkloadSpec(
+        rate=8.0, num_requests=n, prompt_len="uniform:300:1500", output_len="uniform:2:40",
+        prefix_groups=groups, prefix_len=512,
+    )
+    return make_workload(spec, seed=11)
+
+
+def _cfg(**kw):
+    return sim.SimConfig(**{"policy": "round_robin", "num_workers": 2, "profile": PROFILE, **kw})
+
+
+def test_tiny_run_completes_every_request():
+    trace = _workload()
+    res = sim.Simulator(trace, _cfg()).run()
+    assert len(res.records) == 50
+    assert all(r.status == OK for r in res.records), {r.status for r in res.records}
+    for r, t in zip(res.records, trace.requests, strict=True):
+        assert r.request_id == t.request_id
+        assert r.arrival_s == pytest.approx(t.arrival_s)
+        assert r.num_output_tokens == t.num_output_tokens  # ignore_eos=False + target = the trace's length
+        assert 0 < r.ttft_s <= r.e2e_s
+        assert r.arrival_s <= r.dispatch_s < r.first_token_s <= r.finish_s
+    m = res.summary(slo_ttft_s=2.0, slo_tpot_s=0.1)
+    assert m["num_completed"] == 50
+    # 2 groups of a 512-token prefix = 32 blocks each: every request after the first of its group on a worker
+    # can hit up to 32 blocks
+    assert m["prefix_cache_hit_ratio"] > 0.0
+    assert sum(m["requests_per_worker"].values()) == 50
+    assert m["requests_per_worker"] == {"w0": 25, "w1": 25}  # round robin
+
+
+def test_unique_prompts_have_no_prefix_hits():
+    res = sim.Simulator(_workload(n=20, groups=0), _cfg()).run()
+    assert res.summary(2.0, 0.1)["prefix_cache_hit_ratio"] == 0.0
+
+
+def _run_cli(tmp_path, name, *extra):
+    out = tmp_path / name
+    argv = [
+        "--trace", "poisson", "--rate", "6", "--num-requests", "30", "--prefix-groups", "3",
+        "--prompt-len", "uniform:200:1200", "--output-len", "uniform:1:30",
+        "--workers", "2", "--profile", PROFILE, "--policies", "round_robin,power_of_two",
+        "--seed", "5", "--out", str(out), "--no-plots", *extra,
+    ]
+    assert sim.main(argv) == 0
+    data = json.loads((out / "results.json").read_text())
+    for run in data["runs"]:
+        run.pop("timing")  # wall-clock numbers are the only nondeterministic part
+    return data
+
+
+def test_same_seed_same_json(tmp_path):
+    a = _run_cli(tmp_path, "a")
+    b = _run_cli(tmp_path, "b")
+    assert a == b
+    assert _run_cli(tmp_path, "c", "--jobs", "2") == a  # one process per run: same numbers
+    assert [r["policy"] for r in a["runs"]] == ["round_robin", "power_of_two"]
+    assert (tmp_path / "a" / "results.md").read_text().count("\n") == 4  # header, rule, 2 rows
+
+
+class SpyPolicy(LeastRequest):
+    """least_request that records when it saw which signal (the simulator's clock is the router's)."""
+
+    def __init__(self) -> None:
+        self.clock = None
+        self.kv_deliveries: list[tuple[float, float]] = []  # (router now, batch.ts = step end)
+        self.stats_seen: list[tuple[float, float]] = []  # (select now, stats sample time of a worker)
+        self.ticks: list[float] = []
+
+    def select(self, ctx, fleet, now):
+        for w in fleet.workers(ctx.model):
+            self.stats_seen.append((now, now - w.stats_age_s))
+        return super().select(ctx, fleet, now)
+
+    def on_kv_events(self, worker_id, batch):
+        self.kv_deliveries.append((self.clock.now(), batch.ts))
+
+    def on_tick(self, now):
+        self.ticks.append(now)
+
+
+def test_fleet_sees_signals_only_after_the_modelled_lag():
+    spy = SpyPolicy()
+    s = sim.Simulator(_workload(n=30), _cfg(event_lag_s=0.05, stats_interval_s=0.25), policy=spy)
+    spy.clock = s.clock
+    s.run()
+    assert spy.kv_deliveries
+    for now, ts in spy.kv_deliveries:
+        assert now == pytest.approx(ts + 0.05)  # delivered exactly event_lag after the producing step ended
+    assert spy.stats_seen
+    for now, stats_at in spy.stats_seen:
+        assert 0.0 <= now - stats_at < 0.25 + 1e-9  # at most one poll interval old
+        k = round(stats_at / 0.25)
+        assert stats_at == pytest.approx(k * 0.25)  # and only ever from a poll
+    assert spy.ticks[:3] == pytest.approx([0.1, 0.2, 0.3])
+
+
+class InFlightSpy(LeastRequest):
+    def __init__(self) -> None:
+        self.fleet = None
+        self.max_in_flight = 0
+
+    def on_dispatch(self, ctx, decision, now):
+        self.max_in_flight = max(self.max_in_flight, self.fleet.get(decision.worker_id).in_flight)
+
+
+def test_router_queue_holds_while_every_worker_is_saturated():
+    # 40 requests at 8 req/s onto 2 workers that run at most 2 sequences each: the daemon's hold condition
+    # (in_flight >= max_num_seqs on every worker) must queue them, and the queue releases them FCFS
+    spy = InFlightSpy()
+    s = sim.Simulator(_workload(n=40), _cfg(engine_overrides={"max_num_seqs": 2}), policy=spy)
+    spy.fleet = s.fleet
+    res = s.run()
+    assert all(r.status == OK for r in res.records)
+    held = [r for r in res.records if r.dispatch_s > r.arrival_s]
+    assert len(held) > 10
+    dispatch_order = sorted(res.records, key=lambda r: (r.dispatch_s, int(r.request_id[1:])))
+    assert [r.request_id for r in dispatch_order] == [r.request_id for r in res.records]  # FCFS
+    assert spy.max_in_flight <= 2  # released only when some worker has room, and least_request picks it
+    m = res.summary(2.0, 0.1)
+    assert m["num_held"] == len(held) and m["queue_wait_s"]["mean"] > 0
+
+
+def test_no_queue_routes_at_arrival():
+    res = sim.Simulator(_workload(n=40), _cfg(use_queue=False, engine_overrides={"max_num_seqs": 2})).run()
+    assert all(r.status == OK and r.dispatch_s == r.arrival_s for r in res.records)

@@ -1,0 +1,124 @@
+"""Trace parsing, slicing and rescaling, and the deterministic token / block-hash expansion of prompts."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from switchyard.bench.traces import (
+    NS_MOONCAKE,
+    NS_UNIQUE,
+    PromptFactory,
+    load_trace,
+    mooncake_segments,
+    parse_azure,
+    parse_mooncake,
+    scale_time,
+    scale_to_rate,
+    take_slice,
+)
+from switchyard.ext.blockhash import block_digests, to_event_hash
+
+MOONCAKE_ROWS = [
+    {"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [7, 8, 9]},  # 512 + 512 + 76
+    {"timestamp": 0, "input_length": 700, "output_length": 3, "hash_ids": [7, 10]},  # 512 + 188
+    {"timestamp": 1500, "input_length": 512, "output_length": 0, "hash_ids": [7]},  # exactly one block
+    {"timestamp": 3000, "input_length": 300, "output_length": 2, "hash_ids": [8]},  # id 8 first, truncated
+]
+
+
+def _mooncake():
+    return parse_mooncake(io.StringIO("\n".join(json.dumps(r) for r in MOONCAKE_ROWS) + "\n"))
+
+
+def test_mooncake_segments_truncate_the_last_block():
+    # 1100 = 512 + 512 + 76
+    assert mooncake_segments(1100, [7, 8, 9], 0) == ((NS_MOONCAKE, 7, 512), (NS_MOONCAKE, 8, 512), (NS_MOONCAKE, 9, 76))
+    # fewer ids than the input needs: a unique tail of 1100 - 512 = 588 tokens
+    assert mooncake_segments(1100, [7], 4) == ((NS_MOONCAKE, 7, 512), (NS_UNIQUE, 4, 588))
+
+
+def test_mooncake_parse_times_and_lengths():
+    t = _mooncake()
+    assert [r.arrival_s for r in t.requests] == [0.0, 0.0, 1.5, 3.0]  # ms -> s
+    assert [r.num_prompt_tokens for r in t.requests] == [1100, 700, 512, 300]
+    assert [r.num_output_tokens for r in t.requests] == [5, 3, 1, 2]  # 0 output -> 1 (max_tokens > 0)
+    assert t.has_prefix_identity
+
+
+def test_mooncake_expansion_equal_ids_give_equal_blocks():
+    t = _mooncake()
+    pf = PromptFactory(block_size=16, seed=3)
+    toks = [pf.tokens(r) for r in t.requests]
+    assert [len(x) for x in toks] == [1100, 700, 512, 300]  # lengths exact
+    assert toks[0][:512] == toks[1][:512] == toks[2]  # hash_id 7 everywhere
+    assert toks[0][512:1024] != toks[1][512:1024]  # ids 8 vs 10 differ
+    assert toks[3] == toks[0][512:812]  # id 8 truncated to 300 is a prefix of the full block
+    assert all(3 <= v < 32000 for x in toks for v in x)
+    # deterministic across factories, and the seed matters
+    assert PromptFactory(16, seed=3).tokens(t.requests[0]) == toks[0]
+    assert PromptFactory(16, seed=4).tokens(t.requests[0]) != toks[0]
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 48])  # 48 does not divide 512: the unmemoized path
+def test_block_hashes_match_the_workers_recipe(block_size):
+    t = _mooncake()
+    pf = PromptFactory(block_size=block_size, seed=1)
+    for r in t.requests:
+        toks = pf.tokens(r)
+        want = tuple(to_event_hash(d) for d in block_digests(toks, block_size, "xxhash"))
+        assert pf.block_hashes(r) == want
+        assert len(want) == r.num_prompt_tokens // block_size  # 1100 // 16 = 68 full blocks, ...
+    # requests 0..2 share hash_id 7 under the same (empty) parent: the memo hit it
+    if block_size == 16:
+        assert pf.num_hash_memo_hits >= 2
+
+
+def test_azure_csv_crlf():
+    raw = (
+        "TIMESTAMP,ContextTokens,GeneratedTokens\r\n"
+        "2023-11-16 18:15:46.6805900,374,44\r\n"
+        "2023-11-16 18:15:50.9951690,396,109\r\n"
+        "2023-11-16 18:16:00.0000000,0,0\r\n"
+    )
+    t = parse_azure(io.StringIO(raw, newline=""))
+    assert [r.arrival_s for r in t.requests] == pytest.approx([0.0, 4.314579, 13.31941])  # 50.995169 - 46.68059
+    assert [r.num_prompt_tokens for r in t.requests] == [374, 396, 1]
+    assert [r.num_output_tokens for r in t.requests] == [44, 109, 1]
+    assert not t.has_prefix_identity
+    pf = PromptFactory(16)
+    a, b = pf.tokens(t.requests[0]), pf.tokens(t.requests[1])
+    assert len(a) == 374 and len(b) == 396 and a[:16] != b[:16]  # unique prompts
+
+
+def test_load_trace_sniffs_format(tmp_path):
+    p = tmp_path / "mini.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in MOONCAKE_ROWS) + "\n")
+    assert len(load_trace(str(p)).requests) == 4
+    q = tmp_path / "mini.csv"
+    q.write_bytes(b"TIMESTAMP,ContextTokens,GeneratedTokens\r\n2023-11-16 18:15:46.6805900,374,44\r\n")
+    assert load_trace(str(q)).requests[0].num_output_tokens == 44
+    with pytest.raises(FileNotFoundError):
+        load_trace(str(tmp_path / "missing.jsonl"))
+
+
+def test_slice_and_time_scaling():
+    t = _mooncake()  # arrivals 0, 0, 1.5, 3.0: mean rate (4 - 1) / 3 = 1 req/s
+    assert t.mean_rate == pytest.approx(1.0)
+    s = take_slice(t, start_s=1.0, duration_s=5.0)
+    assert [r.arrival_s for r in s.requests] == [0.0, 1.5]  # 1.5 and 3.0, re-based to 0
+    assert len(take_slice(t, max_requests=2).requests) == 2
+    assert [r.arrival_s for r in scale_time(t, 0.5).requests] == [0.0, 0.0, 0.75, 1.5]  # half the gaps
+    r4 = scale_to_rate(t, 4.0)
+    assert r4.mean_rate == pytest.approx(4.0)
+    assert [r.arrival_s for r in r4.requests] == pytest.approx([0.0, 0.0, 0.375, 0.75])
+    with pytest.raises(ValueError):
+        scale_time(t, 0.0)
+
+
+def test_named_traces_found():
+    t = load_trace("azure-conv")
+    assert len(t.requests) == 19366
+    assert t.requests[0].num_prompt_tokens == 374
