@@ -1,0 +1,356 @@
+"""The simulated worker process over real gRPC on loopback: Info, Generate, cancellation, KV events, drain.
+
+Each worker is a real subprocess started with --port 0 and a small --time-scale; tests wait for its
+`READY host:port` line and synchronise on RPC results only (no sleeps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from switchyard.ext.blockhash import block_digests, to_event_hash
+from switchyard.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from switchyard.workers.engine import kv_events as kv
+from switchyard.workers.engine.types import FinishReason, RequestOutput
+from switchyard.workers.sim_worker import (
+    SUBSCRIBER_QUEUE_BATCHES,
+    IncrementalDetokenizer,
+    KvEventHub,
+    _Stream,
+)
+from switchyard.workers.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.e2e
+
+WORKER_ARGS = [
+    "--time-scale", "0.02",
+    "--block-size", "16",
+    "--num-kv-blocks", "1025",  # 1024 usable + vLLM's null block
+    "--max-num-seqs", "32",
+    "--max-num-batched-tokens", "2048",
+    "--max-model-len", "4096",
+    "--hash-algo", "xxhash",
+    "--profile", "llama3-8b-a100",
+]  # fmt: skip
+
+
+class WorkerProc:
+    def __init__(self, popen: subprocess.Popen[str], address: str) -> None:
+        self.popen = popen
+        self.address = address
+
+    def stop(self) -> int:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        return self.popen.returncode
+
+
+def start_worker(*extra: str, timeout_s: float = 30.0) -> WorkerProc:
+    """Start `python -m switchyard.workers.sim_worker --port 0 ...` and wait for its READY line."""
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "switchyard.workers.sim_worker", "--port", "0", *WORKER_ARGS, *extra],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert popen.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(popen.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and popen.poll() is None:
+            if sel.select(timeout=deadline - time.monotonic()):
+                line = popen.stdout.readline()
+                if line.startswith("READY "):
+                    return WorkerProc(popen, line.split()[1])
+    popen.kill()
+    raise RuntimeError(f"worker did not print READY (exit code {popen.poll()})")
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[WorkerProc]:
+    proc = start_worker("--worker-id", "sim-test")
+    yield proc
+    assert proc.stop() == 0
+
+
+def gen_request(
+    request_id: str, prompt: list[int], max_tokens: int, **sampling
+) -> worker_pb2.WorkerGenerateRequest:  # type: ignore[no-untyped-def]
+    return worker_pb2.WorkerGenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling),
+    )
+
+
+async def collect(stub: worker_pb2_grpc.WorkerStub, req: worker_pb2.WorkerGenerateRequest) -> list:
+    return [chunk async for chunk in stub.Generate(req)]
+
+
+async def read_rest(call: grpc.aio.UnaryStreamCall) -> list:
+    """The remaining chunks of a call already read with read() (the two styles cannot be mixed)."""
+    chunks = []
+    while (chunk := await call.read()) is not grpc.aio.EOF:
+        chunks.append(chunk)
+    return chunks
+
+
+async def wait_until_idle(stub: worker_pb2_grpc.WorkerStub, timeout_s: float = 5.0) -> worker_pb2.WorkerStats:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = await stub.Stats(worker_pb2.StatsRequest())
+        if stats.num_running == 0 and stats.num_waiting == 0 or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.01)  # polling the worker's own report, not synchronising on time
+
+
+def prompt_of(text: str) -> list[int]:
+    return load_tokenizer().encode(text)
+
+
+async def test_info_reports_configuration(worker: WorkerProc) -> None:
+    async with grpc.aio.insecure_channel(worker.address) as ch:
+        info = await worker_pb2_grpc.WorkerStub(ch).Info(worker_pb2.InfoRequest())
+    assert info.worker_id == "sim-test"
+    assert info.model == "mistral-7b-sim"
+    assert (info.max_model_len, info.block_size) == (4096, 16)
+    assert info.kv_capacity_blocks == 1024  # 1025 - the null block
+    assert info.tokenizer_id == load_tokenizer().tokenizer_id
+    assert (info.block_hash_algo, info.block_hash_seed) == ("xxhash", "")
+    assert info.role == worker_pb2.WORKER_ROLE_MIXED
+    assert info.state == worker_pb2.LIFECYCLE_STATE_READY
+    assert (info.engine, info.perf_profile) == ("sim", "llama3-8b-a100")
+    assert (info.max_num_seqs, info.max_num_batched_tokens) == (32, 2048)
+
+
+async def test_generate_streams_max_tokens_with_text(worker: WorkerProc) -> None:
+    prompt = prompt_of("The quick brown fox jumps over the lazy dog, again and again.")
+    async with grpc.aio.insecure_channel(worker.address) as ch:
+        chunks = await collect(worker_pb2_grpc.WorkerStub(ch), gen_request("gen-1", prompt, 24))
+    token_ids = [t for c in chunks for t in c.token_ids]
+    assert len(token_ids) == 24
+    assert all(c.request_id == "gen-1" for c in chunks)
+    last = chunks[-1]
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert all(c.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt), 24)
+    assert len({c.received_at for c in chunks}) == 1
+    assert 0 < chunks[0].received_at <= chunks[0].first_token_at == last.first_token_at
+    # the streamed deltas concatenate to the one-shot incremental decode of the same tokens
+    detok = IncrementalDetokenizer(load_tokenizer(), prompt)
+    assert "".join(c.text for c in chunks) == detok.add(token_ids, final=True)
+    assert "".join(c.text for c in chunks).strip()
+
+
+async def test_stop_string_ends_generation_and_aborts_in_engine(worker: WorkerProc) -> None:
+    prompt = prompt_of("stop string test")
+    async with grpc.aio.insecure_channel(worker.address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        # same seed, same tokens: the first run tells us the text, the second stops inside it
+        full = "".join(c.text for c in await collect(stub, gen_request("stop-1", prompt, 40, seed=7)))
+        stop = full[len(full) // 2 : len(full) // 2 + 4]
+        chunks = await collect(stub, gen_request("stop-2", prompt, 40, seed=7, stop=[stop]))
+        stats = await wait_until_idle(stub)
+    assert "".join(c.text for c in chunks) == full[: full.find(stop)]
+    assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    assert chunks[-1].usage.completion_tokens < 40
+    assert stats.num_running == 0  # the engine no longer runs the stopped request
+
+
+async def test_generate_invalid_arguments(worker: WorkerProc) -> None:
+    cases = [
+        gen_request("bad-empty", [], 4),  # empty prompt
+        gen_request("bad-long", [1] * 4097, 4),  # 4097 > max_model_len 4096
+        gen_request("bad-zero", [1, 2, 3], 0),  # max_tokens must be > 0
+        gen_request("bad-neg", [1, 2, 3], -5),
+        gen_request("bad-vocab", [1, 32000], 4),  # the tokenizer has ids 0..31999
+    ]
+    async with grpc.aio.insecure_channel(worker.address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        for req in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(stub, req)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, req.request_id
+
+
+async def test_prefix_cache_hit_and_block_stored_events(worker: WorkerProc) -> None:
+    prompt = prompt_of("Cache me if you can: " + "lorem ipsum dolor sit amet " * 8)[:70]
+    # 70 tokens = 4 full blocks (64 tokens) + 6; the output (4 tokens, 74 total) fills no further block
+    expected_hashes = [to_event_hash(d) for d in block_digests(prompt, 16, "xxhash")]
+    assert len(expected_hashes) == 4
+    async with grpc.aio.insecure_channel(worker.address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        events = stub.KvEvents(worker_pb2.KvEventsRequest(start_after_seq=0))
+        snapshot = await events.read()
+        assert snapshot.events[0].WhichOneof("event") == "cleared"
+        first = await collect(stub, gen_request("cache-1", prompt, 4))
+        stored: list[worker_pb2.BlockStored] = []
+        while sum(len(s.block_hashes) for s in stored) < 4:
+            batch = await events.read()
+            assert batch.seq > snapshot.seq
+            stored += [e.stored for e in batch.events if e.WhichOneof("event") == "stored"]
+        events.cancel()
+        second = await collect(stub, gen_request("cache-2", prompt, 4))
+    assert [h for s in stored for h in s.block_hashes] == expected_hashes
+    assert not stored[0].HasField("parent_block_hash")  # the first block starts the sequence
+    assert list(stored[0].token_ids[:16]) == prompt[:16]
+    assert first[-1].usage.cached_prompt_tokens == 0
+    assert second[-1].usage.cached_prompt_tokens == 64  # 4 cached blocks x 16 tokens
+
+
+async def test_kv_events_resume_replays_buffered_batches(worker: WorkerProc) -> None:
+    async with grpc.aio.insecure_channel(worker.address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        live = stub.KvEvents(worker_pb2.KvEventsRequest(start_after_seq=0))
+        snapshot = await live.read()
+        for i in range(3):  # 3 distinct 48-token prompts: at least one BlockStored batch each
+            await collect(stub, gen_request(f"replay-{i}", prompt_of(f"replay prompt {i} " * 20)[:48], 2))
+        seen = [await live.read() for _ in range(3)]
+        live.cancel()
+        assert [b.seq for b in seen] == list(range(snapshot.seq + 1, snapshot.seq + 4))
+        # resume after the first one we saw: the buffer replays the next two, identical
+        resumed = stub.KvEvents(worker_pb2.KvEventsRequest(start_after_seq=seen[0].seq))
+        replayed = [await resumed.read() for _ in range(2)]
+        resumed.cancel()
+        assert replayed == seen[1:]
+        # a sequence number this worker never issued (another incarnation): snapshot at the current seq
+        fresh = stub.KvEvents(worker_pb2.KvEventsRequest(start_after_seq=10**9))
+        rebuilt = await fresh.read()
+        fresh.cancel()
+    assert rebuilt.seq >= seen[-1].seq
+    assert rebuilt.events[0].WhichOneof("event") == "cleared"
+    snapshot_hashes = {h for e in rebuilt.events[1:] for h in e.stored.block_hashes}
+    assert {h for b in seen for e in b.events for h in e.stored.block_hashes} <= snapshot_hashes
+
+
+async def test_cancel_aborts_in_engine(worker: WorkerProc) -> None:
+    async with grpc.aio.insecure_channel(worker.address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        call = stub.Generate(gen_request("cancel-1", prompt_of("a long story " * 10), 3000))
+        first = await call.read()
+        assert first.token_ids
+        running = await stub.Stats(worker_pb2.StatsRequest())
+        assert running.num_running == 1
+        call.cancel()
+        stats = await wait_until_idle(stub)
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+
+
+async def test_abort_rpc_and_duplicate_id(worker: WorkerProc) -> None:
+    async with grpc.aio.insecure_channel(worker.address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        call = stub.Generate(gen_request("abort-1", prompt_of("abort me please"), 3000))
+        await call.read()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub, gen_request("abort-1", [1, 2, 3], 4))
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        resp = await stub.Abort(worker_pb2.AbortRequest(request_ids=["abort-1", "no-such-request"]))
+        assert resp.num_aborted == 1
+        rest = await read_rest(call)
+        assert rest[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+        assert (await wait_until_idle(stub)).num_running == 0
+
+
+async def test_sigterm_drains_in_flight_then_exits_zero() -> None:
+    # time scale 0.2: 400 tokens take ~0.7 s, so the request is still running while the drain is checked
+    proc = start_worker("--time-scale", "0.2", "--drain-timeout", "20")
+    try:
+        async with grpc.aio.insecure_channel(proc.address) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            call = stub.Generate(gen_request("drain-1", prompt_of("drain test"), 400))
+            chunks = [await call.read()]
+            proc.popen.send_signal(signal.SIGTERM)
+            health = health_pb2_grpc.HealthStub(ch)
+            while (await stub.Info(worker_pb2.InfoRequest())).state != worker_pb2.LIFECYCLE_STATE_DRAINING:
+                await asyncio.sleep(0.005)  # polling for the signal to land
+            check = await health.Check(health_pb2.HealthCheckRequest(service=""))
+            assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(stub, gen_request("drain-2", [1, 2, 3], 4))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            chunks += await read_rest(call)
+        assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert sum(len(c.token_ids) for c in chunks) == 400
+        assert proc.popen.wait(timeout=10) == 0
+    finally:
+        proc.stop()
+
+
+# ---------------------------------------------------------------- no sockets: text handling
+
+
+def _outputs_for(token_ids: list[int], finish_at_end: bool = True) -> list[RequestOutput]:
+    return [
+        RequestOutput(
+            "r", (t,), FinishReason.LENGTH if finish_at_end and i == len(token_ids) - 1 else None, 3, 0, i + 1
+        )
+        for i, t in enumerate(token_ids)
+    ]
+
+
+def test_incremental_detokenizer_matches_full_decode() -> None:
+    tok = load_tokenizer()
+    text = "Grüße aus Zürich! 日本語のテキスト, emoji 🚀 and spaces  here."
+    ids = tok.encode(text, add_bos=False)
+    detok = IncrementalDetokenizer(tok, [tok.bos_id])
+    deltas = [detok.add([t]) for t in ids]
+    deltas.append(detok.add([], final=True))
+    assert "".join(deltas) == tok.decode(ids)
+    assert " aus" in deltas  # the leading space of a word survives one-token decoding
+
+
+def test_stop_string_trims_text_and_finishes() -> None:
+    tok = load_tokenizer()
+    ids = tok.encode("Hello world. STOP and more text", add_bos=False)
+    stream = _Stream("r", 1.0, IncrementalDetokenizer(tok, [tok.bos_id]), ["STOP"])
+    texts = []
+    for out in _outputs_for(ids):
+        chunk = stream.consume([out])
+        if chunk is not None:
+            texts.append(chunk.text)
+        if stream.is_finished:
+            break
+    assert "".join(texts) == "Hello world. "
+    assert chunk is not None and chunk.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert not stream.is_engine_done  # the worker must still abort it in the engine
+
+
+def test_kv_event_hub_replays_snapshots_and_drops_slow_subscribers() -> None:
+    snapshot = [kv.BlockStored((11, 12), None, tuple(range(8)), 4)]
+    hub = KvEventHub(lambda: snapshot)
+    for h in (1, 2, 3):
+        hub.publish([kv.BlockRemoved((h,))], ts=float(h))
+    assert hub.seq == 3
+    # resume after seq 1: batches 2 and 3 from the buffer
+    sub, first = hub.subscribe(1, ts=9.0)
+    assert [(b.seq, b.events[0].removed.block_hashes[0]) for b in first] == [(2, 2), (3, 3)]
+    hub.unsubscribe(sub)
+    # fresh (0) or unknown (99 > 3): AllBlocksCleared + the snapshot, at the current seq
+    for start in (0, 99):
+        _, first = hub.subscribe(start, ts=9.0)
+        assert len(first) == 1 and first[0].seq == 3
+        assert [e.WhichOneof("event") for e in first[0].events] == ["cleared", "stored"]
+        assert list(first[0].events[1].stored.block_hashes) == [11, 12]
+        assert not first[0].events[1].stored.HasField("parent_block_hash")
+    # a subscriber that never reads overflows, is marked and dropped; publishing never blocks
+    slow, _ = hub.subscribe(3, ts=9.0)
+    for _ in range(SUBSCRIBER_QUEUE_BATCHES + 1):
+        hub.publish([kv.AllBlocksCleared()], ts=10.0)
+    assert slow.is_overflowed and slow.queue.full()

@@ -1,0 +1,729 @@
+"""The simulated worker process: `EngineCore` in real time behind the gRPC `switchyard.v1.Worker` service.
+
+It plays vLLM's `EngineCoreProc` role: one asyncio task steps the engine, sleeps for each iteration's modelled
+duration (x `--time-scale`), then delivers the outputs to the request streams and publishes the KV events. The
+engine itself never sleeps or touches a socket (`workers/engine/core.py`).
+
+    python -m switchyard.workers.sim_worker --port 0 --time-scale 0.01   # prints `READY 127.0.0.1:<port> ...`
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import logging
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import grpc
+import xxhash
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from switchyard.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from switchyard.workers.engine import kv_events as kv
+from switchyard.workers.engine.core import EngineConfig, EngineCore
+from switchyard.workers.engine.types import EngineRequest, FinishReason, RequestOutput
+from switchyard.workers.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "mistral-7b-sim"
+DEFAULT_PROFILE = "llama3-8b-a100"
+SERVICE_NAME = "switchyard.v1.Worker"
+REPLAY_BATCHES = 10_000  # KvEvents replay buffer (vLLM's buffer_steps default)
+SUBSCRIBER_QUEUE_BATCHES = (
+    2_000  # a KvEvents subscriber this far behind is dropped (it reconnects and replays)
+)
+RATE_WINDOW_S = 5.0  # Stats token rates are averaged over this window
+RESYNC_LAG_S = 0.05  # wall seconds behind schedule after which the engine clock stops chaining steps
+DETOK_CONTEXT_TOKENS = 5  # prompt tokens decoded before the output (vLLM's initial detokenization offset)
+DETOK_MAX_HOLD_TOKENS = 6  # emit text even if it still ends in U+FFFD after this many held tokens
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_BIND_FAILED = 3
+
+_FINISH_TO_PROTO = {
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing token list, correct for SentencePiece (vLLM's prefix/read offsets).
+
+    Decoding one token alone loses SentencePiece's leading-space handling and splits multi-byte characters,
+    so each delta is decode(window) minus decode(window without the new tokens), where the window starts a few
+    tokens back (seeded with the prompt's tail). Text ending in an incomplete character is held back.
+    """
+
+    __slots__ = ("_tok", "_ids", "_prefix_offset", "_read_offset")
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> None:
+        self._tok = tokenizer
+        self._ids = list(prompt_token_ids[-DETOK_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def add(self, token_ids: Sequence[int], final: bool = False) -> str:
+        self._ids.extend(token_ids)
+        if len(self._ids) == self._read_offset:
+            return ""
+        prefix_text = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._tok.decode(self._ids[self._prefix_offset :])
+        held = len(self._ids) - self._read_offset
+        if (
+            (len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"))
+            and not final
+            and held < DETOK_MAX_HOLD_TOKENS
+        ):
+            return ""  # an incomplete UTF-8 sequence: wait for its remaining bytes
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        # NOTE: SentencePiece decodes a window's first piece without its leading space; both texts start at the
+        # same token, so the difference is still exact.
+        return new_text[len(prefix_text) :]
+
+
+class _Aborted:
+    """Queued to a stream when the request was aborted by the Abort RPC or the drain timeout."""
+
+
+class _Failed:
+    """Queued to a stream when the engine loop raised."""
+
+
+class _Stream:
+    """One Generate call's state: outputs queued by the engine loop, consumed by the RPC handler."""
+
+    __slots__ = (
+        "request_id",
+        "queue",
+        "received_at",
+        "first_token_at",
+        "num_prompt_tokens",
+        "num_cached_tokens",
+        "num_output_tokens",
+        "detok",
+        "stops",
+        "max_stop_len",
+        "text",
+        "num_emitted_chars",
+        "is_finished",
+        "is_engine_done",
+    )
+
+    def __init__(self, request_id: str, received_at: float, detok: IncrementalDetokenizer, stops: list[str]):
+        self.request_id = request_id
+        self.queue: asyncio.Queue[RequestOutput | _Aborted | _Failed] = asyncio.Queue()
+        self.received_at = received_at
+        self.first_token_at = 0.0
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_output_tokens = 0
+        self.detok = detok
+        self.stops = [s for s in stops if s]
+        self.max_stop_len = max((len(s) for s in self.stops), default=0)
+        self.text = ""  # generated text so far (trimmed at a stop string)
+        self.num_emitted_chars = 0
+        self.is_finished = False  # the final chunk was built
+        self.is_engine_done = False  # the engine finished or aborted the request itself
+
+    def consume(
+        self, items: list[RequestOutput | _Aborted | _Failed]
+    ) -> worker_pb2.WorkerGenerateChunk | None:
+        """Fold queued outputs into one chunk; None when there is nothing to send (a prefill chunk)."""
+        new_ids: list[int] = []
+        finish: FinishReason | None = None
+        for item in items:
+            if isinstance(item, _Aborted):
+                finish = FinishReason.ABORT
+                self.is_engine_done = True
+                break
+            if isinstance(item, _Failed):
+                raise RuntimeError("the engine loop failed")
+            new_ids.extend(item.new_token_ids)
+            self.num_prompt_tokens = item.num_prompt_tokens or self.num_prompt_tokens
+            self.num_cached_tokens = max(self.num_cached_tokens, item.num_cached_tokens)
+            self.num_output_tokens = max(self.num_output_tokens, item.num_output_tokens)
+            if item.finish_reason is not None:
+                finish = item.finish_reason
+                self.is_engine_done = True
+                break
+        self.text += self.detok.add(new_ids, final=finish is not None)
+        if self.stops and finish is not FinishReason.ABORT:
+            start = max(0, self.num_emitted_chars - self.max_stop_len)
+            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                finish = FinishReason.STOP
+        if finish is not None or not self.stops:
+            end = len(self.text)
+        else:  # hold back what could be the start of a stop string until the next delta decides
+            end = max(self.num_emitted_chars, len(self.text) - self.max_stop_len + 1)
+        delta = self.text[self.num_emitted_chars : end]
+        self.num_emitted_chars = max(self.num_emitted_chars, end)
+        if not new_ids and not delta and finish is None:
+            return None
+        chunk = worker_pb2.WorkerGenerateChunk(
+            request_id=self.request_id,
+            token_ids=new_ids,
+            text=delta,
+            received_at=self.received_at,
+            first_token_at=self.first_token_at,
+        )
+        if finish is not None:
+            self.is_finished = True
+            chunk.finish_reason = _FINISH_TO_PROTO[finish]
+            chunk.usage.prompt_tokens = self.num_prompt_tokens
+            chunk.usage.completion_tokens = self.num_output_tokens
+            chunk.usage.cached_prompt_tokens = self.num_cached_tokens
+        return chunk
+
+
+def event_to_proto(event: kv.KvEvent) -> worker_pb2.KvEvent:
+    if isinstance(event, kv.BlockStored):
+        stored = worker_pb2.BlockStored(
+            block_hashes=event.block_hashes,
+            token_ids=event.token_ids,
+            block_size=event.block_size,
+            lora_name=event.lora_name or "",
+        )
+        if event.parent_block_hash is not None:
+            stored.parent_block_hash = event.parent_block_hash
+        return worker_pb2.KvEvent(stored=stored)
+    if isinstance(event, kv.BlockRemoved):
+        return worker_pb2.KvEvent(removed=worker_pb2.BlockRemoved(block_hashes=event.block_hashes))
+    return worker_pb2.KvEvent(cleared=worker_pb2.AllBlocksCleared())
+
+
+class _Subscriber:
+    __slots__ = ("queue", "is_overflowed")
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[worker_pb2.KvEventBatch | None] = asyncio.Queue(SUBSCRIBER_QUEUE_BATCHES)
+        self.is_overflowed = False
+
+
+class KvEventHub:
+    """Numbers KV event batches, keeps the last REPLAY_BATCHES for resuming subscribers, fans out live ones.
+
+    Publishing never blocks: a subscriber whose queue is full is dropped (its stream ends RESOURCE_EXHAUSTED).
+    """
+
+    def __init__(self, snapshot: Callable[[], list[kv.KvEvent]]) -> None:
+        self._snapshot = snapshot
+        self._seq = 0
+        # deque, not list: O(1) eviction of the oldest batch
+        self._buffer: collections.deque[worker_pb2.KvEventBatch] = collections.deque(maxlen=REPLAY_BATCHES)
+        self._subscribers: set[_Subscriber] = set()
+
+    @property
+    def seq(self) -> int:
+        return self._seq
+
+    def publish(self, events: Sequence[kv.KvEvent], ts: float) -> None:
+        self._seq += 1
+        batch = worker_pb2.KvEventBatch(seq=self._seq, ts=ts, events=[event_to_proto(e) for e in events])
+        self._buffer.append(batch)
+        for sub in list(self._subscribers):
+            try:
+                sub.queue.put_nowait(batch)
+            except asyncio.QueueFull:
+                sub.is_overflowed = True
+                self._subscribers.discard(sub)
+                log.warning(
+                    "KvEvents subscriber fell %d batches behind; dropping it", SUBSCRIBER_QUEUE_BATCHES
+                )
+
+    def subscribe(self, start_after_seq: int, ts: float) -> tuple[_Subscriber, list[worker_pb2.KvEventBatch]]:
+        """Register a subscriber; returns it with the batches to send first (a replay, or a snapshot)."""
+        oldest = self._buffer[0].seq if self._buffer else self._seq + 1
+        if 0 < start_after_seq <= self._seq and start_after_seq >= oldest - 1:
+            first = [b for b in self._buffer if b.seq > start_after_seq]
+        else:  # a fresh subscriber, one older than the buffer, or one from another incarnation of this worker
+            events = [kv.AllBlocksCleared(), *self._snapshot()]
+            first = [
+                worker_pb2.KvEventBatch(seq=self._seq, ts=ts, events=[event_to_proto(e) for e in events])
+            ]
+        sub = _Subscriber()
+        self._subscribers.add(sub)
+        return sub, first
+
+    def unsubscribe(self, sub: _Subscriber) -> None:
+        self._subscribers.discard(sub)
+
+    def close(self) -> None:
+        """End every live stream (shutdown)."""
+        for sub in self._subscribers:
+            with contextlib.suppress(asyncio.QueueFull):
+                sub.queue.put_nowait(None)
+        self._subscribers.clear()
+
+
+class SimWorker:
+    """The engine loop, the request streams and the KV event hub; the gRPC servicer is a thin shell over it."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        tokenizer: Tokenizer,
+        worker_id: str,
+        model: str,
+        perf_profile: str,
+        time_scale: float = 1.0,
+        seed: int | None = None,
+    ) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
+        self.worker_id = worker_id
+        self.model = model
+        self.perf_profile = perf_profile
+        self.time_scale = time_scale
+        self.seed = seed
+        self.state = worker_pb2.LIFECYCLE_STATE_STARTING
+        self.hub = KvEventHub(core.snapshot_kv_events)
+        self.streams: dict[str, _Stream] = {}
+        self.idle = asyncio.Event()  # set while no Generate stream is open (drain waits on it)
+        self.idle.set()
+        self._wake = asyncio.Event()
+        self._epoch = time.time()
+        self._last_arrival_s = 0.0
+        self._rate_samples: collections.deque[tuple[float, int, int]] = collections.deque()
+        self._task: asyncio.Task[None] | None = None
+
+    # ---------------------------------------------------------------- clock
+
+    def engine_now(self) -> float:
+        """The engine clock: wall time, running 1 / time_scale times faster (so scaled sleeps stay exact)."""
+        return self._epoch + (time.time() - self._epoch) / self.time_scale
+
+    def wall_of(self, engine_s: float) -> float:
+        return self._epoch + (engine_s - self._epoch) * self.time_scale
+
+    # ---------------------------------------------------------------- engine loop
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._engine_loop(), name="engine-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _engine_loop(self) -> None:
+        core = self.core
+        busy_until: float | None = None  # engine time the last step's outputs became visible
+        while True:
+            if not core.has_unfinished():
+                busy_until = None
+                self._flush_kv_events()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            now = self.engine_now()
+            # Back-to-back iterations chain exactly (a GPU does not wait for the event loop's timer slack).
+            if busy_until is not None and now - busy_until < RESYNC_LAG_S / self.time_scale:
+                now = max(busy_until, self._last_arrival_s)
+            try:
+                result = core.step(now)
+            except Exception:
+                log.exception("engine step failed; failing every open request")
+                self._fail_all()
+                busy_until = None
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if result is None:  # nothing schedulable until a request arrives or is aborted
+                busy_until = None
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            busy_until = now + result.duration_s
+            delay = self.wall_of(busy_until) - time.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            self._deliver(result.outputs)
+            self._flush_kv_events()
+            self._maybe_sample_rates(time.time())
+
+    def _deliver(self, outputs: Sequence[RequestOutput]) -> None:
+        t = time.time()
+        for out in outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is None:
+                continue  # the client went away after this step was scheduled
+            if out.new_token_ids and not stream.first_token_at:
+                stream.first_token_at = t
+            stream.queue.put_nowait(out)
+
+    def _flush_kv_events(self) -> None:
+        events = self.core.take_kv_events()
+        if events:
+            self.hub.publish(events, time.time())
+
+    def _fail_all(self) -> None:
+        for rid, stream in list(self.streams.items()):
+            self.core.abort_request(rid)
+            stream.queue.put_nowait(_Failed())
+
+    # ---------------------------------------------------------------- requests
+
+    def add(self, request: EngineRequest, stops: list[str], received_at: float) -> _Stream:
+        """Register a stream and queue the request in the engine (ValueError from the engine propagates)."""
+        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+        stream = _Stream(request.request_id, received_at, detok, stops)
+        stream.num_prompt_tokens = len(request.prompt_token_ids)
+        self.core.add_request(request)
+        self.streams[request.request_id] = stream
+        self.idle.clear()
+        self._last_arrival_s = request.arrival_s
+        self._wake.set()
+        return stream
+
+    def release(self, stream: _Stream) -> None:
+        """The RPC ended: abort the request if it did not finish (client cancelled, stop string, error)."""
+        if not stream.is_engine_done:
+            self.core.abort_request(stream.request_id)
+        self.streams.pop(stream.request_id, None)
+        if not self.streams:
+            self.idle.set()
+        self._wake.set()
+
+    def abort(self, request_ids: Sequence[str]) -> int:
+        num_aborted = 0
+        for rid in request_ids:
+            stream = self.streams.get(rid)
+            if stream is None or stream.is_finished or not self.core.abort_request(rid):
+                continue  # unknown, or already finished in the engine (its final output is queued)
+            stream.queue.put_nowait(_Aborted())
+            num_aborted += 1
+        self._wake.set()
+        return num_aborted
+
+    def request_seed(self, request_id: str) -> int | None:
+        """The sampler seed of a request that carries none: from --seed and its id (None: the engine's default)."""
+        if self.seed is None:
+            return None
+        return xxhash.xxh64_intdigest(f"{self.seed}:{request_id}".encode()) >> 1  # fits proto's int64
+
+    # ---------------------------------------------------------------- info and stats
+
+    def info(self) -> worker_pb2.WorkerInfo:
+        cfg = self.core.config
+        return worker_pb2.WorkerInfo(
+            worker_id=self.worker_id,
+            model=self.model,
+            max_model_len=cfg.max_model_len,
+            block_size=cfg.block_size,
+            kv_capacity_blocks=self.core.stats().kv_blocks_total,
+            tokenizer_id=self.tokenizer.tokenizer_id,
+            block_hash_algo=self.core.block_hash_algo,
+            block_hash_seed=self.core.block_hash_seed,
+            role=worker_pb2.WORKER_ROLE_MIXED,
+            state=self.state,
+            perf_profile=self.perf_profile,
+            engine="sim",
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+        )
+
+    def _maybe_sample_rates(self, t: float) -> None:
+        samples = self._rate_samples
+        if samples and t - samples[-1][0] < 0.25:
+            return
+        s = self.core.stats()
+        samples.append((t, s.prompt_tokens_total, s.generation_tokens_total))
+        while len(samples) > 2 and t - samples[1][0] > RATE_WINDOW_S:
+            samples.popleft()
+
+    def stats(self) -> worker_pb2.WorkerStats:
+        t = time.time()
+        s = self.core.stats()
+        prompt_rate = gen_rate = 0.0
+        self._maybe_sample_rates(t)
+        if self._rate_samples:
+            t0, p0, g0 = self._rate_samples[0]
+            if t - t0 > 1e-3:
+                prompt_rate = (s.prompt_tokens_total - p0) / (t - t0)
+                gen_rate = (s.generation_tokens_total - g0) / (t - t0)
+        return worker_pb2.WorkerStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_blocks_used=s.kv_blocks_used,
+            kv_blocks_total=s.kv_blocks_total,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            prompt_tokens_per_s=prompt_rate,
+            generation_tokens_per_s=gen_rate,
+            num_iterations=s.num_iterations,
+            num_preemptions=s.num_preemptions,
+            num_waiting_uncached_tokens=s.num_waiting_uncached_tokens,
+            timestamp=t,
+            state=self.state,
+        )
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """proto <-> SimWorker, and the status codes."""
+
+    def __init__(self, worker: SimWorker) -> None:
+        self.w = worker
+
+    async def Generate(  # noqa: N802 - gRPC method name
+        self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.WorkerGenerateChunk]:
+        received_at = time.time()
+        w = self.w
+        if w.state != worker_pb2.LIFECYCLE_STATE_READY:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is not accepting requests (draining)")
+        error = self._validate(request)
+        if error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        rid = request.request_id or uuid.uuid4().hex
+        if rid in w.streams:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running")
+        sp = request.sampling
+        engine_request = EngineRequest(
+            request_id=rid,
+            prompt_token_ids=tuple(request.prompt_token_ids),
+            max_tokens=sp.max_tokens,
+            arrival_s=w.engine_now(),
+            ignore_eos=sp.ignore_eos,
+            seed=sp.seed if sp.HasField("seed") else w.request_seed(rid),
+            priority=request.priority,
+            predicted_output_tokens=max(0, request.predicted_output_tokens),
+            lora_name=request.lora_name or None,
+            cache_salt=request.cache_salt or None,
+        )
+        try:
+            stream = w.add(engine_request, list(sp.stop), received_at)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        log.debug(
+            "request %s: %d prompt tokens, max_tokens %d", rid, len(request.prompt_token_ids), sp.max_tokens
+        )
+        try:
+            while True:
+                items = [await stream.queue.get()]
+                while not stream.queue.empty():
+                    items.append(stream.queue.get_nowait())
+                try:
+                    chunk = stream.consume(items)
+                except RuntimeError as e:
+                    await context.abort(grpc.StatusCode.INTERNAL, str(e))
+                if chunk is not None:
+                    yield chunk
+                if stream.is_finished:
+                    return
+        finally:
+            w.release(stream)
+
+    def _validate(self, request: worker_pb2.WorkerGenerateRequest) -> str:
+        cfg = self.w.core.config
+        sp = request.sampling
+        if not request.prompt_token_ids:
+            return "prompt_token_ids is empty"
+        if len(request.prompt_token_ids) > cfg.max_model_len:
+            return f"prompt has {len(request.prompt_token_ids)} tokens; max_model_len is {cfg.max_model_len}"
+        if sp.max_tokens <= 0:
+            return f"sampling.max_tokens must be > 0 (got {sp.max_tokens})"
+        if sp.HasField("temperature") and sp.temperature < 0:
+            return "sampling.temperature must be >= 0"
+        if sp.HasField("top_p") and not 0 < sp.top_p <= 1:
+            return "sampling.top_p must be in (0, 1]"
+        if (
+            not 0
+            <= min(request.prompt_token_ids)
+            <= max(request.prompt_token_ids)
+            < self.w.tokenizer.vocab_size
+        ):
+            return f"prompt_token_ids must be in [0, {self.w.tokenizer.vocab_size})"
+        return ""
+
+    async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        return worker_pb2.AbortResponse(num_aborted=self.w.abort(list(request.request_ids)))
+
+    async def Info(self, request: worker_pb2.InfoRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        return self.w.info()
+
+    async def Stats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        return self.w.stats()
+
+    async def KvEvents(  # noqa: N802
+        self, request: worker_pb2.KvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.KvEventBatch]:
+        hub = self.w.hub
+        sub, first = hub.subscribe(request.start_after_seq, time.time())
+        try:
+            for batch in first:
+                yield batch
+            while True:
+                batch = await sub.queue.get()
+                if batch is None:
+                    return
+                if sub.is_overflowed:
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED, "KV event subscriber too slow; resume"
+                    )
+                yield batch
+        finally:
+            hub.unsubscribe(sub)
+
+
+# ---------------------------------------------------------------- process
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="switchyard worker sim", description=__doc__.splitlines()[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port (reported on the READY line)")
+    p.add_argument("--worker-id", default="", help="default: sim-<port>")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument(
+        "--profile", default=DEFAULT_PROFILE, help="performance profile (workers/engine/profiles.py)"
+    )
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="override the profile's KV capacity")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--hash-algo", default="xxhash", choices=("sha256", "xxhash"))
+    p.add_argument(
+        "--tokenizer", default=None, help="SentencePiece .model (default: the bundled Mistral-7B one)"
+    )
+    p.add_argument("--time-scale", type=float, default=1.0, help="multiplies every iteration's duration")
+    p.add_argument("--hash-seed", default="", help='block-hash chain seed; "" = vLLM\'s NONE_HASH')
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="sampler seed for requests without one (default: from the request id)",
+    )
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="SIGTERM: seconds in-flight requests get"
+    )
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def build_core(args: argparse.Namespace, tokenizer: Tokenizer) -> EngineCore:
+    """The engine from the flags: the profile's defaults, overridden by each flag that is set."""
+    from switchyard.workers.engine import profiles
+
+    profile = profiles.get_profile(args.profile)
+    overrides = {
+        "block_size": args.block_size,
+        "num_kv_blocks": args.num_kv_blocks,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+        "block_hash_algo": args.hash_algo,
+        "block_hash_seed": args.hash_seed,
+        "vocab_size": tokenizer.vocab_size,  # sampled ids must decode with the worker's tokenizer
+        "eos_token_id": tokenizer.eos_id,
+    }
+    return EngineCore(EngineConfig(**{k: v for k, v in overrides.items() if v is not None}), profile)
+
+
+class _Lifecycle:
+    """Signal handlers only set events: the first SIGTERM/SIGINT drains, a second one forces."""
+
+    def __init__(self) -> None:
+        self.stop = asyncio.Event()
+        self.force = asyncio.Event()
+
+    def on_signal(self, signum: int) -> None:
+        if self.stop.is_set():
+            log.warning("second signal %d: forcing shutdown", signum)
+            self.force.set()
+        else:
+            log.info("signal %d: draining", signum)
+            self.stop.set()
+
+
+async def serve(args: argparse.Namespace) -> int:
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+        core = build_core(args, tokenizer)
+    except (ValueError, OSError) as e:
+        log.error("bad worker configuration: %s", e)
+        return EXIT_USAGE
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    try:
+        port = server.add_insecure_port(f"{args.host}:{args.port}")
+    except RuntimeError as e:
+        log.error("cannot bind %s:%s: %s", args.host, args.port, e)
+        return EXIT_BIND_FAILED
+    if port == 0:
+        log.error("cannot bind %s:%s", args.host, args.port)
+        return EXIT_BIND_FAILED
+    worker = SimWorker(
+        core, tokenizer, args.worker_id or f"sim-{port}", args.model, args.profile, args.time_scale, args.seed
+    )
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    lifecycle = _Lifecycle()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lifecycle.on_signal, sig)
+
+    worker.start()
+    await server.start()
+    worker.state = worker_pb2.LIFECYCLE_STATE_READY
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    print(f"READY {args.host}:{port} worker_id={worker.worker_id}", flush=True)
+    log.info(
+        "worker %s serving on %s:%d (profile %s, time scale %g)",
+        worker.worker_id,
+        args.host,
+        port,
+        args.profile,
+        args.time_scale,
+    )
+
+    await lifecycle.stop.wait()
+    worker.state = worker_pb2.LIFECYCLE_STATE_DRAINING
+    await health_servicer.enter_graceful_shutdown()
+    waiters = [asyncio.ensure_future(worker.idle.wait()), asyncio.ensure_future(lifecycle.force.wait())]
+    _, pending = await asyncio.wait(waiters, timeout=args.drain_timeout, return_when=asyncio.FIRST_COMPLETED)
+    for fut in pending:
+        fut.cancel()
+    if worker.streams:
+        log.warning("drain: aborting %d unfinished requests", len(worker.streams))
+        worker.abort(list(worker.streams))
+    worker.hub.close()
+    await server.stop(grace=1.0)
+    await worker.stop()
+    log.info("worker %s stopped", worker.worker_id)
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.time_scale <= 0:
+        print("--time-scale must be > 0", file=sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        import uvloop
+    except ImportError:  # the worker-side install does not require it
+        return asyncio.run(serve(args))
+    return uvloop.run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
