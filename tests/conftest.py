@@ -15,7 +15,11 @@ import pytest
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
     outcome = yield
     report = outcome.get_result()
-    if os.environ.get("CI") == "true" and report.skipped and call.when in ("setup", "call"):
-        if not item.get_closest_marker("skip_in_ci_ok"):
-            report.outcome = "failed"
-            report.longrepr = f"skipped under CI=true (missing prerequisite?): {report.longrepr}"
+    if (
+        os.environ.get("CI") == "true"
+        and report.skipped
+        and call.when in ("setup", "call")
+        and not item.get_closest_marker("skip_in_ci_ok")
+    ):
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI=true (missing prerequisite?): {report.longrepr}"

@@ -13,12 +13,14 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import json
 import logging
 import signal
 import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TextIO
 
 import grpc
 import xxhash
@@ -279,6 +281,7 @@ class SimWorker:
         perf_profile: str,
         time_scale: float = 1.0,
         seed: int | None = None,
+        timings_log: TextIO | None = None,
     ) -> None:
         self.core = core
         self.tokenizer = tokenizer
@@ -287,6 +290,7 @@ class SimWorker:
         self.perf_profile = perf_profile
         self.time_scale = time_scale
         self.seed = seed
+        self.timings_log = timings_log  # JSONL, one line per request: the worker-side timestamps
         self.state = worker_pb2.LIFECYCLE_STATE_STARTING
         self.hub = KvEventHub(core.snapshot_kv_events)
         self.streams: dict[str, _Stream] = {}
@@ -393,9 +397,26 @@ class SimWorker:
         if not stream.is_engine_done:
             self.core.abort_request(stream.request_id)
         self.streams.pop(stream.request_id, None)
+        if self.timings_log is not None:
+            self._log_timings(stream)
         if not self.streams:
             self.idle.set()
         self._wake.set()
+
+    def _log_timings(self, stream: _Stream) -> None:
+        """Record when this worker received the request and produced its first token, keyed by request id,
+        so router-added latency is measured the same way whichever router sent it."""
+        record = {
+            "request_id": stream.request_id,
+            "received_at": stream.received_at,
+            "first_token_at": stream.first_token_at,
+            "finished_at": time.time(),
+            "prompt_tokens": stream.num_prompt_tokens,
+            "cached_prompt_tokens": stream.num_cached_tokens,
+            "output_tokens": stream.num_output_tokens,
+        }
+        assert self.timings_log is not None
+        self.timings_log.write(json.dumps(record) + "\n")
 
     def abort(self, request_ids: Sequence[str]) -> int:
         num_aborted = 0
@@ -610,6 +631,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--drain-timeout", type=float, default=30.0, help="SIGTERM: seconds in-flight requests get"
     )
+    p.add_argument(
+        "--timings-log",
+        default=None,
+        help="append one JSON line per finished request (received_at, first_token_at, ...) to this file",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -665,8 +691,16 @@ async def serve(args: argparse.Namespace) -> int:
     if port == 0:
         log.error("cannot bind %s:%s", args.host, args.port)
         return EXIT_BIND_FAILED
+    timings_log = open(args.timings_log, "a", buffering=1) if args.timings_log else None  # noqa: SIM115
     worker = SimWorker(
-        core, tokenizer, args.worker_id or f"sim-{port}", args.model, args.profile, args.time_scale, args.seed
+        core,
+        tokenizer,
+        args.worker_id or f"sim-{port}",
+        args.model,
+        args.profile,
+        args.time_scale,
+        args.seed,
+        timings_log,
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), server)
     health_servicer = health.aio.HealthServicer()
@@ -704,6 +738,8 @@ async def serve(args: argparse.Namespace) -> int:
     worker.hub.close()
     await server.stop(grace=1.0)
     await worker.stop()
+    if timings_log is not None:
+        timings_log.close()
     log.info("worker %s stopped", worker.worker_id)
     return EXIT_OK
 

@@ -1,0 +1,141 @@
+"""`switchyard demo` (`make run`): the main job, end to end over real processes on loopback.
+
+Starts the router and 4 simulated worker processes, replays a time-compressed slice of the Mooncake conversation
+trace (real arrivals, real prefix sharing) through round_robin and through the best policy available, and prints
+a results table. Time compression is applied to arrivals AND to the workers' iteration times alike, so the fleet
+sees the same load as at real speed; latencies are reported back in model seconds (x the compression).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+import grpc
+
+from switchyard.bench import procs
+from switchyard.bench.metrics import dist
+from switchyard.bench.traces import PromptFactory, load_trace, take_slice
+from switchyard.router.client import AsyncRouterClient, make_request
+from switchyard.router.policies.registry import POLICIES
+
+MODEL = "mistral-7b-sim"
+BEST_AVAILABLE = ("least_request",)  # later issues put their policies first here
+
+
+def best_policy() -> str:
+    return next(p for p in BEST_AVAILABLE if p in POLICIES)
+
+
+async def _one(client: AsyncRouterClient, req: Any, tokens: list[int], out: dict[str, Any]) -> None:
+    r = make_request(MODEL, token_ids=tokens, max_tokens=req.num_output_tokens, ignore_eos=True,
+                     request_id=req.request_id)
+    try:
+        resp = await client.complete(request=r, timeout=600)
+    except grpc.aio.AioRpcError as e:
+        out["errors"].append(f"{req.request_id}: {e.code().name} {e.details()}")
+        return
+    out["ttft"].append(resp.timings.ttft_s)
+    out["e2e"].append(resp.timings.e2e_s)
+    out["queue"].append(resp.timings.queue_s)
+    out["prompt"] += resp.usage.prompt_tokens
+    out["cached"] += resp.usage.cached_prompt_tokens
+    out["output"] += resp.usage.completion_tokens
+
+
+async def run_policy(policy: str, args: argparse.Namespace, requests: list[Any], factory: PromptFactory) -> dict[str, Any]:
+    workers = [
+        procs.start(f"worker{i}", ["worker", "sim", "--port", "0", "--worker-id", f"w{i}", "--model", MODEL,
+                                   "--profile", args.profile, "--time-scale", str(1.0 / args.speedup),
+                                   "--log-level", "WARNING"])
+        for i in range(args.workers)
+    ]
+    router_args = ["serve", "--port", "0", "--admin-port", "0", "--no-metrics", "--policy", policy,
+                   "--log-level", "WARNING"]
+    for w in workers:
+        router_args += ["--worker", w.address]
+    router = procs.start("router", router_args)
+    out: dict[str, Any] = {"ttft": [], "e2e": [], "queue": [], "errors": [], "prompt": 0, "cached": 0, "output": 0}
+    prompts = [list(factory.tokens(r)) for r in requests]
+    with procs.running([*workers, router]):
+        async with AsyncRouterClient(router.address, admin_address=router.extra.get("admin")) as client:
+            start = time.perf_counter()
+            tasks = []
+            for req, tokens in zip(requests, prompts, strict=True):
+                delay = start + req.arrival_s / args.speedup - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)  # the trace's arrival schedule
+                tasks.append(asyncio.create_task(_one(client, req, tokens, out)))
+            await asyncio.gather(*tasks)
+            wall = time.perf_counter() - start
+    s = args.speedup
+    return {
+        "policy": policy,
+        "requests": len(requests),
+        "ok": len(out["ttft"]),
+        "errors": out["errors"],
+        "ttft_s": {k: v * s for k, v in dist(out["ttft"]).items()},
+        "e2e_s": {k: v * s for k, v in dist(out["e2e"]).items()},
+        "queue_s": {k: v * s for k, v in dist(out["queue"]).items()},
+        "hit_ratio": out["cached"] / out["prompt"] if out["prompt"] else 0.0,
+        "throughput_tok_s": out["output"] / (wall * s),
+        "wall_s": wall,
+    }
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    base = results[0]
+    lines = [
+        "| policy | ok | TTFT p50 s | TTFT p90 s | TTFT p99 s | E2E p50 s | E2E p99 s | prefix hit ratio | output tok/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        ratio = "" if r is base else f" (x{r['ttft_s']['p50'] / base['ttft_s']['p50']:.2f})" if base['ttft_s']['p50'] else ""
+        lines.append(
+            f"| {r['policy']} | {r['ok']}/{r['requests']} | {r['ttft_s']['p50']:.3f}{ratio} | {r['ttft_s']['p90']:.3f} "
+            f"| {r['ttft_s']['p99']:.3f} | {r['e2e_s']['p50']:.2f} | {r['e2e_s']['p99']:.2f} | {r['hit_ratio']:.3f} "
+            f"| {r['throughput_tok_s']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="switchyard demo", description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--policies", default="", help="default: round_robin and the best policy available")
+    p.add_argument("--trace", default="mooncake-conversation")
+    p.add_argument("--start", type=float, default=0.0, help="trace second the slice starts at")
+    p.add_argument("--duration", type=float, default=120.0, help="trace seconds replayed per policy")
+    p.add_argument("--speedup", type=float, default=4.0, help="time compression of arrivals and engine alike")
+    p.add_argument("--profile", default="llama3-8b-a100")
+    p.add_argument("--block-size", type=int, default=16)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    policies = args.policies.split(",") if args.policies else ["round_robin", best_policy()]
+    trace = take_slice(load_trace(args.trace), start_s=args.start, duration_s=args.duration)
+    requests = list(trace.requests)
+    t0 = requests[0].arrival_s
+    requests = [r.__class__(**{**{f: getattr(r, f) for f in r.__slots__}, "arrival_s": r.arrival_s - t0})
+                for r in requests]
+    factory = PromptFactory(block_size=args.block_size)
+    print(f"demo: {len(requests)} requests from {trace.name} ({args.duration:g} trace-seconds, x{args.speedup:g} "
+          f"compression), {args.workers} simulated workers ({args.profile}), policies {', '.join(policies)}",
+          flush=True)
+    results = []
+    for policy in policies:
+        t = time.perf_counter()
+        results.append(asyncio.run(run_policy(policy, args, requests, factory)))
+        r = results[-1]
+        print(f"  {policy}: {r['ok']}/{r['requests']} ok in {time.perf_counter() - t:.1f} s wall", flush=True)
+        for e in r["errors"][:5]:
+            print(f"    error: {e}")
+    print()
+    print(table(results))
+    print("\nLatencies in model seconds (wall x compression); prefix hit ratio = cached / prompt tokens "
+          "(as the workers reported them).")
+    return 0 if all(r["ok"] == r["requests"] for r in results) else 1

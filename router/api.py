@@ -1,0 +1,269 @@
+"""The gRPC surface: proto <-> domain conversions, and the Router and Admin servicers with their status codes.
+
+Servicers only translate: admission validates, the dispatcher queues/routes/streams, the registry owns workers.
+Every accepted request ends in a final chunk or an explicit status (`ApiError` -> `context.abort`).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+
+import grpc
+
+from switchyard.router.admission import AdmittedRequest, ApiError, GenerateParams, Sampling, admit
+from switchyard.router.fleet import StatsSample, WorkerInfo, WorkerState
+from switchyard.router.policies.base import Decision, WorkerId
+from switchyard.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
+from switchyard.workers.engine.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    KvEventBatch,
+)
+from switchyard.workers.tokenizer import ChatMessage
+
+if TYPE_CHECKING:
+    from switchyard.router.clock import Clock
+    from switchyard.router.dispatch import Dispatcher
+    from switchyard.router.metrics import RouterMetrics
+    from switchyard.router.registry import WorkerRegistry
+    from switchyard.workers.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------- public requests
+def sampling_from_proto(s: common_pb2.SamplingParams) -> Sampling:
+    return Sampling(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature if s.HasField("temperature") else None,
+        top_p=s.top_p if s.HasField("top_p") else None,
+        stop=tuple(s.stop),
+        seed=s.seed if s.HasField("seed") else None,
+        ignore_eos=s.ignore_eos,
+        extra=dict(s.extra),
+    )
+
+
+def sampling_to_proto(s: Sampling) -> common_pb2.SamplingParams:
+    out = common_pb2.SamplingParams(max_tokens=s.max_tokens, stop=list(s.stop), ignore_eos=s.ignore_eos, extra=s.extra)
+    if s.temperature is not None:
+        out.temperature = s.temperature
+    if s.top_p is not None:
+        out.top_p = s.top_p
+    if s.seed is not None:
+        out.seed = s.seed
+    return out
+
+
+def params_from_proto(req: router_pb2.GenerateRequest) -> GenerateParams:
+    which = req.WhichOneof("input")
+    return GenerateParams(
+        request_id=req.request_id or uuid.uuid4().hex,
+        model=req.model,
+        sampling=sampling_from_proto(req.sampling),
+        chat=tuple(ChatMessage(m.role, m.content) for m in req.chat.messages) if which == "chat" else None,
+        prompt=req.prompt if which == "prompt" else None,
+        token_ids=tuple(req.tokens.ids) if which == "tokens" else None,
+        lora_name=req.lora_name,
+        cache_salt=req.cache_salt,
+        priority=req.priority,
+        session_id=req.session_id,
+        app_id=req.application.app_id,
+        predicted_output_tokens_hint=req.predicted_output_tokens_hint,
+    )
+
+
+# ---------------------------------------------------------------------- worker protocol
+def worker_request(req: AdmittedRequest, decision: Decision) -> worker_pb2.WorkerGenerateRequest:
+    """Token ids only, so the worker caches exactly the blocks the router hashed; the policy's hints win over
+    the client's."""
+    return worker_pb2.WorkerGenerateRequest(
+        request_id=req.request_id,
+        prompt_token_ids=req.prompt_token_ids,
+        sampling=sampling_to_proto(req.sampling),
+        lora_name=req.lora_name,
+        cache_salt=req.cache_salt,
+        priority=decision.priority or req.priority,
+        predicted_output_tokens=decision.predicted_output_tokens or req.predicted_output_tokens or 0,
+    )
+
+
+_LIFECYCLE_TO_STATE = {
+    worker_pb2.LIFECYCLE_STATE_STARTING: WorkerState.STARTING,
+    worker_pb2.LIFECYCLE_STATE_READY: WorkerState.READY,
+    worker_pb2.LIFECYCLE_STATE_DRAINING: WorkerState.DRAINING,
+    worker_pb2.LIFECYCLE_STATE_SLEEPING: WorkerState.SLEEPING,
+}
+
+
+def state_from_proto(state: int) -> WorkerState:
+    """UNSPECIFIED (a worker that does not report a lifecycle) counts as ready."""
+    return _LIFECYCLE_TO_STATE.get(state, WorkerState.READY)
+
+
+def info_from_proto(info: worker_pb2.WorkerInfo, address: str) -> WorkerInfo:
+    return WorkerInfo(
+        worker_id=WorkerId(info.worker_id or address),
+        model=info.model,
+        max_model_len=info.max_model_len,
+        block_size=info.block_size,
+        kv_capacity_blocks=info.kv_capacity_blocks,
+        block_hash_algo=info.block_hash_algo or "sha256",
+        block_hash_seed=info.block_hash_seed,
+        tokenizer_id=info.tokenizer_id,
+        max_num_seqs=info.max_num_seqs or 256,
+        max_num_batched_tokens=info.max_num_batched_tokens or 8192,
+        perf_profile=info.perf_profile,
+        engine=info.engine,
+        address=address,
+    )
+
+
+def stats_from_proto(s: worker_pb2.WorkerStats) -> StatsSample:
+    return StatsSample(
+        num_running=s.num_running,
+        num_waiting=s.num_waiting,
+        kv_blocks_used=s.kv_blocks_used,
+        kv_blocks_total=s.kv_blocks_total,
+        prefix_cache_queries=s.prefix_cache_queries,
+        prefix_cache_hits=s.prefix_cache_hits,
+        num_waiting_uncached_tokens=s.num_waiting_uncached_tokens,
+        num_iterations=s.num_iterations,
+        num_preemptions=s.num_preemptions,
+        generation_tokens_per_s=s.generation_tokens_per_s,
+    )
+
+
+def _event_from_proto(e: worker_pb2.KvEvent) -> KvEvent | None:
+    which = e.WhichOneof("event")
+    if which == "stored":
+        s = e.stored
+        return BlockStored(
+            block_hashes=tuple(s.block_hashes),
+            parent_block_hash=s.parent_block_hash if s.HasField("parent_block_hash") else None,
+            token_ids=tuple(s.token_ids),
+            block_size=s.block_size,
+            lora_name=s.lora_name or None,
+        )
+    if which == "removed":
+        return BlockRemoved(block_hashes=tuple(e.removed.block_hashes))
+    if which == "cleared":
+        return AllBlocksCleared()
+    return None  # an event kind this router does not know: ignored
+
+
+def kv_batch_from_proto(b: worker_pb2.KvEventBatch) -> KvEventBatch:
+    events = tuple(ev for ev in map(_event_from_proto, b.events) if ev is not None)
+    return KvEventBatch(seq=b.seq, ts=b.ts, events=events)
+
+
+# ---------------------------------------------------------------------- servicers
+async def _abort(context: grpc.aio.ServicerContext, err: ApiError) -> None:
+    if err.trailing:
+        context.set_trailing_metadata(err.trailing)
+    await context.abort(err.code, err.message)
+
+
+class RouterService(router_pb2_grpc.RouterServicer):
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        dispatcher: Dispatcher,
+        tokenizer_for: Callable[[str], Tokenizer],
+        max_tokens_cap: int,
+        clock: Clock,
+        metrics: RouterMetrics,
+    ) -> None:
+        self._registry = registry
+        self._dispatcher = dispatcher
+        self._tokenizer_for = tokenizer_for
+        self._max_tokens_cap = max_tokens_cap
+        self._clock = clock
+        self._metrics = metrics
+
+    def _admit(self, request: router_pb2.GenerateRequest):  # type: ignore[no-untyped-def]
+        params = params_from_proto(request)
+        try:
+            admitted = admit(params, self._registry, self._tokenizer_for, self._max_tokens_cap, self._clock.now())
+        except ApiError as e:
+            log.info("request %s rejected: %s %s", params.request_id, e.code.name, e.message)
+            self._metrics.requests.labels(request.model, "", e.code.name.lower()).inc()
+            raise
+        self._metrics.tokenize_time.labels(admitted.model).observe(admitted.tokenize_s)
+        return admitted
+
+    async def Generate(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateChunk]:
+        try:
+            admitted = self._admit(request)
+            async for chunk in self._dispatcher.generate(admitted, context.time_remaining()):
+                yield chunk
+        except ApiError as e:
+            await _abort(context, e)
+
+    async def Complete(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.CompleteResponse:
+        try:
+            admitted = self._admit(request)
+            token_ids: list[int] = []
+            texts: list[str] = []
+            last = None
+            async for chunk in self._dispatcher.generate(admitted, context.time_remaining()):
+                token_ids.extend(chunk.token_ids)
+                texts.append(chunk.text)
+                last = chunk
+        except ApiError as e:
+            await _abort(context, e)
+            raise  # unreachable: abort raises
+        assert last is not None  # the dispatcher always ends with a final chunk or raises
+        return router_pb2.CompleteResponse(
+            request_id=last.request_id,
+            token_ids=token_ids,
+            text="".join(texts),
+            finish_reason=last.finish_reason,
+            usage=last.usage,
+            timings=last.timings,
+        )
+
+
+class AdminService(router_pb2_grpc.AdminServicer):
+    def __init__(self, registry: WorkerRegistry) -> None:
+        self._registry = registry
+
+    async def ListWorkers(
+        self, request: router_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ListWorkersResponse:
+        return router_pb2.ListWorkersResponse(workers=self._registry.statuses())
+
+    async def RegisterWorker(
+        self, request: router_pb2.RegisterWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.WorkerStatus:
+        try:
+            return await self._registry.register(request.address)
+        except ApiError as e:
+            await _abort(context, e)
+            raise
+
+    async def DeregisterWorker(
+        self, request: router_pb2.WorkerRef, context: grpc.aio.ServicerContext
+    ) -> router_pb2.WorkerStatus:
+        try:
+            return await self._registry.deregister(request.worker_id)
+        except ApiError as e:
+            await _abort(context, e)
+            raise
+
+    async def DrainWorker(self, request: router_pb2.WorkerRef, context: grpc.aio.ServicerContext) -> router_pb2.WorkerStatus:
+        try:
+            return self._registry.drain(request.worker_id)
+        except ApiError as e:
+            await _abort(context, e)
+            raise
+

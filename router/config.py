@@ -1,0 +1,235 @@
+"""The router daemon's configuration: frozen pydantic models, one per section, each default defined once.
+
+Sources, later wins: defaults < TOML file (`--config`) < environment (`SWITCHYARD_<SECTION>_<KEY>`) < CLI flags
+(`--port`, ..., or the generic `--set section.key=value`). Unknown sections and keys are rejected from every
+source with a message that names the source and lists the valid keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ENV_PREFIX = "SWITCHYARD_"
+
+
+class ConfigError(ValueError):
+    """A configuration source is malformed or names an unknown key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ServerConfig(_Section):
+    host: str = "127.0.0.1"  # public Router service (+ health, reflection)
+    port: int = Field(default=50051, ge=0, le=65535)  # 0 = any free port (printed on the READY line)
+    admin_host: str = "127.0.0.1"  # NOTE: the Admin service can add/remove workers, so loopback by default
+    admin_port: int = Field(default=50052, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(default=9464, ge=0, le=65535)
+    metrics_enabled: bool = True
+    grace_s: float = Field(default=30.0, ge=0)  # SIGTERM: how long in-flight requests may take to finish
+    log_level: str = "INFO"
+
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, v: str) -> str:
+        if v.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError(f"unknown log level {v!r}; expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
+        return v.upper()
+
+
+class WorkersConfig(_Section):
+    addresses: tuple[str, ...] = ()  # static host:port list; more can join through Admin.RegisterWorker
+    stats_interval_s: float = Field(default=0.2, gt=0)  # Stats poll period, also the health check
+    health_interval_s: float = Field(default=1.0, gt=0)  # reconnect period of an unreachable worker
+    connect_timeout_s: float = Field(default=5.0, gt=0)  # Info on connect; startup waits this long for each
+    rpc_timeout_s: float = Field(default=2.0, gt=0)  # one Stats / Abort call
+    unhealthy_after_failures: int = Field(default=2, ge=1)  # consecutive failed Stats polls
+
+
+class RoutingConfig(_Section):
+    policy: str = "least_request"  # a key of router.policies.registry.POLICIES
+    tick_interval_ms: int = Field(default=100, gt=0)  # Policy.on_tick period
+
+
+class QueueConfig(_Section):
+    max_size: int = Field(default=1024, ge=0)  # requests held across all models; beyond: RESOURCE_EXHAUSTED
+    kv_usage_hold_frac: float = Field(default=0.95, gt=0, le=1.0)  # a worker at or above this KV usage is full
+    retry_after_ms: int = Field(default=500, ge=0)  # hint sent in trailing metadata when the queue is full
+
+
+class LimitsConfig(_Section):
+    max_tokens: int = Field(default=4096, gt=0)  # cap on SamplingParams.max_tokens
+
+
+class TokenizerConfig(_Section):
+    default: str = ""  # SentencePiece .model path for models not listed; "" = the bundled Mistral-7B one
+    models: dict[str, str] = Field(default_factory=dict)  # model name -> .model path
+
+
+class RetriesConfig(_Section):
+    max_attempts: int = Field(default=3, ge=1)  # dispatch attempts per request (1 = never retry)
+
+
+class RouterConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    server: ServerConfig = ServerConfig()
+    workers: WorkersConfig = WorkersConfig()
+    routing: RoutingConfig = RoutingConfig()
+    queue: QueueConfig = QueueConfig()
+    limits: LimitsConfig = LimitsConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    retries: RetriesConfig = RetriesConfig()
+
+    @field_validator("routing")
+    @classmethod
+    def _known_policy(cls, v: RoutingConfig) -> RoutingConfig:
+        from switchyard.router.policies.registry import POLICIES
+
+        if v.policy not in POLICIES:
+            raise ValueError(f"unknown policy {v.policy!r}; known: {', '.join(sorted(POLICIES))}")
+        return v
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    name: typing.get_type_hints(RouterConfig)[name] for name in RouterConfig.model_fields
+}
+
+
+# ---------------------------------------------------------------------- sources
+def _check_keys(source: str, data: Mapping[str, Any]) -> None:
+    for section, body in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{source}: unknown section [{section}]; known: {', '.join(SECTIONS)}")
+        if not isinstance(body, Mapping):
+            raise ConfigError(f"{source}: [{section}] must be a table")
+        fields = SECTIONS[section].model_fields
+        for key in body:
+            if key not in fields:
+                raise ConfigError(
+                    f"{source}: unknown key {section}.{key}; known keys of [{section}]: {', '.join(fields)}"
+                )
+
+
+def _parse_str(section: str, key: str, raw: str) -> Any:
+    """Turn an environment / CLI string into the field's shape; scalars are left to pydantic's coercion."""
+    annotation = typing.get_type_hints(SECTIONS[section])[key]
+    origin = typing.get_origin(annotation)
+    if origin in (tuple, list):
+        raw = raw.strip()
+        if raw.startswith("["):
+            return json.loads(raw)
+        return [part.strip() for part in raw.split(",") if part.strip()]
+    if origin is dict:
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{section}.{key} expects a JSON object, got {raw!r}") from e
+    return raw
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path}: {e}") from e
+    _check_keys(f"config file {path}", data)
+    return data
+
+
+def from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    """`SWITCHYARD_<SECTION>_<KEY>` variables. A variable naming a known section but an unknown key is an error;
+    other `SWITCHYARD_*` variables (e.g. SWITCHYARD_NO_EXTENSIONS) belong to other components and are ignored."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        rest = name[len(ENV_PREFIX) :].lower()
+        for section in SECTIONS:
+            if rest.startswith(section + "_"):
+                key = rest[len(section) + 1 :]
+                if key not in SECTIONS[section].model_fields:
+                    raise ConfigError(
+                        f"environment variable {name}: unknown key {section}.{key}; known keys of [{section}]: "
+                        f"{', '.join(SECTIONS[section].model_fields)}"
+                    )
+                out.setdefault(section, {})[key] = _parse_str(section, key, raw)
+                break
+    return out
+
+
+def parse_assignments(items: list[str]) -> dict[str, Any]:
+    """CLI `--set section.key=value` items."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        dotted, sep, raw = item.partition("=")
+        section, dot, key = dotted.strip().partition(".")
+        if not sep or not dot:
+            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        _check_keys("--set", {section: {key: None}})
+        out.setdefault(section, {})[key] = _parse_str(section, key, raw)
+    return out
+
+
+def merge(*layers: Mapping[str, Any]) -> dict[str, Any]:
+    """Section-wise merge; a later layer's key replaces an earlier one's (lists are replaced, not appended)."""
+    out: dict[str, dict[str, Any]] = {}
+    for layer in layers:
+        for section, body in layer.items():
+            out.setdefault(section, {}).update(body)
+    return out
+
+
+def build(data: Mapping[str, Any]) -> RouterConfig:
+    _check_keys("config", data)
+    try:
+        return RouterConfig.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors(include_url=False)
+        )
+        raise ConfigError(f"invalid configuration: {problems}") from None
+
+
+def load_config(
+    path: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> RouterConfig:
+    """Defaults < TOML file < environment < `overrides` (the CLI's, already shaped as {section: {key: value}})."""
+    layers: list[Mapping[str, Any]] = []
+    if path is not None:
+        layers.append(load_toml(path))
+    layers.append(from_env(os.environ if environ is None else environ))
+    if overrides:
+        _check_keys("command line", overrides)
+        layers.append(overrides)
+    return build(merge(*layers))
+
+
+def to_toml(config: RouterConfig) -> str:
+    """The effective configuration as a TOML file (`switchyard serve --print-config`)."""
+    lines: list[str] = []
+    for section, body in config.model_dump().items():
+        tables = {k: v for k, v in body.items() if isinstance(v, dict)}
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(list(v) if isinstance(v, tuple) else v)}" for k, v in body.items() if k not in tables]
+        for key, table in tables.items():
+            lines.append(f"[{section}.{key}]")
+            lines += [f"{json.dumps(k)} = {json.dumps(v)}" for k, v in table.items()]
+        lines.append("")
+    return "\n".join(lines)

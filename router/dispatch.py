@@ -1,0 +1,429 @@
+"""Dispatch: bind each admitted request to a worker (queue + policy), send it, and stream the result back.
+
+The only module that sends requests to workers (policies only return a `Decision`). It owns the request's life
+after admission: fast path or queue -> `policy.select` (timed) -> `Fleet.note_dispatch` + `on_dispatch` ->
+worker Generate stream -> chunks with text deltas -> final chunk with usage and timings -> `on_finish`.
+Failures before the first token are retried on another worker; cancellations and deadlines remove the request
+from the queue or abort it on its worker. Every exit path ends the attempt exactly once (`_end_attempt`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from switchyard.router import api
+from switchyard.router.admission import AdmittedRequest, ApiError
+from switchyard.router.clock import Clock
+from switchyard.router.fleet import Fleet
+from switchyard.router.metrics import RouterMetrics
+from switchyard.router.policies.base import Decision, Policy, WorkerId, WorkerView
+from switchyard.router.queue import QueueEntry, QueueFull, RequestQueue, should_hold
+from switchyard.router.registry import WorkerRegistry
+from switchyard.v1 import common_pb2, router_pb2, worker_pb2
+from switchyard.workers.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+# Worker statuses that mean "this worker could not serve it", so another worker may. Anything else (e.g.
+# INVALID_ARGUMENT) is the request's fault and is passed through.
+RETRYABLE_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.CANCELLED,  # the worker's server shut down under it (our own cancels never get here)
+    }
+)
+
+
+class WorkerFailed(Exception):
+    def __init__(self, worker_id: WorkerId, code: str, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+        self.worker_id = worker_id
+        self.code = code
+        self.detail = detail
+
+
+class Detokenizer:
+    """Incremental detokenization (vLLM's prefix/read offsets): each push returns the new text only.
+
+    Decodes a short window that starts inside the prompt, so the first output piece keeps its leading space, and
+    holds back text ending in U+FFFD (an incomplete multi-byte character) until the next token completes it.
+    """
+
+    CONTEXT_TOKENS = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> None:
+        self._tok = tokenizer
+        self._ids = list(prompt_ids[-self.CONTEXT_TOKENS :])
+        self._prefix = 0
+        self._read = len(self._ids)
+
+    def push(self, new_ids: Sequence[int], final: bool = False) -> str:
+        self._ids.extend(new_ids)
+        prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
+        full = self._tok.decode(self._ids[self._prefix :])
+        if len(full) > len(prefix_text) and (final or not full.endswith("\ufffd")):
+            self._prefix, self._read = self._read, len(self._ids)
+            return full[len(prefix_text) :]
+        return ""
+
+
+@dataclass(eq=False)
+class _Flight:
+    """One request from admission to its last chunk."""
+
+    req: AdmittedRequest
+    deadline_at: float | None  # router clock; None = no gRPC deadline
+    enqueued_at: float
+    attempt: int = 0  # 0-based, of the current dispatch
+    excluded: frozenset[WorkerId] = frozenset()  # workers that failed it
+    decision: Decision | None = None  # the current attempt's, until the attempt ends
+    entry: QueueEntry | None = None
+    future: asyncio.Future[Decision] | None = None  # resolved by the pump when released from the queue
+    call: grpc.aio.UnaryStreamCall | None = None  # the current attempt's worker stream
+    queue_s: float = 0.0
+    route_s: float = 0.0  # summed over attempts
+    first_token_at: float | None = None
+    num_tokens_sent: int = 0
+    worker_text: bool | None = None  # None until the first token chunk says whether the worker sends text
+    detok: Detokenizer | None = None
+    finished: bool = False
+    served_by: str = ""
+
+    def remaining_s(self, now: float) -> float | None:
+        return None if self.deadline_at is None else self.deadline_at - now
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        fleet: Fleet,
+        registry: WorkerRegistry,
+        policy: Policy,
+        policy_name: str,
+        queue: RequestQueue,
+        metrics: RouterMetrics,
+        clock: Clock,
+        tokenizer_for: Callable[[str], Tokenizer],
+        kv_usage_hold_frac: float = 0.95,
+        max_attempts: int = 3,
+        retry_after_ms: int = 500,
+        rpc_timeout_s: float = 2.0,
+    ) -> None:
+        self._fleet = fleet
+        self._registry = registry
+        self._policy = policy
+        self._policy_name = policy_name
+        self.queue = queue
+        self._metrics = metrics
+        self._clock = clock
+        self._tokenizer_for = tokenizer_for
+        self._kv_hold = kv_usage_hold_frac
+        self._max_attempts = max_attempts
+        self._retry_after_ms = retry_after_ms
+        self._rpc_timeout_s = rpc_timeout_s
+        self._flights: dict[str, _Flight] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        self._pump_scheduled = False
+
+    @property
+    def num_active(self) -> int:
+        return len(self._flights)
+
+    def _hold(self, eligible: Sequence[WorkerView]) -> bool:
+        return should_hold(eligible, self._kv_hold)
+
+    # ------------------------------------------------------------------ binding
+    def _bind(self, fl: _Flight) -> Decision:
+        """policy.select for the flight's current attempt, then count the dispatch. UNAVAILABLE if none."""
+        now = self._clock.now()
+        self._fleet.set_time(now)
+        ctx = fl.req.routing_context(fl.attempt, fl.excluded)
+        t0 = time.perf_counter()
+        decision = self._policy.select(ctx, self._fleet, now)
+        route_s = time.perf_counter() - t0
+        self._metrics.route_time.labels(self._policy_name).observe(route_s)
+        fl.route_s += route_s
+        rec = self._fleet.get(decision.worker_id) if decision else None
+        if decision is None or rec is None or not rec.is_routable or decision.worker_id in fl.excluded:
+            why = f" (excluding {', '.join(sorted(fl.excluded))} after failures)" if fl.excluded else ""
+            raise ApiError(grpc.StatusCode.UNAVAILABLE, f"no healthy worker for model {ctx.model!r}{why}")
+        if fl.attempt == 0:
+            fl.queue_s = now - fl.enqueued_at
+            self._metrics.queue_time.labels(ctx.model).observe(fl.queue_s)
+        self._fleet.note_dispatch(decision.worker_id)
+        self._policy.on_dispatch(ctx, decision, now)
+        self._metrics.worker_in_flight.labels(decision.worker_id).set(rec.in_flight)
+        fl.decision = decision
+        log.debug(
+            "route %s attempt=%d -> %s (%s) policy=%s in %.1f us",
+            ctx.request_id, fl.attempt, decision.worker_id, decision.reason, self._policy_name, route_s * 1e6,
+        )
+        return decision
+
+    async def _acquire(self, fl: _Flight) -> Decision:
+        """Fast path when nothing waits and the model's workers have room; otherwise wait in the queue."""
+        model = fl.req.model
+        if not self.queue.size(model) and not self._hold(self._fleet.routable(model)):
+            return self._bind(fl)
+        fut: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
+        entry = QueueEntry(fl.req.request_id, model, fl.req.arrival_s, fl.req.priority, payload=fl)
+        try:
+            self.queue.push(entry)
+        except QueueFull as e:
+            self._metrics.queue_rejected.labels(model).inc()
+            raise ApiError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{e}; retry after {self._retry_after_ms} ms",
+                trailing=(("retry-after-ms", str(self._retry_after_ms)),),
+            ) from None
+        fl.entry, fl.future = entry, fut
+        self._metrics.queue_depth.labels(model).set(self.queue.size(model))
+        log.debug("request %s queued for %s (depth %d)", fl.req.request_id, model, self.queue.size(model))
+        timeout = fl.remaining_s(self._clock.now())
+        try:
+            return await (fut if timeout is None else asyncio.wait_for(fut, max(timeout, 0.0)))
+        except TimeoutError:
+            raise ApiError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while queued in the router") from None
+
+    def pump(self) -> None:
+        """Release queued requests while their model's hold condition is false; bind each before the next
+        evaluation (a dispatch raises in_flight). Called on stats updates, finishes, worker changes and ticks."""
+        self._pump_scheduled = False
+        for model in self.queue.models():
+            eligible = self._fleet.routable(model)
+            while (entry := self.queue.release(model, eligible, self._hold)) is not None:
+                fl: _Flight = entry.payload
+                if fl.future is None or fl.future.done():
+                    continue  # its waiter was cancelled or timed out a moment ago
+                try:
+                    fl.future.set_result(self._bind(fl))
+                except ApiError as e:
+                    fl.future.set_exception(e)
+            self._metrics.queue_depth.labels(model).set(self.queue.size(model))
+
+    def schedule_pump(self) -> None:
+        """Coalesce pump requests into one call on the next loop iteration (never re-entrant)."""
+        if not self._pump_scheduled:
+            self._pump_scheduled = True
+            asyncio.get_running_loop().call_soon(self.pump)
+
+    # ------------------------------------------------------------------ request life
+    async def generate(self, req: AdmittedRequest, time_remaining_s: float | None) -> AsyncIterator[router_pb2.GenerateChunk]:
+        """Stream one admitted request's chunks; raises ApiError for every non-OK outcome."""
+        if req.request_id in self._flights:
+            raise ApiError(grpc.StatusCode.ALREADY_EXISTS, f"request id {req.request_id!r} is already in flight")
+        now = self._clock.now()
+        fl = _Flight(req=req, deadline_at=None if time_remaining_s is None else now + time_remaining_s, enqueued_at=now)
+        self._flights[req.request_id] = fl
+        status = grpc.StatusCode.OK
+        try:
+            decision = await self._acquire(fl)
+            while True:
+                try:
+                    async with contextlib.aclosing(self._attempt(fl, decision)) as chunks:
+                        async for chunk in chunks:
+                            yield chunk
+                    return
+                except WorkerFailed as f:
+                    decision = self._retry(fl, f)
+        except ApiError as e:
+            status = e.code
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            past = fl.deadline_at is not None and self._clock.now() >= fl.deadline_at
+            status = grpc.StatusCode.DEADLINE_EXCEEDED if past else grpc.StatusCode.CANCELLED
+            raise
+        except Exception:
+            status = grpc.StatusCode.INTERNAL
+            log.exception("request %s failed inside the router", req.request_id)
+            raise ApiError(grpc.StatusCode.INTERNAL, "internal router error") from None
+        finally:
+            if status is not grpc.StatusCode.OK:
+                self._cleanup(fl, status)
+            self._flights.pop(req.request_id, None)
+            self._metrics.requests.labels(req.model, fl.served_by, status.name.lower()).inc()
+
+    def _retry(self, fl: _Flight, f: WorkerFailed) -> Decision:
+        self._end_attempt(fl, send_abort=False)
+        if fl.num_tokens_sent:
+            raise ApiError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"worker {f.worker_id} failed after {fl.num_tokens_sent} tokens were delivered ({f}); "
+                "the output is incomplete",
+            )
+        if fl.attempt + 1 >= self._max_attempts:
+            raise ApiError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"request failed on {fl.attempt + 1} attempt(s); last worker {f.worker_id}: {f}",
+            )
+        log.warning("request %s: worker %s failed before the first token (%s); retrying", fl.req.request_id, f.worker_id, f)
+        self._metrics.retries.labels(fl.req.model, f.code.lower()).inc()
+        fl.attempt += 1
+        fl.excluded = fl.excluded | {f.worker_id}
+        return self._bind(fl)
+
+    async def _attempt(self, fl: _Flight, decision: Decision) -> AsyncIterator[router_pb2.GenerateChunk]:
+        wid = decision.worker_id
+        stub = self._registry.stub(wid)
+        if stub is None:
+            raise WorkerFailed(wid, "UNAVAILABLE", "worker was removed")
+        timeout = fl.remaining_s(self._clock.now())
+        if timeout is not None and timeout <= 0:
+            raise ApiError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before dispatch")
+        call = stub.Generate(api.worker_request(fl.req, decision), timeout=timeout)
+        fl.call = call
+        try:
+            async for wc in call:
+                chunk = self._relay(fl, wid, wc)
+                if chunk is not None:
+                    yield chunk
+                if fl.finished:
+                    return
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+            if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise ApiError(code, f"deadline passed after {fl.num_tokens_sent} tokens were delivered") from None
+            if code in RETRYABLE_CODES:
+                self._registry.report_failure(wid, f"Generate {code.name}")
+                raise WorkerFailed(wid, code.name, e.details() or "") from None
+            raise ApiError(code, f"worker {wid}: {e.details()}") from None
+        raise WorkerFailed(wid, "UNAVAILABLE", "stream ended without a final chunk")
+
+    def _text(self, fl: _Flight, wc: worker_pb2.WorkerGenerateChunk, final: bool) -> str:
+        if fl.worker_text is None and (wc.token_ids or wc.text):
+            fl.worker_text = bool(wc.text)
+            if not fl.worker_text:
+                fl.detok = Detokenizer(self._tokenizer_for(fl.req.model), fl.req.prompt_token_ids)
+        if fl.worker_text or fl.detok is None:
+            return wc.text
+        return fl.detok.push(wc.token_ids, final=final)
+
+    def _relay(self, fl: _Flight, wid: WorkerId, wc: worker_pb2.WorkerGenerateChunk) -> router_pb2.GenerateChunk | None:
+        now = self._clock.now()
+        if wc.token_ids and fl.first_token_at is None:
+            fl.first_token_at = now
+            self._policy.on_first_token(fl.req.request_id, wid, now)
+        final = wc.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+        text = self._text(fl, wc, final)
+        fl.num_tokens_sent += len(wc.token_ids)
+        if not final:
+            if not wc.token_ids and not text:
+                return None
+            return router_pb2.GenerateChunk(request_id=fl.req.request_id, token_ids=wc.token_ids, text=text)
+        usage = common_pb2.Usage()
+        if wc.HasField("usage"):
+            usage.CopyFrom(wc.usage)
+        else:
+            usage.prompt_tokens, usage.completion_tokens = len(fl.req.prompt_token_ids), fl.num_tokens_sent
+        e2e_s = now - fl.req.arrival_s
+        ttft_s = (fl.first_token_at if fl.first_token_at is not None else now) - fl.req.arrival_s
+        timings = router_pb2.Timings(
+            queue_s=fl.queue_s, ttft_s=ttft_s, e2e_s=e2e_s, worker_id=wid, route_s=fl.route_s, attempts=fl.attempt + 1
+        )
+        self._finish(fl, wid, now, ttft_s, e2e_s, usage.completion_tokens)
+        return router_pb2.GenerateChunk(
+            request_id=fl.req.request_id,
+            token_ids=wc.token_ids,
+            text=text,
+            finish_reason=wc.finish_reason,
+            usage=usage,
+            timings=timings,
+        )
+
+    def _finish(self, fl: _Flight, wid: WorkerId, now: float, ttft_s: float, e2e_s: float, num_output: int) -> None:
+        """Bookkeeping before the final chunk is yielded, so a client leaving right after it is not an abort."""
+        fl.finished = True
+        fl.served_by = wid
+        fl.call = None
+        self._end_attempt(fl, send_abort=False, finished_tokens=num_output)
+        model = fl.req.model
+        self._metrics.ttft.labels(model).observe(ttft_s)
+        self._metrics.e2e.labels(model).observe(e2e_s)
+        if num_output > 1:
+            self._metrics.tpot.labels(model).observe((e2e_s - ttft_s) / (num_output - 1))
+        log.debug(
+            "request %s finished on %s: %d tokens ttft=%.3fs e2e=%.3fs attempts=%d",
+            fl.req.request_id, wid, num_output, ttft_s, e2e_s, fl.attempt + 1,
+        )
+
+    def _end_attempt(self, fl: _Flight, send_abort: bool, finished_tokens: int | None = None) -> None:
+        """The current attempt is over (finished, failed, cancelled): release its slot exactly once."""
+        decision, fl.decision = fl.decision, None
+        if decision is None:
+            return
+        wid = decision.worker_id
+        now = self._clock.now()
+        self._fleet.note_done(wid)
+        if finished_tokens is not None:
+            self._policy.on_finish(fl.req.request_id, wid, now, finished_tokens)
+        else:
+            self._policy.on_abort(fl.req.request_id, wid, now)
+        rec = self._fleet.get(wid)
+        if rec is not None:
+            self._metrics.worker_in_flight.labels(wid).set(rec.in_flight)
+        call, fl.call = fl.call, None
+        if call is not None:
+            call.cancel()
+            if send_abort:
+                self._spawn(self._send_abort(wid, fl.req.request_id))
+        self.schedule_pump()
+
+    def _cleanup(self, fl: _Flight, status: grpc.StatusCode) -> None:
+        """A non-OK exit: take the request out of the queue, or abort it on its worker."""
+        stage = "admission"
+        if fl.entry is not None and self.queue.remove(fl.entry):
+            stage = "queued"
+            self._metrics.queue_depth.labels(fl.req.model).set(self.queue.size(fl.req.model))
+        elif fl.decision is not None:
+            stage = "dispatched"
+            self._end_attempt(fl, send_abort=True)
+        if status is grpc.StatusCode.DEADLINE_EXCEEDED:
+            self._metrics.deadline_exceeded.labels(fl.req.model, stage).inc()
+        elif status is grpc.StatusCode.CANCELLED:
+            self._metrics.cancelled.labels(fl.req.model, stage).inc()
+        log.info("request %s ended %s (%s, attempt %d)", fl.req.request_id, status.name, stage, fl.attempt + 1)
+
+    async def _send_abort(self, wid: WorkerId, request_id: str) -> None:
+        stub = self._registry.stub(wid)
+        if stub is None:
+            return
+        try:
+            await stub.Abort(worker_pb2.AbortRequest(request_ids=[request_id]), timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            log.debug("abort of %s on %s failed: %s", request_id, wid, e.code().name)
+
+    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ------------------------------------------------------------------ background
+    async def run_ticks(self, interval_s: float) -> None:
+        """Policy.on_tick every `interval_s`, plus a queue pump as a safety net for missed wake-ups."""
+        while True:
+            await asyncio.sleep(interval_s)
+            now = self._clock.now()
+            self._fleet.set_time(now)
+            self._policy.on_tick(now)
+            self.pump()
+
+    async def close(self) -> None:
+        """Fail whatever still waits in the queue, and let pending Abort calls finish."""
+        for model in self.queue.models():
+            while (entry := self.queue.pop(model)) is not None:
+                fl: _Flight = entry.payload
+                if fl.future is not None and not fl.future.done():
+                    fl.future.set_exception(ApiError(grpc.StatusCode.UNAVAILABLE, "router is shutting down"))
+        if self._background:
+            await asyncio.wait(self._background, timeout=self._rpc_timeout_s)

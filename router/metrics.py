@@ -1,0 +1,124 @@
+"""Prometheus metrics of the router (`switchyard_` prefix), on their own registry and HTTP port.
+
+One `RouterMetrics` per daemon; its own `CollectorRegistry` (not the process-global one) so tests can build
+several. Latency histograms are in seconds; label sets stay small (model, worker, status, policy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+# 1 ms .. 2 min: TTFT / E2E / queue time of LLM requests
+LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+)
+# 1 ms .. 1 s per output token
+TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
+# 1 us .. 100 ms: routing decisions and tokenization are CPU work on the hot path
+CPU_BUCKETS_S = (
+    1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1,
+)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            "switchyard_requests", "Finished requests by model, serving worker and gRPC status",
+            ["model", "worker", "status"], registry=r,
+        )
+        self.ttft = Histogram(
+            "switchyard_ttft_seconds", "Arrival at the router to the first token sent", ["model"],
+            buckets=LATENCY_BUCKETS_S, registry=r,
+        )
+        self.tpot = Histogram(
+            "switchyard_tpot_seconds", "Time per output token after the first", ["model"],
+            buckets=TPOT_BUCKETS_S, registry=r,
+        )
+        self.e2e = Histogram(
+            "switchyard_e2e_seconds", "Arrival at the router to the last chunk", ["model"],
+            buckets=LATENCY_BUCKETS_S, registry=r,
+        )
+        self.queue_time = Histogram(
+            "switchyard_queue_seconds", "Time spent in the router's queue (0 when not held)", ["model"],
+            buckets=LATENCY_BUCKETS_S, registry=r,
+        )
+        self.route_time = Histogram(
+            "switchyard_routing_decision_seconds", "Time of one Policy.select call", ["policy"],
+            buckets=CPU_BUCKETS_S, registry=r,
+        )
+        self.tokenize_time = Histogram(
+            "switchyard_tokenization_seconds", "Tokenization (chat template) plus block hashing of a prompt",
+            ["model"], buckets=CPU_BUCKETS_S, registry=r,
+        )
+        self.queue_depth = Gauge("switchyard_queue_depth", "Requests waiting in the router's queue", ["model"], registry=r)
+        self.queue_rejected = Counter(
+            "switchyard_queue_rejected", "Requests rejected because the queue was full", ["model"], registry=r
+        )
+        self.deadline_exceeded = Counter(
+            "switchyard_deadline_exceeded", "Requests whose gRPC deadline passed, by where they were",
+            ["model", "stage"], registry=r,
+        )
+        self.cancelled = Counter(
+            "switchyard_cancelled", "Requests cancelled by the client, by where they were", ["model", "stage"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "switchyard_retries", "Dispatch retries after a worker failed before the first token",
+            ["model", "reason"], registry=r,
+        )
+        self.worker_in_flight = Gauge(
+            "switchyard_worker_in_flight", "Requests this router has in flight on a worker", ["worker"], registry=r
+        )
+        self.worker_kv_usage = Gauge(
+            "switchyard_worker_kv_usage_ratio", "KV cache usage from the worker's last Stats (0-1)", ["worker"],
+            registry=r,
+        )
+        self.worker_running = Gauge(
+            "switchyard_worker_num_running", "Running requests from the worker's last Stats", ["worker"], registry=r
+        )
+        self.worker_waiting = Gauge(
+            "switchyard_worker_num_waiting", "Waiting requests from the worker's last Stats", ["worker"], registry=r
+        )
+        self.worker_healthy = Gauge(
+            "switchyard_worker_healthy", "1 when the worker answers Stats and is routable", ["worker"], registry=r
+        )
+        self.prefix_hit_ratio = Gauge(
+            "switchyard_worker_prefix_cache_hit_ratio",
+            "Cumulative prefix-cache hits / queries (tokens) from the worker's Stats", ["worker"], registry=r,
+        )
+        self._http: Any = None
+
+    def observe_worker_stats(
+        self, worker: str, kv_usage_frac: float, num_running: int, num_waiting: int, queries: int, hits: int
+    ) -> None:
+        self.worker_kv_usage.labels(worker).set(kv_usage_frac)
+        self.worker_running.labels(worker).set(num_running)
+        self.worker_waiting.labels(worker).set(num_waiting)
+        self.prefix_hit_ratio.labels(worker).set(hits / queries if queries else 0.0)
+
+    def forget_worker(self, worker: str) -> None:
+        for gauge in (
+            self.worker_in_flight, self.worker_kv_usage, self.worker_running, self.worker_waiting,
+            self.worker_healthy, self.prefix_hit_ratio,
+        ):
+            with contextlib.suppress(KeyError):
+                gauge.remove(worker)
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the HTTP exporter in a daemon thread; returns the bound port (for port 0)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        return int(server.server_port)
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,349 @@
+"""The router daemon in-process over real loopback gRPC, against scripted in-process fake workers.
+
+Covers the request path (stream, complete, text), retries, mid-stream failure, cancellation, deadlines, the
+queue (hold, release, full), admin calls, health/reflection, KV-event ingestion and metrics. Waits are on
+conditions (fake-worker notifications or router state), never on fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import grpc
+import pytest
+from fake_worker import FakeWorker, Script
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from switchyard.router.client import AsyncRouterClient
+from switchyard.router.config import load_config
+from switchyard.router.policies.base import WorkerId
+from switchyard.router.server import RouterDaemon
+from switchyard.v1 import common_pb2
+from switchyard.workers.tokenizer import load_tokenizer
+
+TOK = load_tokenizer(None)
+
+
+@asynccontextmanager
+async def stack(fakes: list[FakeWorker], **sections: dict) -> AsyncIterator[tuple[RouterDaemon, AsyncRouterClient]]:  # type: ignore[type-arg]
+    addresses = [await w.start() for w in fakes]
+    overrides: dict[str, dict] = {  # type: ignore[type-arg]
+        "server": {"port": 0, "admin_port": 0, "metrics_enabled": False, "grace_s": 1.0},
+        "workers": {"addresses": addresses, "stats_interval_s": 0.05, "health_interval_s": 0.1, "connect_timeout_s": 2.0},
+    }
+    for name, body in sections.items():
+        overrides.setdefault(name, {}).update(body)
+    daemon = RouterDaemon(load_config(environ={}, overrides=overrides))
+    bound = await daemon.start()
+    client = AsyncRouterClient(f"127.0.0.1:{bound.port}", admin_address=bound.admin)
+    try:
+        yield daemon, client
+    finally:
+        await client.close()
+        await daemon.stop(0.5)
+        for w in fakes:
+            await w.stop()
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Poll router-side state that has no notification hook (bounded; fails the test on timeout)."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.005)
+
+
+def sample(daemon: RouterDaemon, name: str, **labels: str) -> float:
+    value = daemon.metrics.registry.get_sample_value(name, labels)
+    return value or 0.0
+
+
+async def test_streaming_generate_end_to_end() -> None:
+    w = FakeWorker("w0")
+    async with stack([w]) as (daemon, client):
+        chunks = [c async for c in client.generate("m", prompt="Hello there, router", max_tokens=5, request_id="req-1")]
+        assert [list(c.token_ids) for c in chunks] == [[1000], [1001], [1002], [1003], [1004]]
+        final = chunks[-1]
+        assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(TOK.encode("Hello there, router")), 5)
+        assert final.timings.worker_id == "w0" and final.timings.attempts == 1
+        assert 0 <= final.timings.queue_s <= final.timings.ttft_s <= final.timings.e2e_s
+        assert final.timings.route_s > 0
+        assert all(c.request_id == "req-1" for c in chunks)
+        # token ids only reach the worker, with the BOS the router added
+        assert list(w.received[0].prompt_token_ids) == TOK.encode("Hello there, router")
+        assert w.received[0].sampling.max_tokens == 5
+        assert sample(daemon, "switchyard_requests_total", model="m", worker="w0", status="ok") == 1
+        assert sample(daemon, "switchyard_ttft_seconds_count", model="m") == 1
+        assert sample(daemon, "switchyard_routing_decision_seconds_count", policy="least_request") == 1
+        await until(lambda: daemon.fleet.get(WorkerId("w0")).in_flight == 0)  # type: ignore[union-attr]
+
+
+async def test_complete_and_router_side_detokenization() -> None:
+    w = FakeWorker("w0", script=Script(send_text=False))
+    async with stack([w]) as (_daemon, client):
+        resp = await client.complete("m", messages=[("user", "hi")], max_tokens=6)
+        assert list(resp.token_ids) == [1000, 1001, 1002, 1003, 1004, 1005]
+        assert resp.text == TOK.decode(list(resp.token_ids))  # incremental deltas add up to a full decode
+        assert resp.finish_reason == common_pb2.FINISH_REASON_LENGTH and resp.timings.worker_id == "w0"
+        assert list(w.received[0].prompt_token_ids) == TOK.apply_chat_template([_msg("user", "hi")])
+
+
+def _msg(role: str, content: str):  # type: ignore[no-untyped-def]
+    from switchyard.workers.tokenizer import ChatMessage
+
+    return ChatMessage(role, content)
+
+
+async def test_worker_failing_before_first_token_is_retried_elsewhere() -> None:
+    dead, ok = FakeWorker("w0", script=Script(fail_before_first=True)), FakeWorker("w1")
+    async with stack([dead, ok], routing={"policy": "round_robin"}) as (daemon, client):
+        # the fleet's order depends on which Info answered first; within two round-robin requests one starts on w0
+        resps = [await client.complete("m", prompt="retry me", max_tokens=3) for _ in range(2)]
+        assert [r.timings.worker_id for r in resps] == ["w1", "w1"]
+        retried = [r for r in resps if r.timings.attempts == 2]
+        assert len(retried) >= 1 and all(r.timings.attempts in (1, 2) for r in resps)
+        assert [r.request_id for r in dead.received] == [r.request_id for r in retried]
+        assert sample(daemon, "switchyard_retries_total", model="m", reason="unavailable") == len(retried)
+        assert daemon.fleet.get(WorkerId("w0")).in_flight == 0  # type: ignore[union-attr]
+
+
+async def test_retries_are_bounded() -> None:
+    workers = [FakeWorker(f"w{i}", script=Script(fail_before_first=True)) for i in range(3)]
+    async with stack(workers, retries={"max_attempts": 2}) as (_daemon, client):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.complete("m", prompt="x", max_tokens=3)
+        assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert "failed on 2 attempt(s)" in e.value.details()
+        assert sum(len(w.received) for w in workers) == 2
+
+
+async def test_worker_failing_mid_stream_ends_with_unavailable_and_the_token_count() -> None:
+    w = FakeWorker("w0", script=Script(fail_after_tokens=3))
+    async with stack([w]) as (_daemon, client):
+        got: list[int] = []
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for c in client.generate("m", prompt="x", max_tokens=10):
+                got.extend(c.token_ids)
+        assert got == [1000, 1001, 1002]
+        assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert "after 3 tokens were delivered" in e.value.details()
+        assert len(w.received) == 1  # never retried once tokens went out
+
+
+async def test_worker_errors_that_are_the_requests_fault_pass_through() -> None:
+    w = FakeWorker("w0", script=Script(status=grpc.StatusCode.INVALID_ARGUMENT))
+    async with stack([w]) as (_daemon, client):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.complete("m", prompt="x", max_tokens=3)
+        assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "scripted failure" in e.value.details()
+
+
+async def test_client_cancel_aborts_on_the_worker() -> None:
+    w = FakeWorker("w0", script=Script(hold_after=2))
+    async with stack([w]) as (daemon, client):
+        call = client.generate_call("m", prompt="x", max_tokens=10, request_id="c1")
+        assert [c.token_ids[0] async for c in _take(call, 2)] == [1000, 1001]
+        call.cancel()
+        await w.wait_for(lambda: "c1" in w.aborted and "c1" in w.cancelled)
+        await until(lambda: daemon.fleet.get(WorkerId("w0")).in_flight == 0)  # type: ignore[union-attr]
+        await until(lambda: sample(daemon, "switchyard_cancelled_total", model="m", stage="dispatched") == 1)
+
+
+async def _take(call, n: int):  # type: ignore[no-untyped-def]
+    it = call.__aiter__()
+    for _ in range(n):
+        yield await it.__anext__()
+
+
+async def test_deadline_while_dispatched_aborts_on_the_worker() -> None:
+    w = FakeWorker("w0", script=Script(hold_after=1))
+    async with stack([w]) as (daemon, client):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.complete("m", prompt="x", max_tokens=10, request_id="d1", timeout=0.3)
+        assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        await w.wait_for(lambda: "d1" in w.cancelled)
+        await until(lambda: sample(daemon, "switchyard_deadline_exceeded_total", model="m", stage="dispatched") == 1)
+        await until(lambda: daemon.fleet.get(WorkerId("w0")).in_flight == 0)  # type: ignore[union-attr]
+
+
+async def test_queue_holds_releases_and_rejects_when_full() -> None:
+    # max_num_seqs=1: one in flight saturates the worker; queue max_size=1
+    w = FakeWorker("w0", max_num_seqs=1, script=Script(hold_after=0))
+    async with stack([w], queue={"max_size": 1, "retry_after_ms": 250}) as (daemon, client):
+        first = asyncio.create_task(client.complete("m", prompt="a", max_tokens=2, request_id="q1"))
+        await w.wait_for(lambda: "q1" in w.active)
+        second = asyncio.create_task(client.complete("m", prompt="b", max_tokens=2, request_id="q2"))
+        await until(lambda: len(daemon.queue) == 1)
+        assert [r.request_id for r in w.received] == ["q1"]  # q2 is held in the router, not sent
+        call = client._stub.Complete(_req("q3"), timeout=5)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await call
+        assert e.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert ("retry-after-ms", "250") in tuple(await call.trailing_metadata())
+        w.gate.set()  # q1 finishes -> capacity frees -> q2 released (late binding)
+        r1, r2 = await first, await second
+        assert (r1.timings.queue_s, r2.timings.worker_id) == (pytest.approx(r1.timings.queue_s), "w0")
+        assert r2.timings.queue_s > 0
+        assert sample(daemon, "switchyard_queue_rejected_total", model="m") == 1
+
+
+def _req(rid: str):  # type: ignore[no-untyped-def]
+    from switchyard.router.client import make_request
+
+    return make_request("m", prompt="c", max_tokens=2, request_id=rid)
+
+
+async def test_cancel_and_deadline_remove_from_the_queue() -> None:
+    w = FakeWorker("w0", max_num_seqs=1, script=Script(hold_after=0))
+    async with stack([w], queue={"max_size": 4}) as (daemon, client):
+        first = asyncio.create_task(client.complete("m", prompt="a", max_tokens=2, request_id="q1"))
+        await w.wait_for(lambda: "q1" in w.active)
+        waiting = client.generate_call("m", prompt="b", max_tokens=2, request_id="q2")
+        await until(lambda: len(daemon.queue) == 1)
+        waiting.cancel()
+        await until(lambda: len(daemon.queue) == 0)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.complete("m", prompt="c", max_tokens=2, request_id="q3", timeout=0.2)
+        assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        await until(lambda: len(daemon.queue) == 0)
+        await until(lambda: sample(daemon, "switchyard_deadline_exceeded_total", model="m", stage="queued") == 1)
+        assert sample(daemon, "switchyard_cancelled_total", model="m", stage="queued") == 1
+        w.gate.set()
+        await first
+        assert [r.request_id for r in w.received] == ["q1"]  # neither q2 nor q3 ever reached the worker
+
+
+async def test_stats_waiting_holds_until_the_worker_reports_room() -> None:
+    w = FakeWorker("w0", max_num_seqs=8)
+    w.num_waiting = 2
+    async with stack([w]) as (daemon, client):
+        await until(lambda: daemon.fleet.get(WorkerId("w0")).num_waiting == 2)  # type: ignore[union-attr]
+        task = asyncio.create_task(client.complete("m", prompt="x", max_tokens=1, request_id="h1"))
+        await until(lambda: len(daemon.queue) == 1)
+        w.num_waiting = 0  # the next Stats poll releases it
+        resp = await task
+        assert resp.timings.queue_s > 0
+
+
+async def test_errors_over_grpc() -> None:
+    async with stack([FakeWorker("w0", max_model_len=16)], limits={"max_tokens": 50}) as (_daemon, client):
+        cases = [
+            ({"model": "nope", "prompt": "x"}, grpc.StatusCode.NOT_FOUND),
+            ({"model": "m", "prompt": ""}, grpc.StatusCode.INVALID_ARGUMENT),
+            ({"model": "m", "prompt": "x", "max_tokens": 0}, grpc.StatusCode.INVALID_ARGUMENT),
+            ({"model": "m", "prompt": "x", "max_tokens": 51}, grpc.StatusCode.INVALID_ARGUMENT),
+            ({"model": "m", "prompt": "x", "temperature": -1.0}, grpc.StatusCode.INVALID_ARGUMENT),
+            ({"model": "m", "prompt": "x", "top_p": 0.0}, grpc.StatusCode.INVALID_ARGUMENT),
+            ({"model": "m", "token_ids": list(range(10, 27))}, grpc.StatusCode.INVALID_ARGUMENT),  # 17 > 16
+        ]
+        for kw, code in cases:
+            kw.setdefault("max_tokens", 4)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await client.complete(**kw)
+            assert e.value.code() is code, kw
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                _ = [c async for c in client.generate(**kw)]
+            assert e.value.code() is code, kw
+
+
+async def test_no_healthy_worker_is_unavailable() -> None:
+    w = FakeWorker("w0")
+    async with stack([w]) as (daemon, client):
+        await w.stop()
+        await until(lambda: not daemon.fleet.get(WorkerId("w0")).healthy)  # type: ignore[union-attr]
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.complete("m", prompt="x", max_tokens=2)
+        assert e.value.code() is grpc.StatusCode.UNAVAILABLE and "no healthy worker" in e.value.details()
+        [status] = await client.list_workers()
+        assert (status.state, status.healthy) == ("unhealthy", False)
+
+
+async def test_admin_list_drain_deregister_register() -> None:
+    w0, w1, w2 = FakeWorker("w0"), FakeWorker("w1"), FakeWorker("w2")
+    await w2.start()
+    async with stack([w0, w1], routing={"policy": "round_robin"}) as (daemon, client):
+        listed = {s.worker_id: s for s in await client.list_workers()}
+        assert set(listed) == {"w0", "w1"}
+        assert (listed["w0"].state, listed["w0"].model, listed["w0"].healthy) == ("ready", "m", True)
+        assert listed["w1"].address == w1.address
+
+        assert (await client.drain_worker("w0")).state == "draining"
+        got = [(await client.complete("m", prompt="x", max_tokens=1)).timings.worker_id for _ in range(3)]
+        assert got == ["w1", "w1", "w1"]
+
+        assert (await client.deregister_worker("w1")).state == "removed"
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.complete("m", prompt="x", max_tokens=1)
+        assert e.value.code() is grpc.StatusCode.UNAVAILABLE  # w0 draining, w1 gone
+
+        status = await client.register_worker(w2.address)
+        assert (status.worker_id, status.state) == ("w2", "ready")
+        assert (await client.complete("m", prompt="x", max_tokens=1)).timings.worker_id == "w2"
+        assert {s.worker_id for s in await client.list_workers()} == {"w0", "w2"}
+
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.drain_worker("nope")
+        assert e.value.code() is grpc.StatusCode.NOT_FOUND
+    await w2.stop()
+
+
+async def test_register_rejects_mismatched_tokenizer_and_unreachable_address() -> None:
+    bad = FakeWorker("wx", tokenizer_id="sentencepiece:other.model:000")
+    await bad.start()
+    async with stack([FakeWorker("w0")], workers={"connect_timeout_s": 0.3}) as (_daemon, client):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.register_worker(bad.address)
+        assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION and "tokenizer mismatch" in e.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.register_worker("127.0.0.1:1")
+        assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert [s.worker_id for s in await client.list_workers()] == ["w0"]
+    await bad.stop()
+
+
+async def test_kv_events_feed_the_prefix_view() -> None:
+    w = FakeWorker("w0", block_size=4)
+    async with stack([w]) as (daemon, client):
+        await until(lambda: len(w._kv_queues) == 1)  # the router subscribed
+        ids = list(range(100, 112))  # 12 tokens = 3 blocks of 4
+        await client.complete("m", token_ids=ids, max_tokens=1)
+        spec = daemon.registry.spec("m")
+        assert spec is not None and spec.block_size == 4
+        from switchyard.router.admission import block_hashes
+
+        hashes = block_hashes(ids, spec, "", "")
+        await until(lambda: daemon.fleet.cached_prefix_blocks("m", hashes) == {"w0": 3})
+        [status] = await client.list_workers()
+        assert status.num_resident_blocks == 3
+        await until(lambda: sample(daemon, "switchyard_worker_prefix_cache_hit_ratio", worker="w0") == 0.25)
+
+
+async def test_health_and_reflection_on_the_public_port() -> None:
+    async with stack([FakeWorker("w0")]) as (daemon, client):
+        stub = health_pb2_grpc.HealthStub(client._channel)
+        resp = await stub.Check(health_pb2.HealthCheckRequest(service="switchyard.v1.Router"))
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+        refl = reflection_pb2_grpc.ServerReflectionStub(client._channel)
+        names: list[str] = []
+        async for r in refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])):
+            names += [s.name for s in r.list_services_response.service]
+        assert "switchyard.v1.Router" in names and "grpc.health.v1.Health" in names
+        await daemon.health.enter_graceful_shutdown()
+        resp = await stub.Check(health_pb2.HealthCheckRequest(service=""))
+        assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def test_duplicate_request_id_in_flight_is_rejected() -> None:
+    w = FakeWorker("w0", script=Script(hold_after=0))
+    async with stack([w]) as (_daemon, client):
+        first = asyncio.create_task(client.complete("m", prompt="a", max_tokens=1, request_id="dup"))
+        await w.wait_for(lambda: "dup" in w.active)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.complete("m", prompt="a", max_tokens=1, request_id="dup")
+        assert e.value.code() is grpc.StatusCode.ALREADY_EXISTS
+        w.gate.set()
+        await first

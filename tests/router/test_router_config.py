@@ -1,0 +1,115 @@
+"""Router configuration: defaults, TOML < environment < CLI precedence, unknown keys rejected with clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from switchyard.router.config import ConfigError, RouterConfig, load_config
+from switchyard.router.server import config_from_args
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "router.toml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults() -> None:
+    c = load_config(environ={})
+    assert (c.server.host, c.server.admin_host) == ("127.0.0.1", "127.0.0.1")
+    assert c.routing.policy == "least_request"
+    assert c.workers.stats_interval_s == 0.2
+    assert c.queue.kv_usage_hold_frac == 0.95
+    assert c.workers.addresses == ()
+
+
+def test_frozen() -> None:
+    c = load_config(environ={})
+    with pytest.raises(Exception, match="frozen"):
+        c.server.port = 1  # type: ignore[misc]
+
+
+def test_precedence_toml_then_env_then_cli(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+[server]
+port = 6000
+admin_port = 6001
+grace_s = 5
+[workers]
+addresses = ["a:1", "b:2"]
+[routing]
+policy = "round_robin"
+[tokenizer.models]
+m1 = "/tmp/m1.model"
+""",
+    )
+    env = {"SWITCHYARD_SERVER_ADMIN_PORT": "7001", "SWITCHYARD_SERVER_GRACE_S": "9.5", "SWITCHYARD_WORKERS_ADDRESSES": "c:3,d:4"}
+    c = config_from_args(["--config", str(path), "--admin-port", "8001", "--set", "queue.max_size=7"], environ=env)
+    assert c.server.port == 6000  # TOML only
+    assert c.server.admin_port == 8001  # TOML 6001 < env 7001 < CLI 8001
+    assert c.server.grace_s == 9.5  # env over TOML
+    assert c.workers.addresses == ("c:3", "d:4")  # env list replaces the TOML list
+    assert c.routing.policy == "round_robin"
+    assert c.queue.max_size == 7
+    assert c.tokenizer.models == {"m1": "/tmp/m1.model"}
+
+
+def test_named_cli_flag_wins_over_set() -> None:
+    c = config_from_args(["--set", "server.port=1", "--port", "2", "--worker", "x:1", "--worker", "y:2,z:3"], environ={})
+    assert c.server.port == 2
+    assert c.workers.addresses == ("x:1", "y:2", "z:3")
+
+
+def test_env_json_values() -> None:
+    c = load_config(environ={"SWITCHYARD_TOKENIZER_MODELS": '{"m": "/p.model"}', "SWITCHYARD_WORKERS_ADDRESSES": '["a:1"]'})
+    assert c.tokenizer.models == {"m": "/p.model"} and c.workers.addresses == ("a:1",)
+
+
+def test_unrelated_switchyard_env_vars_are_ignored() -> None:
+    c = load_config(environ={"SWITCHYARD_NO_EXTENSIONS": "1", "HOME": "/root"})
+    assert c == RouterConfig()
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("[server]\nprot = 1\n", r"unknown key server\.prot; known keys of \[server\]: host, port"),
+        ("[sever]\nport = 1\n", r"unknown section \[sever\]"),
+        ("[routing]\npolicy = 'nope'\n", r"unknown policy 'nope'; known: least_request, power_of_two, round_robin"),
+        ("[server]\nport = 'abc'\n", r"server\.port: Input should be a valid integer"),
+        ("[queue]\nkv_usage_hold_frac = 1.5\n", r"queue\.kv_usage_hold_frac"),
+        ("[server\n", r"config file .*router\.toml"),
+    ],
+)
+def test_toml_errors_are_clear(tmp_path: Path, toml: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, toml), environ={})
+
+
+def test_unknown_env_key_in_known_section_is_rejected() -> None:
+    with pytest.raises(ConfigError, match=r"SWITCHYARD_QUEUE_MAXSIZE: unknown key queue\.maxsize"):
+        load_config(environ={"SWITCHYARD_QUEUE_MAXSIZE": "3"})
+
+
+def test_unknown_set_key_is_rejected() -> None:
+    with pytest.raises(ConfigError, match=r"--set: unknown key limits\.max_token\b"):
+        config_from_args(["--set", "limits.max_token=5"], environ={})
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        config_from_args(["--set", "limits"], environ={})
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ConfigError, match="cannot read config file /nonexistent.toml"):
+        load_config("/nonexistent.toml", environ={})
+
+
+def test_print_config_round_trips(tmp_path: Path) -> None:
+    from switchyard.router.config import to_toml
+
+    c = config_from_args(["--worker", "a:1", "--set", 'tokenizer.models={"m": "/x.model"}', "--port", "7"], environ={})
+    path = write(tmp_path, to_toml(c))
+    assert load_config(path, environ={}) == c
