@@ -8,7 +8,7 @@ for a request is the longest run of leading hashes resident on it. Duplicate Blo
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from itertools import repeat
+from itertools import compress, repeat
 
 from switchyard.workers.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
@@ -55,20 +55,17 @@ class PrefixIndex:
                 hashes = event.block_hashes
                 if len(hashes) == 1:
                     h = hashes[0]
-                    if h not in held:
-                        continue
-                    held.discard(h)
-                    gone: Iterable[int] = hashes
-                else:
-                    gone = held.intersection(hashes)
-                    held.difference_update(gone)
-                keep = ~self._worker_bit[worker_id]
-                for h in gone:
-                    m = h2m[h] & keep
-                    if m:
-                        h2m[h] = m
-                    else:
-                        del h2m[h]
+                    if h in held:
+                        held.discard(h)
+                        m = h2m.pop(h) & ~self._worker_bit[worker_id]
+                        if m:
+                            h2m[h] = m
+                    continue
+                gone = list(held.intersection(hashes))
+                if not gone:
+                    continue
+                held.difference_update(gone)
+                self._drop(gone, ~self._worker_bit[worker_id])
             elif isinstance(event, AllBlocksCleared):
                 self.remove_worker(worker_id)
 
@@ -79,14 +76,15 @@ class PrefixIndex:
         if bit is None:
             return
         del self._bit_worker[bit]
+        if held:
+            self._drop(list(held), ~bit)
+
+    def _drop(self, hashes: list[int], keep: int) -> None:
+        """Clear the bits outside `keep` from held hashes: pop them all, put back those another worker still
+        holds (iterated in C)."""
         h2m = self._hash_to_mask
-        keep = ~bit
-        for h in held or ():
-            m = h2m[h] & keep
-            if m:
-                h2m[h] = m
-            else:
-                del h2m[h]
+        masks = list(map(keep.__and__, map(h2m.pop, hashes)))
+        h2m.update(compress(zip(hashes, masks), masks))  # noqa: B905 - same lengths
 
     def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """Per worker, the number of leading blocks of `block_hashes` it holds (workers with 0 are omitted)."""

@@ -4,9 +4,24 @@ full-attention manager): prefix-cache lookups, slot allocation, caching of newly
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Sequence
+
 from switchyard.ext.blockhash import block_digests, none_hash, to_event_hash
 from switchyard.workers.engine.block_pool import BlockPool, KVCacheBlock
 from switchyard.workers.engine.request import Request
+
+
+def event_hashes(digests: Sequence[bytes]) -> list[int]:
+    """[to_event_hash(d) for d in digests] (the low 64 bits of each big-endian digest), unpacked in one call."""
+    n = len(digests)
+    if n < 4:
+        return [to_event_hash(d) for d in digests]
+    size = len(digests[0])
+    if size == 0 or size % 8 or len(set(map(len, digests))) != 1:  # not one length, a multiple of 8
+        return list(map(to_event_hash, digests))
+    k = size >> 3
+    return list(struct.unpack(f">{k * n}Q", b"".join(digests))[k - 1 :: k])
 
 
 class KVCacheManager:
@@ -54,7 +69,7 @@ class KVCacheManager:
             seed=self.hash_seed,
         )
         req.block_digests.extend(new)
-        req.block_event_hashes.extend(to_event_hash(d) for d in new)
+        req.block_event_hashes.extend(event_hashes(new))
 
     # -- lookups -------------------------------------------------------------------------------------------
     def get_computed_blocks(self, req: Request) -> tuple[list[KVCacheBlock], int]:
@@ -67,13 +82,17 @@ class KVCacheManager:
             return [], 0
         max_hit_blocks = (req.num_tokens - 1) // self.block_size
         self.ensure_block_hashes(req, max_hit_blocks)
-        get = self.block_pool.get_cached_block
+        get = self.block_pool.cached_block_hash_to_block.get
         hits: list[KVCacheBlock] = []
-        for d in req.block_digests[:max_hit_blocks]:
-            b = get(d)
+        append = hits.append
+        digests = req.block_digests
+        for i in range(min(max_hit_blocks, len(digests))):
+            b = get(digests[i])
             if b is None:
                 break
-            hits.append(b)
+            if type(b) is dict:  # several blocks hold this digest: the earliest cached, as get_cached_block
+                b = next(iter(b.values()))
+            append(b)
         return hits, len(hits) * self.block_size
 
     def num_cached_prefix_tokens(self, req: Request) -> int:

@@ -49,12 +49,8 @@ def test_lru_eviction_tail_first_then_least_recently_freed() -> None:
     got = pool.get_new_blocks(4)
     # A's tail (3) goes first, then A's head; B (freed later) only after A is gone
     assert _ids(got) == [3, 2, 1, 6]
-    assert pool.take_events() == [
-        BlockRemoved((102,)),
-        BlockRemoved((101,)),
-        BlockRemoved((100,)),
-        BlockRemoved((202,)),
-    ]
+    # one BlockRemoved for the whole allocation, hashes in eviction order (vLLM would emit one per block)
+    assert pool.take_events() == [BlockRemoved((102, 101, 100, 202))]
     assert pool.get_cached_block(bytes([2, 0]) * 8) is pool.blocks[4]
     assert pool.get_cached_block(bytes([1, 0]) * 8) is None
 
@@ -76,3 +72,22 @@ def test_cache_full_blocks_event_and_reset() -> None:
     assert pool.take_events() == [AllBlocksCleared()]
     assert pool.get_cached_block(b"d0") is None
     assert pool.snapshot_events() == []
+
+
+def test_duplicate_digests_are_all_cached_and_lookups_return_the_earliest() -> None:
+    pool = BlockPool(num_blocks=8, enable_caching=True, block_size=1)
+    a = pool.get_new_blocks(3)
+    pool.cache_full_blocks(a, [b"x", b"y", b"x"], [1, 2, 1], [5, 6, 5], 0, 3, None)  # a repeat within one run
+    b = pool.get_new_blocks(2)
+    pool.cache_full_blocks(b, [b"y", b"z"], [2, 3], [6, 7], 0, 2, None)  # a repeat of a cached digest
+    assert sorted(x.block_id for x in pool.iter_cached_blocks()) == [1, 2, 3, 4, 5]
+    assert pool.get_cached_block(b"x") is a[0] and pool.get_cached_block(b"y") is a[1]
+    pool.take_events()
+    pool.free_blocks(reversed(a))  # free: [6, 7, 3, 2, 1]
+    pool.free_blocks(reversed(b))  # free: [6, 7, 3, 2, 1, 5, 4]
+    assert _ids(pool.get_new_blocks(4)) == [6, 7, 3, 2]  # evicts a[2] (x) and a[1] (y)
+    assert pool.take_events() == [BlockRemoved((1, 2))]
+    assert pool.get_cached_block(b"x") is a[0] and pool.get_cached_block(b"y") is b[0]
+    assert _ids(pool.get_new_blocks(3)) == [1, 5, 4]
+    assert pool.take_events() == [BlockRemoved((1, 3, 2))]
+    assert list(pool.iter_cached_blocks()) == [] and pool.cached_block_hash_to_block == {}

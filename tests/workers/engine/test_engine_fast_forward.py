@@ -53,9 +53,7 @@ def _run(cfg: dict, reqs, fast: bool):
     pool = eng.kv_cache_manager.block_pool
     state = (
         [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
-        sorted(
-            (b.block_id, b.event_hash) for s in pool.cached_block_hash_to_block.values() for b in s.values()
-        ),
+        sorted((b.block_id, b.event_hash) for b in pool.iter_cached_blocks()),
         eng.stats(),
     )
     return tokens, finish, events, t, iters, state, boundaries

@@ -10,7 +10,7 @@ import xxhash
 from engine_testlib import make_engine, make_request
 
 from switchyard.ext.blockhash import block_digests, to_event_hash
-from switchyard.workers.engine.kv_cache_manager import KVCacheManager
+from switchyard.workers.engine.kv_cache_manager import KVCacheManager, event_hashes
 from switchyard.workers.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from switchyard.workers.engine.request import Request
 from switchyard.workers.engine.types import EngineRequest
@@ -113,8 +113,9 @@ def test_kv_events_stored_on_compute_duplicate_on_full_hit_removed_on_eviction()
     eng.step(2.0)
     ev = eng.take_kv_events()
     # blocks 4, 5 were never cached; 2 (a's block 1 = e1), 3 (b's duplicate of e1), 1 (e0) are evicted in order
-    assert ev[:3] == [BlockRemoved((e1,)), BlockRemoved((e1,)), BlockRemoved((e0,))]
-    assert isinstance(ev[3], BlockStored) and len(ev[3].block_hashes) == 5
+    # (one BlockRemoved for the allocation's evictions, in order; it precedes the store of the new blocks)
+    assert ev[0] == BlockRemoved((e1, e1, e0))
+    assert len(ev) == 2 and isinstance(ev[1], BlockStored) and len(ev[1].block_hashes) == 5
     assert [b.block_id for b in eng.kv_cache_manager.get_blocks("c")] == []  # finished: freed
     assert eng.stats().prefix_cache_queries == 8 + 8 + 20 and eng.stats().prefix_cache_hits == 4
 
@@ -152,3 +153,13 @@ def test_snapshot_reannounces_parents_before_children() -> None:
         seen.update(ev.block_hashes)
     # a: 3 blocks; b: hits 2, stores 1 more ([9, 9]) -> 4 cached blocks
     assert len(snap) == 4
+
+
+def test_bulk_event_hashes_equal_to_event_hash() -> None:
+    toks = list(range(3, 3 + 16 * 9))
+    for algo in ("xxhash", "sha256"):
+        ds = block_digests(toks, 16, algo)
+        for n in range(len(ds) + 1):
+            assert event_hashes(ds[:n]) == [to_event_hash(d) for d in ds[:n]]
+    odd = [b"\x01" * 16, b"\x02" * 8, b"\x03" * 24, b"\x04" * 5]  # mixed lengths take the generic path
+    assert event_hashes(odd) == [to_event_hash(d) for d in odd]
