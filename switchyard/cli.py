@@ -14,6 +14,7 @@ commands:
   bench sim          discrete-event simulation of N workers in virtual time
   bench live         router + simulated worker processes over loopback gRPC: router-added latency
   bench profiles     fit error of each performance profile against the measured tables
+  bench radix        micro-benchmark of the global prefix radix tree (match, insert; Cython vs Python)
 
 Run `switchyard <command> --help` for a command's options.
 """
@@ -25,6 +26,7 @@ COMMANDS: dict[tuple[str, ...], str] = {
     ("bench", "sim"): "switchyard.bench.sim",
     ("bench", "live"): "switchyard.bench.live",
     ("bench", "profiles"): "switchyard.bench.profiles",
+    ("bench", "radix"): "switchyard.bench.micro.radix",
 }
 
 

@@ -7,12 +7,18 @@ from collections.abc import Callable
 from switchyard.router.policies.base import Policy
 from switchyard.router.policies.least_request import LeastRequest
 from switchyard.router.policies.power_of_two import PowerOfTwo
+from switchyard.router.policies.preble_e2 import PrebleE2, PrebleE2Base, PrebleE2Rebal
 from switchyard.router.policies.round_robin import RoundRobin
 
 POLICIES: dict[str, Callable[[], Policy]] = {
     "round_robin": RoundRobin,
     "least_request": LeastRequest,
     "power_of_two": PowerOfTwo,
+    # Preble E2 (specs/preble.md), ablation order e2_base -> e2_rebal -> e2 (full); preble_e2 = e2 (file name)
+    "e2": PrebleE2,
+    "preble_e2": PrebleE2,
+    "e2_base": PrebleE2Base,
+    "e2_rebal": PrebleE2Rebal,
 }
 
 DEFAULT_POLICY = "least_request"

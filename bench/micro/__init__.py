@@ -1,0 +1,1 @@
+"""Micro-benchmarks of the hot paths in ext/ (`switchyard bench radix`, ...)."""

@@ -1,0 +1,182 @@
+"""Micro-benchmark of the global prefix radix tree (`switchyard bench radix`): match, insert and a routing
+decision (match + a per-worker cost over 16 workers), p50/p99 in µs, Cython build vs Python reference, on
+realistic trees of 10k and 100k nodes (shared system prompts, tool/document branches, per-user questions).
+
+Quick (a few seconds): `switchyard bench radix --nodes 10000 --ops 2000`.
+Full (about a minute, mostly building the 100k-node trees in Python): `switchyard bench radix`.
+Writes results/micro-radix/radix.json and radix.md and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+from switchyard.ext import radix_py
+
+try:
+    from switchyard.ext import _radix_c
+except ImportError:  # pragma: no cover - the table then has the reference only
+    _radix_c = None
+
+NUM_WORKERS = 16
+WORKER_IDS = [f"worker-{i}" for i in range(NUM_WORKERS)]
+
+
+class Workload:
+    """Prompts as chained block-hash lists: system prompt -> tool/document -> question (-> follow-up turn).
+
+    Lengths in 16-token blocks: system prompts 16-64, tools 8-48, questions 2-16, follow-ups 2-8; tools are
+    picked with Zipf-like skew so some branches are hot. Hashes are random uint64, fixed per prefix.
+    """
+
+    def __init__(self, seed: int, num_systems: int = 40, tools_per_system: int = 60) -> None:
+        self.rng = random.Random(seed)
+        self.systems = [self._blocks(16, 64) for _ in range(num_systems)]
+        self.tools = [[self._blocks(8, 48) for _ in range(tools_per_system)] for _ in range(num_systems)]
+        self.tool_weights = [1.0 / (i + 1) for i in range(tools_per_system)]
+        self.recent: list[list[int]] = []  # earlier prompts, for multi-turn follow-ups
+
+    def _blocks(self, lo: int, hi: int) -> list[int]:
+        return [self.rng.getrandbits(64) for _ in range(self.rng.randint(lo, hi))]
+
+    def prompt(self) -> list[int]:
+        rng = self.rng
+        if self.recent and rng.random() < 0.25:  # a follow-up turn extends an earlier conversation
+            base = self.recent[rng.randrange(len(self.recent))]
+            out = base + self._blocks(2, 8)
+        else:
+            s = rng.randrange(len(self.systems))
+            tool = rng.choices(self.tools[s], weights=self.tool_weights)[0]
+            out = self.systems[s] + tool + self._blocks(2, 16)
+        if len(self.recent) < 5000:
+            self.recent.append(out)
+        else:
+            self.recent[rng.randrange(len(self.recent))] = out
+        return out
+
+
+def build(mod: ModuleType, target_nodes: int, seed: int) -> tuple[object, Workload, float]:
+    """A tree grown to target_nodes by inserting prompts, each assigned and made resident on a worker."""
+    tree = mod.RadixTree()
+    wl = Workload(seed)
+    rng = random.Random(seed + 1)
+    now = 0.0
+    while tree.num_nodes < target_nodes:
+        now += 0.01
+        hashes = wl.prompt()
+        worker = WORKER_IDS[rng.randrange(NUM_WORKERS)]
+        tree.assign(tree.insert(hashes, now), worker, now)
+        tree.mark_resident(worker, hashes, None, now)
+        if rng.random() < 0.05:  # some tails evicted: partial runs
+            tree.mark_evicted(worker, hashes[-rng.randint(1, 4) :])
+    return tree, wl, now
+
+
+def decide(m: object) -> str | None:
+    """A stand-in for the cost step: per worker, cached blocks vs missed blocks, lowest cost wins."""
+    best, best_cost = None, float("inf")
+    resident = m.resident_blocks  # type: ignore[attr-defined]
+    assigned = m.assigned_blocks  # type: ignore[attr-defined]
+    matched = m.matched_blocks  # type: ignore[attr-defined]
+    for i, w in enumerate(WORKER_IDS):
+        cost = (matched - max(resident.get(w, 0), assigned.get(w, 0))) * 1e-4 + i * 1e-6
+        if cost < best_cost:
+            best, best_cost = w, cost
+    return best
+
+
+def pct(samples_ns: list[int], q: float) -> float:
+    s = sorted(samples_ns)
+    return s[min(len(s) - 1, int(q * len(s)))] / 1000.0
+
+
+def measure(mod: ModuleType, target_nodes: int, num_ops: int, seed: int) -> dict:
+    t0 = time.perf_counter()
+    tree, wl, now = build(mod, target_nodes, seed)
+    build_s = time.perf_counter() - t0
+    num_nodes, num_blocks = tree.num_nodes, tree.num_blocks  # type: ignore[attr-defined]
+    queries = [wl.prompt() for _ in range(num_ops)]
+    clock = time.perf_counter_ns
+    match_ns, decide_ns, insert_ns = [], [], []
+    for q in queries:
+        t = clock()
+        tree.match(q)  # type: ignore[attr-defined]
+        match_ns.append(clock() - t)
+    for q in queries:
+        t = clock()
+        decide(tree.match(q))  # type: ignore[attr-defined]
+        decide_ns.append(clock() - t)
+    for q in queries:
+        now += 0.01
+        t = clock()
+        tree.insert(q, now)  # type: ignore[attr-defined]
+        insert_ns.append(clock() - t)
+    return {
+        "impl": "c" if mod is _radix_c else "py",
+        "target_nodes": target_nodes,
+        "nodes": num_nodes,  # when the timing starts (the insert phase then adds some)
+        "blocks": num_blocks,
+        "build_s": round(build_s, 2),
+        "mean_query_blocks": round(statistics.fmean(len(q) for q in queries), 1),
+        "ops": num_ops,
+        "match_p50_us": round(pct(match_ns, 0.50), 2),
+        "match_p99_us": round(pct(match_ns, 0.99), 2),
+        "decision_p50_us": round(pct(decide_ns, 0.50), 2),
+        "decision_p99_us": round(pct(decide_ns, 0.99), 2),
+        "insert_p50_us": round(pct(insert_ns, 0.50), 2),
+        "insert_p99_us": round(pct(insert_ns, 0.99), 2),
+    }
+
+
+def to_markdown(rows: list[dict]) -> str:
+    lines = [
+        "| impl | nodes | blocks | query blocks (mean) | match p50 / p99 µs | decision p50 / p99 µs "
+        "| insert p50 / p99 µs |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['impl']} | {r['nodes']} | {r['blocks']} | {r['mean_query_blocks']} "
+            f"| {r['match_p50_us']} / {r['match_p99_us']} | {r['decision_p50_us']} / {r['decision_p99_us']} "
+            f"| {r['insert_p50_us']} / {r['insert_p99_us']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="switchyard bench radix", description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, nargs="+", default=[10_000, 100_000], help="tree sizes to build")
+    ap.add_argument("--ops", type=int, default=5000, help="timed operations per kind and tree")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--impl", choices=["both", "c", "py"], default="both")
+    ap.add_argument("--out", type=Path, default=Path("results/micro-radix"), help="output folder")
+    args = ap.parse_args(argv)
+    mods = []
+    if args.impl in ("both", "c"):
+        if _radix_c is None:
+            print("switchyard.ext._radix_c is not built; reference only", file=sys.stderr)
+        else:
+            mods.append(_radix_c)
+    if args.impl in ("both", "py"):
+        mods.append(radix_py)
+    rows = [measure(mod, n, args.ops, args.seed) for n in args.nodes for mod in mods]
+    md = to_markdown(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"python": platform.python_version(), "machine": platform.machine(), "workers": NUM_WORKERS}
+    (args.out / "radix.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    (args.out / "radix.md").write_text(md)
+    print(md, end="")
+    print(f"wrote {args.out / 'radix.json'} and {args.out / 'radix.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

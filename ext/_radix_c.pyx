@@ -1,0 +1,675 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Fast global prefix radix tree: the same API and results as `radix_py` (see its docstring for the contract).
+
+Layout, chosen for `match` (the routing hot path):
+
+    Node._blocks   uint64_t[_n]      the run of block hashes, compared in C against the query
+    Node._children dict              first block hash (Python int) -> child Node
+    Node._res_mask uint64_t          bit s set = worker slot s has a leading resident run on this node
+    Node._runs     uint32_t[popcnt]  those runs, in slot order: run of s = _runs[popcount(mask & (bit(s)-1))]
+    Node._asg_mask uint64_t          bit s set = worker slot s is assigned through this node
+
+Worker ids are interned into at most 64 slots (`MAX_WORKERS`); a slot is freed as soon as no node refers to it
+(`_slot_refs` counts the (node, resident|assigned) memberships), so the limit is on workers that hold state in
+the tree at the same time. With masks, `match` carries the set of workers whose leading run is still unbroken
+as one uint64 down the path and touches Python objects only to build the result dicts.
+
+The block index is a dict block hash -> Node; the offset inside the node is found by a scan of the node's C
+array (a few ns per block), with an O(1) fast path for the consecutive blocks of one event.
+"""
+
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.long cimport PyLong_Check, PyLong_FromUnsignedLongLong
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.object cimport PyObject
+from libc.stdint cimport int64_t, uint32_t, uint64_t
+from libc.string cimport memcpy, memmove
+
+
+cdef extern from "Python.h":
+    Py_ssize_t PySequence_Fast_GET_SIZE(object o)
+    PyObject** PySequence_Fast_ITEMS(object o)
+    bint PyList_CheckExact(object o)
+    bint PyTuple_CheckExact(object o)
+    unsigned long long PyLong_AsUnsignedLongLong(object o)  # errors checked by hand (PyErr_Occurred)
+    PyObject* PyErr_Occurred()
+    void PyErr_Clear()
+
+
+cdef extern from *:
+    int _popcount "__builtin_popcountll"(unsigned long long x) nogil
+    int _ctz "__builtin_ctzll"(unsigned long long x) nogil
+
+
+MAX_WORKERS = 64
+cdef int _MAX_SLOTS = 64
+
+
+cdef inline bint _as_u64(object o, uint64_t* out) noexcept:
+    """True and *out when o is an int in [0, 2**64); False otherwise (no exception left set)."""
+    cdef unsigned long long v
+    if not PyLong_Check(o):
+        return False
+    v = PyLong_AsUnsignedLongLong(o)
+    if v == <unsigned long long>-1 and PyErr_Occurred() != NULL:
+        PyErr_Clear()
+        return False
+    out[0] = v
+    return True
+
+
+cdef inline uint64_t _bit(int s) noexcept nogil:
+    return (<uint64_t>1) << s
+
+
+cdef class Node:
+    """One run of consecutive blocks. Fields are read-only properties, except `stats` (the policy's slot)."""
+
+    cdef uint64_t* _blocks
+    cdef Py_ssize_t _n
+    cdef readonly Py_ssize_t context_blocks
+    cdef Node _parent  # the tree's root for a top-level node; None once detached
+    cdef dict _children
+    cdef uint64_t _res_mask
+    cdef uint32_t* _runs
+    cdef int _runs_cap
+    cdef uint64_t _asg_mask
+    cdef list _names  # the tree's slot -> worker table (shared, mutated in place)
+    cdef readonly double last_access
+    cdef public object stats
+    cdef readonly bint is_attached
+
+    def __dealloc__(self):
+        PyMem_Free(self._blocks)
+        PyMem_Free(self._runs)
+
+    @property
+    def blocks(self):
+        return tuple([PyLong_FromUnsignedLongLong(self._blocks[i]) for i in range(self._n)])
+
+    @property
+    def num_blocks(self):
+        return self._n
+
+    @property
+    def parent(self):
+        if self._parent is None or self._parent._n == 0:
+            return None
+        return self._parent
+
+    @property
+    def children(self):
+        return dict(self._children)
+
+    @property
+    def resident(self):
+        cdef dict out = {}
+        cdef uint64_t bits = self._res_mask
+        cdef int s, k = 0
+        while bits:
+            s = _ctz(bits)
+            bits &= bits - 1
+            out[self._names[s]] = self._runs[k]
+            k += 1
+        return out
+
+    @property
+    def assigned(self):
+        cdef set out = set()
+        cdef uint64_t bits = self._asg_mask
+        cdef int s
+        while bits:
+            s = _ctz(bits)
+            bits &= bits - 1
+            out.add(self._names[s])
+        return out
+
+    def __repr__(self):
+        return f"Node(blocks={self._n}, context_blocks={self.context_blocks})"
+
+
+cdef inline uint32_t _run(Node node, int s) noexcept:
+    cdef uint64_t bit = _bit(s)
+    if not (node._res_mask & bit):
+        return 0
+    return node._runs[_popcount(node._res_mask & (bit - 1))]
+
+
+cdef int _set_run(Node node, int s, uint32_t d) except -2:
+    """Set slot s's run on node (0 removes it); returns the change in membership (-1, 0, +1)."""
+    cdef uint64_t bit = _bit(s)
+    cdef int idx = _popcount(node._res_mask & (bit - 1))
+    cdef int cnt = _popcount(node._res_mask)
+    cdef uint32_t* grown
+    if node._res_mask & bit:
+        if d:
+            node._runs[idx] = d
+            return 0
+        memmove(node._runs + idx, node._runs + idx + 1, (cnt - idx - 1) * sizeof(uint32_t))
+        node._res_mask &= ~bit
+        return -1
+    if not d:
+        return 0
+    if cnt + 1 > node._runs_cap:
+        grown = <uint32_t*>PyMem_Realloc(node._runs, (node._runs_cap * 2 + 4) * sizeof(uint32_t))
+        if grown == NULL:
+            raise MemoryError()
+        node._runs = grown
+        node._runs_cap = node._runs_cap * 2 + 4
+    memmove(node._runs + idx + 1, node._runs + idx, (cnt - idx) * sizeof(uint32_t))
+    node._runs[idx] = d
+    node._res_mask |= bit
+    return 1
+
+
+cdef inline Py_ssize_t _offset(Node node, uint64_t h) noexcept:
+    cdef Py_ssize_t i
+    for i in range(node._n):
+        if node._blocks[i] == h:
+            return i
+    return -1
+
+
+cdef class MatchResult:
+    """What `RadixTree.match` found (see `radix_py.MatchResult`)."""
+
+    cdef readonly list path
+    cdef readonly Py_ssize_t matched_blocks
+    cdef readonly dict resident_blocks
+    cdef readonly dict assigned_blocks
+    cdef readonly object key_node
+
+    def __repr__(self):
+        return (
+            f"MatchResult(path={self.path!r}, matched_blocks={self.matched_blocks}, "
+            f"resident_blocks={self.resident_blocks!r}, assigned_blocks={self.assigned_blocks!r}, "
+            f"key_node={self.key_node!r})"
+        )
+
+
+def key_node(path):
+    """Preble's key portion of a path: the deepest node with more blocks than all its predecessors together."""
+    found = None
+    for node in path:
+        if node.num_blocks > node.context_blocks:
+            found = node
+    return found
+
+
+cdef inline object _fast_seq(object seq):
+    if PyList_CheckExact(seq) or PyTuple_CheckExact(seq):
+        return seq
+    return list(seq)
+
+
+cdef class RadixTree:
+    """The global prefix tree over chained block hashes; see `radix_py` for the contract."""
+
+    cdef Node _root
+    cdef dict _index  # block hash -> Node
+    cdef Py_ssize_t _num_nodes
+    cdef dict _worker_to_slot
+    cdef list _slot_names
+    cdef int64_t _slot_refs[64]
+    cdef uint64_t _used_mask
+
+    def __cinit__(self):
+        cdef int s
+        self._slot_names = [None] * _MAX_SLOTS
+        self._worker_to_slot = {}
+        self._index = {}
+        self._num_nodes = 0
+        self._used_mask = 0
+        for s in range(_MAX_SLOTS):
+            self._slot_refs[s] = 0
+        self._root = self._new_node(NULL, 0, 0, None, 0.0)
+
+    key_node = staticmethod(key_node)
+
+    # ---- slots ---------------------------------------------------------------------------------------------
+
+    cdef int _slot(self, object worker, bint create) except -2:
+        cdef object s = self._worker_to_slot.get(worker)
+        cdef int i
+        if s is not None:
+            return <int>s
+        if not create:
+            return -1
+        if self._used_mask == <uint64_t>-1:
+            raise RuntimeError(f"more than {_MAX_SLOTS} workers hold state in the radix tree")
+        i = _ctz(~self._used_mask)
+        self._used_mask |= _bit(i)
+        self._slot_names[i] = worker
+        self._worker_to_slot[worker] = i
+        return i
+
+    cdef int _release_if_unused(self, int s) except -1:
+        if s >= 0 and self._slot_refs[s] == 0 and (self._used_mask & _bit(s)):
+            del self._worker_to_slot[self._slot_names[s]]
+            self._slot_names[s] = None
+            self._used_mask &= ~_bit(s)
+        return 0
+
+    cdef int _set_resident(self, Node node, int s, uint32_t d) except -1:
+        cdef int delta = _set_run(node, s, d)
+        if delta:
+            self._slot_refs[s] += delta
+        return 0
+
+    # ---- nodes ---------------------------------------------------------------------------------------------
+
+    cdef Node _new_node(self, uint64_t* blocks, Py_ssize_t n, Py_ssize_t context, Node parent, double now):
+        cdef Node node = Node.__new__(Node)
+        if n:
+            node._blocks = <uint64_t*>PyMem_Malloc(n * sizeof(uint64_t))
+            if node._blocks == NULL:
+                raise MemoryError()
+            if blocks != NULL:
+                memcpy(node._blocks, blocks, n * sizeof(uint64_t))
+        node._n = n
+        node.context_blocks = context
+        node._parent = parent
+        node._children = {}
+        node._names = self._slot_names
+        node.last_access = now
+        node.stats = None
+        node.is_attached = True
+        return node
+
+    cpdef list nodes(self):
+        """Every node, pre-order (a parent before its children; children in insertion order)."""
+        cdef list out = []
+        cdef list stack = list(reversed(list(self._root._children.values())))
+        cdef Node node
+        while stack:
+            node = <Node>stack.pop()
+            out.append(node)
+            if node._children:
+                stack.extend(reversed(list(node._children.values())))
+        return out
+
+    @property
+    def num_nodes(self):
+        return self._num_nodes
+
+    @property
+    def num_blocks(self):
+        return len(self._index)
+
+    def node_of(self, block_hash):
+        cdef uint64_t h
+        node = self._index.get(block_hash)
+        if node is None or not _as_u64(block_hash, &h):
+            return None
+        return (node, _offset(<Node>node, h))
+
+    cdef Py_ssize_t _walk(self, PyObject** items, Py_ssize_t n, list path, Py_ssize_t* last_m) except -1:
+        """Append the matched nodes to path; returns the matched blocks, *last_m = those of the last node."""
+        cdef Node node = self._root
+        cdef Node child
+        cdef Py_ssize_t i = 0, m = 0
+        cdef uint64_t v
+        while i < n:
+            c = node._children.get(<object>items[i])
+            if c is None:
+                break
+            child = <Node>c
+            m = 1
+            while m < child._n and i + m < n:
+                if not _as_u64(<object>items[i + m], &v) or v != child._blocks[m]:
+                    break
+                m += 1
+            path.append(child)
+            i += m
+            if m < child._n:
+                break
+            node = child
+        last_m[0] = m
+        return i
+
+    # ---- match ---------------------------------------------------------------------------------------------
+
+    def match(self, block_hashes):
+        cdef object seq = _fast_seq(block_hashes)
+        cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
+        cdef Py_ssize_t last_m = 0, m, cum = 0, j, num_path
+        cdef list path = []
+        cdef MatchResult res = MatchResult.__new__(MatchResult)
+        cdef dict resident = {}
+        cdef dict assigned = {}
+        cdef list names = self._slot_names
+        cdef uint64_t res_alive = self._used_mask, asg_alive = self._used_mask, bits, live
+        cdef uint32_t d
+        cdef int s
+        cdef Node node
+        cdef object key = None
+        res.matched_blocks = self._walk(PySequence_Fast_ITEMS(seq), n, path, &last_m)
+        num_path = PyList_GET_SIZE(path)
+        for j in range(num_path):
+            node = <Node>PyList_GET_ITEM(path, j)
+            m = last_m if j == num_path - 1 else node._n
+            if node._n > node.context_blocks:
+                key = node
+            # Resident: a worker's leading run ends here when it is absent, or holds fewer than m blocks.
+            if cum:
+                bits = res_alive & ~node._res_mask
+                while bits:
+                    s = _ctz(bits)
+                    bits &= bits - 1
+                    resident[names[s]] = cum
+            res_alive &= node._res_mask
+            live = res_alive
+            while live:
+                s = _ctz(live)
+                live &= live - 1
+                d = _run(node, s)
+                if d < m:
+                    res_alive &= ~_bit(s)
+                    resident[names[s]] = cum + d  # d > 0: the bit is set only for runs > 0
+            # Assigned: all-or-nothing per node.
+            if cum:
+                bits = asg_alive & ~node._asg_mask
+                while bits:
+                    s = _ctz(bits)
+                    bits &= bits - 1
+                    assigned[names[s]] = cum
+            asg_alive &= node._asg_mask
+            cum += m
+        if cum:
+            while res_alive:
+                s = _ctz(res_alive)
+                res_alive &= res_alive - 1
+                resident[names[s]] = cum
+            while asg_alive:
+                s = _ctz(asg_alive)
+                asg_alive &= asg_alive - 1
+                assigned[names[s]] = cum
+        res.path = path
+        res.resident_blocks = resident
+        res.assigned_blocks = assigned
+        res.key_node = key
+        return res
+
+    # ---- structure -----------------------------------------------------------------------------------------
+
+    cdef Node _split(self, Node node, Py_ssize_t k):
+        """Split node after its first k blocks (0 < k < n); returns the new upper half."""
+        cdef Node upper = self._new_node(node._blocks, k, node.context_blocks, node._parent, node.last_access)
+        cdef uint64_t bits = node._asg_mask
+        cdef int s
+        cdef uint32_t d
+        cdef Py_ssize_t i
+        upper._asg_mask = node._asg_mask
+        while bits:
+            s = _ctz(bits)
+            bits &= bits - 1
+            self._slot_refs[s] += 1
+        bits = node._res_mask
+        while bits:
+            s = _ctz(bits)
+            bits &= bits - 1
+            d = _run(node, s)
+            self._set_resident(upper, s, d if d < <uint32_t>k else <uint32_t>k)
+            self._set_resident(node, s, d - <uint32_t>k if d > <uint32_t>k else 0)
+        memmove(node._blocks, node._blocks + k, (node._n - k) * sizeof(uint64_t))
+        node._n -= k
+        node.context_blocks += k
+        node._parent._children[PyLong_FromUnsignedLongLong(upper._blocks[0])] = upper
+        upper._children[PyLong_FromUnsignedLongLong(node._blocks[0])] = node
+        node._parent = upper
+        for i in range(k):
+            self._index[PyLong_FromUnsignedLongLong(upper._blocks[i])] = upper
+        self._num_nodes += 1
+        return upper
+
+    cdef Node _position_end(self, Node node, Py_ssize_t off):
+        if off + 1 < node._n:
+            return self._split(node, off + 1)
+        return node
+
+    cdef object _add_leaf(self, Node parent, uint64_t* blocks, Py_ssize_t n, double now):
+        """Hang blocks under parent, cut at the first hash already in the tree; None when that is the first."""
+        cdef Node leaf = self._new_node(blocks, n, parent.context_blocks + parent._n, parent, now)
+        cdef Py_ssize_t r = 0
+        cdef dict index = self._index
+        while r < n:
+            key = PyLong_FromUnsignedLongLong(blocks[r])
+            if key in index:
+                break
+            index[key] = leaf
+            r += 1
+        if r == 0:
+            leaf._parent = None
+            leaf.is_attached = False
+            return None
+        leaf._n = r
+        parent._children[PyLong_FromUnsignedLongLong(blocks[0])] = leaf
+        self._num_nodes += 1
+        return leaf
+
+    cdef uint64_t* _to_buffer(self, object seq, Py_ssize_t n) except NULL:
+        cdef uint64_t* buf = <uint64_t*>PyMem_Malloc((n + 1) * sizeof(uint64_t))
+        cdef PyObject** items = PySequence_Fast_ITEMS(seq)
+        cdef Py_ssize_t i
+        if buf == NULL:
+            raise MemoryError()
+        for i in range(n):
+            if not _as_u64(<object>items[i], &buf[i]):
+                PyMem_Free(buf)
+                raise ValueError(f"block hash {<object>items[i]!r} is not a uint64")
+        return buf
+
+    def insert(self, block_hashes, double now):
+        cdef object seq = _fast_seq(block_hashes)
+        cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
+        cdef uint64_t* buf = self._to_buffer(seq, n)
+        cdef list path = []
+        cdef Py_ssize_t matched, last_m = 0, j, num_path
+        cdef Node under, node
+        try:
+            matched = self._walk(PySequence_Fast_ITEMS(seq), n, path, &last_m)
+            # NOTE: wraparound is off in this module: index with len - 1, never -1.
+            num_path = PyList_GET_SIZE(path)
+            under = self._root
+            if num_path:
+                under = <Node>path[num_path - 1]
+                if last_m < under._n:
+                    under = self._split(under, last_m)
+                    path[num_path - 1] = under
+            if matched < n:
+                leaf = self._add_leaf(under, buf + matched, n - matched, now)
+                if leaf is not None:
+                    path.append(leaf)
+        finally:
+            PyMem_Free(buf)
+        for j in range(PyList_GET_SIZE(path)):
+            node = <Node>PyList_GET_ITEM(path, j)
+            if now > node.last_access:
+                node.last_access = now
+        return path
+
+    # ---- assignment (optimistic) ---------------------------------------------------------------------------
+
+    def assign(self, path, worker, double now):
+        cdef int s = -1
+        cdef Node node
+        try:
+            for obj in path:
+                node = <Node?>obj
+                if not node.is_attached:
+                    continue
+                if s < 0:
+                    s = self._slot(worker, True)
+                if not (node._asg_mask & _bit(s)):
+                    node._asg_mask |= _bit(s)
+                    self._slot_refs[s] += 1
+                if now > node.last_access:
+                    node.last_access = now
+        finally:
+            self._release_if_unused(s)
+
+    def unassign_worker(self, worker):
+        cdef int s = self._slot(worker, False)
+        cdef Node node
+        if s < 0:
+            return
+        for obj in self.nodes():
+            node = <Node>obj
+            if node._asg_mask & _bit(s):
+                node._asg_mask &= ~_bit(s)
+                self._slot_refs[s] -= 1
+        self._release_if_unused(s)
+
+    # ---- KV events -----------------------------------------------------------------------------------------
+
+    def mark_resident(self, worker, block_hashes, parent_hash, double now):
+        cdef object seq = _fast_seq(block_hashes)
+        cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
+        cdef uint64_t* buf = self._to_buffer(seq, n)
+        cdef Node prev = None, node, under
+        cdef Py_ssize_t prev_off = -1, off, i
+        cdef uint64_t ph
+        cdef int s = -1
+        try:
+            if parent_hash is not None:
+                p = self._index.get(parent_hash)
+                if p is None or not _as_u64(parent_hash, &ph):
+                    return  # unknown parent: ignored (a snapshot replays parents first)
+                prev = <Node>p
+                prev_off = _offset(prev, ph)
+            for i in range(n):
+                if prev is not None and prev_off + 1 < prev._n and prev._blocks[prev_off + 1] == buf[i]:
+                    node = prev  # the common case: the next block of the same node
+                    off = prev_off + 1
+                else:
+                    p = self._index.get(PyLong_FromUnsignedLongLong(buf[i]))
+                    if p is None:  # unknown from here on: one new leaf right after prev
+                        under = self._root if prev is None else self._position_end(prev, prev_off)
+                        node = <Node>self._add_leaf(under, buf + i, n - i, now)
+                        off = 0
+                    else:
+                        node = <Node>p
+                        off = _offset(node, buf[i])
+                if s < 0:
+                    s = self._slot(worker, True)
+                if _run(node, s) == off:  # the block right after the leading run extends it
+                    self._set_resident(node, s, <uint32_t>(off + 1))
+                prev = node
+                prev_off = off
+        finally:
+            PyMem_Free(buf)
+            self._release_if_unused(s)
+
+    def mark_evicted(self, worker, block_hashes):
+        cdef int s = self._slot(worker, False)
+        cdef uint64_t h
+        cdef Node node
+        cdef Py_ssize_t off
+        cdef uint32_t d
+        if s < 0:
+            return
+        for item in block_hashes:
+            p = self._index.get(item)
+            if p is None or not _as_u64(item, &h):
+                continue
+            node = <Node>p
+            d = _run(node, s)
+            if d == 0:
+                continue
+            off = _offset(node, h)
+            if <Py_ssize_t>d > off:
+                self._set_resident(node, s, <uint32_t>off)
+        self._release_if_unused(s)
+
+    def clear_worker(self, worker):
+        cdef int s = self._slot(worker, False)
+        cdef Node node
+        if s < 0:
+            return
+        for obj in self.nodes():
+            node = <Node>obj
+            self._set_resident(node, s, 0)
+        self._release_if_unused(s)
+
+    def remove_worker(self, worker):
+        self.clear_worker(worker)
+        self.unassign_worker(worker)
+
+    # ---- garbage collection --------------------------------------------------------------------------------
+
+    def gc(self, double now, double window_s):
+        cdef list order = self.nodes()
+        cdef Py_ssize_t i, j, removed = 0
+        cdef Node node
+        cdef uint64_t bits
+        cdef int s
+        for i in range(PyList_GET_SIZE(order) - 1, -1, -1):
+            node = <Node>PyList_GET_ITEM(order, i)
+            if node._children or node._res_mask or not (now - node.last_access > window_s):
+                continue
+            del node._parent._children[PyLong_FromUnsignedLongLong(node._blocks[0])]
+            for j in range(node._n):
+                del self._index[PyLong_FromUnsignedLongLong(node._blocks[j])]
+            bits = node._asg_mask
+            node._asg_mask = 0
+            while bits:
+                s = _ctz(bits)
+                bits &= bits - 1
+                self._slot_refs[s] -= 1
+                self._release_if_unused(s)
+            node.is_attached = False
+            node._parent = None
+            self._num_nodes -= 1
+            removed += 1
+        return removed
+
+    # ---- tests ---------------------------------------------------------------------------------------------
+
+    def check_invariants(self):
+        cdef Node node, parent
+        cdef Py_ssize_t count = 0, blocks = 0, off
+        cdef int64_t refs[64]
+        cdef int s, k
+        cdef uint64_t bits
+        for s in range(_MAX_SLOTS):
+            refs[s] = 0
+        for obj in self.nodes():
+            node = <Node>obj
+            count += 1
+            parent = node._parent
+            assert node.is_attached and parent is not None
+            assert node._n >= 1
+            assert parent._children.get(PyLong_FromUnsignedLongLong(node._blocks[0])) is node
+            assert node.context_blocks == parent.context_blocks + parent._n
+            for key, child in node._children.items():
+                assert (<Node>child)._blocks[0] == <uint64_t>key and (<Node>child)._parent is node
+            for off in range(node._n):
+                assert self._index.get(PyLong_FromUnsignedLongLong(node._blocks[off])) is node
+                assert _offset(node, node._blocks[off]) == off  # no duplicate hash inside a node
+            assert node._runs_cap >= _popcount(node._res_mask)
+            bits = node._res_mask
+            k = 0
+            while bits:
+                s = _ctz(bits)
+                bits &= bits - 1
+                assert 0 < node._runs[k] <= <uint32_t>node._n
+                assert self._used_mask & _bit(s)
+                refs[s] += 1
+                k += 1
+            bits = node._asg_mask
+            while bits:
+                s = _ctz(bits)
+                bits &= bits - 1
+                assert self._used_mask & _bit(s)
+                refs[s] += 1
+            blocks += node._n
+        assert count == self._num_nodes
+        assert blocks == len(self._index)
+        for s in range(_MAX_SLOTS):
+            assert refs[s] == self._slot_refs[s], (s, refs[s], self._slot_refs[s])
+            if self._used_mask & _bit(s):
+                assert refs[s] > 0  # an unreferenced slot is released at once
+                assert self._worker_to_slot[self._slot_names[s]] == s
+            else:
+                assert self._slot_names[s] is None
+        assert len(self._worker_to_slot) == _popcount(self._used_mask)

@@ -1,0 +1,117 @@
+"""Preble E2's time regressions PREFILLTIME and DECODETIME (specs/preble.md §5.2, §9), in seconds.
+
+Two sources, chosen per worker by `preble_e2` from the worker's `WorkerInfo.perf_profile`:
+
+- `ProfileCost`: a named `PerfProfile` (simulated workers; also the fallback for an unknown profile name).
+  PREFILLTIME(e, c) = iteration_time_s(P=e, A=pairs(e, c), D=0, C=0): one request prefilling e uncached tokens
+  after c cached ones, alone in a batch (§9.2: "PREFILLTIME used by the global scheduler = the above with one
+  request"). DECODETIME(n, c) = n × iteration_time_s(0, 0, D=1, C=c): n tokens of one request decoding at
+  context c, the paper's single-request regression, linear in context (§2.1, Fig. 2).
+- `OnlineFit`: real vLLM workers (perf_profile == "") have no profile, so both regressions are fitted online
+  by running least squares (sums only, O(1) per sample) to what the router observes:
+  TTFT_s ≈ a + b·e (e = uncached prompt tokens at dispatch) and TPOT_s ≈ c0 + d·ctx (ctx = prompt +
+  half the output). Until `min_samples` samples arrive, or when every sample has the same x (singular), the
+  fallback profile answers. NOTE: TTFT includes the worker's queueing, so the prefill fit is biased upward
+  under load; it still ranks workers by observed responsiveness, which is what LOADCOST compares.
+  `decay` < 1 is an exponential forgetting factor on the sums (1.0 = plain least squares).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from typing import Protocol
+
+from switchyard.workers.engine.perf_model import PerfProfile, pairs_for_prompt
+from switchyard.workers.engine.profiles import DEFAULT_PROFILE, PROFILES, get_profile
+
+
+class CostModel(Protocol):
+    def prefill_s(self, missed_tokens: int, cached_tokens: int) -> float: ...
+    def decode_s(self, num_tokens: float, context_tokens: float) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileCost:
+    """PREFILLTIME / DECODETIME from a fitted iteration-time profile (single-request batches)."""
+
+    profile: PerfProfile
+
+    def prefill_s(self, missed_tokens: int, cached_tokens: int) -> float:
+        e = max(0, missed_tokens)
+        return self.profile.iteration_time_s(e, pairs_for_prompt(e, max(0, cached_tokens)), 0, 0)
+
+    def decode_s(self, num_tokens: float, context_tokens: float) -> float:
+        if num_tokens <= 0:
+            return 0.0
+        # iteration_time is linear in C, so one call at the mean context prices n tokens of growing context
+        return num_tokens * self.profile.iteration_time_s(0, 0, 1, int(context_tokens))
+
+
+@cache
+def profile_cost(name: str) -> ProfileCost:
+    """The named profile's cost model; an unknown name falls back to the default profile."""
+    return ProfileCost(get_profile(name if name in PROFILES else DEFAULT_PROFILE))
+
+
+class _LinearFit:
+    """y ≈ a + b·x by least squares over (optionally exponentially decayed) running sums."""
+
+    __slots__ = ("n", "sx", "sy", "sxx", "sxy", "decay")
+
+    def __init__(self, decay: float = 1.0) -> None:
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.decay = decay
+
+    def add(self, x: float, y: float) -> None:
+        k = self.decay
+        self.n = self.n * k + 1.0
+        self.sx = self.sx * k + x
+        self.sy = self.sy * k + y
+        self.sxx = self.sxx * k + x * x
+        self.sxy = self.sxy * k + x * y
+
+    def coeffs(self) -> tuple[float, float] | None:
+        """(a, b), both clamped to >= 0; None while there are no samples."""
+        if self.n <= 0:
+            return None
+        det = self.n * self.sxx - self.sx * self.sx
+        if det <= 1e-9 * max(1.0, self.n * self.sxx):  # every x equal: the mean alone
+            return max(0.0, self.sy / self.n), 0.0
+        b = (self.n * self.sxy - self.sx * self.sy) / det
+        a = (self.sy - b * self.sx) / self.n
+        if b < 0:  # nonsense slope (noise, queueing): flat model at the mean
+            return max(0.0, self.sy / self.n), 0.0
+        return max(0.0, a), b
+
+
+class OnlineFit:
+    """Per-worker TTFT/TPOT fits for workers without a profile; `fallback` answers until both fits are ready."""
+
+    def __init__(self, fallback: CostModel, min_samples: int = 8, decay: float = 1.0) -> None:
+        self.fallback = fallback
+        self.min_samples = min_samples
+        self.prefill = _LinearFit(decay)
+        self.decode = _LinearFit(decay)
+        self.num_prefill_samples = 0
+        self.num_decode_samples = 0
+
+    def add_prefill(self, missed_tokens: int, ttft_s: float) -> None:
+        self.prefill.add(float(missed_tokens), ttft_s)
+        self.num_prefill_samples += 1
+
+    def add_decode(self, context_tokens: float, tpot_s: float) -> None:
+        self.decode.add(context_tokens, tpot_s)
+        self.num_decode_samples += 1
+
+    def prefill_s(self, missed_tokens: int, cached_tokens: int) -> float:
+        ab = self.prefill.coeffs() if self.num_prefill_samples >= self.min_samples else None
+        if ab is None:
+            return self.fallback.prefill_s(missed_tokens, cached_tokens)
+        return ab[0] + ab[1] * max(0, missed_tokens)
+
+    def decode_s(self, num_tokens: float, context_tokens: float) -> float:
+        cd = self.decode.coeffs() if self.num_decode_samples >= self.min_samples else None
+        if cd is None:
+            return self.fallback.decode_s(num_tokens, context_tokens)
+        return max(0.0, num_tokens) * (cd[0] + cd[1] * context_tokens)

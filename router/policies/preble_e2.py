@@ -1,0 +1,496 @@
+"""e2: Preble's E2 (Exploitation + Exploration) request placement over a global prefix radix tree.
+
+Spec: specs/preble.md §5.1-5.5 (Algorithms 1-2, rebalancing, autoscaling), §4.3 (tree sync), §11 errata.
+
+Per request (`select`, read-only; all costs in seconds):
+  cached_w  = blocks of the prompt worker w holds: max(resident run from its KV events, assigned run from this
+              router's dispatches cut at the first block an eviction event removed since) (§4.3: predict on
+              assignment, reconcile with events, events win on conflict). cached_len = max_w cached_w × block
+              size over routable workers (tokens; dead tree nodes that nobody holds do not count), missed_len =
+              prompt_len − cached_len.
+  EXPLOIT iff cached_len > missed_len (errata E1: the text and code, not Alg 1's literal test):
+      KS = routable workers holding the whole key portion (§3 definition, errata E5: the deepest matched node
+      with more blocks than its predecessors; `key_portion="longest"` = Alg 1's longest node), with a
+      rebalancing redirect heavy → light applied and replicas added. |KS| = 1 → it; else argmin LOADCOST.
+      KS empty → explore.
+  EXPLORE: DECODERATIO_i = windowed prefix hit ratio (errata E9; tokens the router expected cached / prompt
+      tokens over the last `hit_ratio_window_s`); if max_i > IMBALR (0.7) → argmax_i (P/D balancing, §5.3);
+      else argmin over all routable workers of LOADCOST.
+  LOADCOST(i) = L_i + M_i + R_i  [s]
+      L_i = Σ_{r∈H_i} PT_r + |H_i| × DECODETIME(mean decode tokens in H_i, mean context in H_i)  (Alg 2; H = last
+            `history_window_s`, optionally capped at `history_max_requests`, errata E2). PT_r was priced at r's
+            dispatch on i; decode tokens are predicted at dispatch and replaced by the observed count on finish.
+            Maintained incrementally (`WorkerHistory`); plus the load rebalancing moved onto/off i within H.
+      M_i = eviction cost of making room for R_k's missed blocks: when they exceed i's free blocks (capacity −
+            resident blocks per events, or KV usage per Stats, whichever is larger; `assume_full` = the code's
+            "always full"), the blocks i's LRU would evict (simulated: leaves first, oldest first, not R_k's own
+            path) each cost PT_j × N_j (text, errata E3: recompute j's evicted tokens × requests through j on i
+            within W) or Σ_l PREFILLTIME(missed_l) (`eviction_cost="alg2"`); "off" = 0.
+      R_i = PREFILLTIME(prompt_len − cached_i, cached_i): R_k's own uncached prefill on i (errata E4).
+  PREFILLTIME / DECODETIME: the worker's named PerfProfile (single-request regressions, `preble_cost`); an
+  unknown name → `default_profile`; perf_profile == "" (real vLLM) → online least-squares fit of observed
+  TTFT/TPOT, the default profile until `online_fit_min_samples`. Decode of a new request: median observed output
+  of its key node, else the request's predicted_output_tokens, else max_tokens.
+  Ties: lowest (cost, (candidate index − dispatch count) mod n): a rotation advanced in on_dispatch, no RNG.
+
+Background (`on_tick`): every `rebalance_interval_s`, if windowed requests ≥ `rebalance_min_requests_per_worker` ×
+workers and max L > Th_bal × min L, redirect the heavy worker's cheapest key nodes (≥ 2 requests in H) to the
+lightest until the gap closes (§5.4, the code's REBALANCE); a key node whose TTFT on a worker doubles over H
+(2nd-half mean ≥ `replication_ttft_factor` × 1st-half) gets a replica on the lightest worker not serving it
+(§5.5). Redirects and replicas last H. Every `gc_interval_s`, `tree.gc` drops nodes nobody holds and nobody
+used within W (claim 10). Switches `enable_rebalancing`, `enable_replication`, `enable_pd_balancing` give the
+ablation keys `e2_base` (all off), `e2_rebal` (+rebalancing, replication), `e2` (all on).
+
+State changes only in hooks: on_dispatch inserts the prompt and assigns the path; on_kv_events mirrors
+BlockStored/BlockRemoved/AllBlocksCleared into resident runs; on_worker_change drops a worker that is gone or
+unhealthy from the tree and the loads. `select` memoises only the fleet reference and each worker's static
+WorkerInfo facts (profile, block size, capacity), which hooks need and do not receive.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from switchyard.ext.radix import RadixTree
+from switchyard.router.policies.base import (
+    Decision,
+    FleetView,
+    Policy,
+    RoutingContext,
+    WorkerId,
+    WorkerView,
+    candidates,
+)
+from switchyard.router.policies.preble_cost import CostModel, OnlineFit, profile_cost
+from switchyard.router.policies.preble_load import (
+    HistoryEntry,
+    HitRatioWindow,
+    NodeStats,
+    WorkerHistory,
+    eviction_cost_s,
+    lru_victims,
+    merged_stats,
+)
+from switchyard.router.policies.preble_rebalance import maybe_replicate, rebalance
+from switchyard.workers.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
+from switchyard.workers.engine.profiles import DEFAULT_PROFILE
+
+log = logging.getLogger(__name__)
+
+
+class E2Config(BaseModel):
+    """Every knob of E2; defaults from specs/preble.md §6 ([code] values where the paper gives none)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    history_window_s: float = Field(default=180.0, gt=0)  # H (and the TTFT-doubling window): 3 min [code]
+    history_max_requests: int | None = Field(default=None, ge=1)  # H as a count too (errata E2); None = time only
+    node_window_s: float = Field(default=180.0, gt=0)  # W: per-node request counts (N_j) and GC
+    key_portion: Literal["study", "longest"] = "study"  # errata E5
+    eviction_cost: Literal["text", "alg2", "off"] = "text"  # errata E3
+    assume_full: bool = False  # the code's "GPU always full": M for every missed block
+    enable_pd_balancing: bool = True  # §5.3
+    imbalance_ratio: float = Field(default=0.7, ge=0, le=1)  # IMBALR [code]; the test is ratio > IMBALR
+    hit_ratio_window_s: float = Field(default=30.0, gt=0)  # DECODERATIO window [code]
+    enable_rebalancing: bool = True  # §5.4
+    rebalance_threshold: float = Field(default=1.5, ge=1)  # Th_bal [code HIGH_LOAD_THRESHOLD]
+    rebalance_min_requests_per_worker: int = Field(default=50, ge=0)  # [code] only with ≥ 50 × GPUs requests
+    rebalance_min_node_requests: int = Field(default=2, ge=1)  # [code] key nodes with window count ≥ 2
+    rebalance_interval_s: float = Field(default=1.0, gt=0)  # on_tick cadence of the background pass
+    enable_replication: bool = True  # §5.5
+    replication_ttft_factor: float = Field(default=2.0, gt=1)  # "average queueing time doubles over H"
+    gc_interval_s: float = Field(default=10.0, gt=0)
+    default_profile: str = DEFAULT_PROFILE  # for unknown profile names and before the online fit is ready
+    online_fit_min_samples: int = Field(default=8, ge=1)
+    online_fit_decay: float = Field(default=1.0, gt=0, le=1)  # 1.0 = plain running least squares
+
+
+@dataclass(slots=True)
+class _Facts:
+    """Static WorkerInfo facts memoised from the fleet (hooks do not see the fleet)."""
+
+    perf_profile: str
+    block_size: int
+    kv_capacity_blocks: int
+
+
+@dataclass(slots=True)
+class _InFlight:
+    worker: WorkerId
+    t: float
+    block_hashes: tuple[int, ...]  # its key node is resolved at each use (splits move it)
+    missed_tokens: int
+    prompt_tokens: int
+    first_token_s: float = -1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    load_s: float  # L
+    evict_s: float  # M
+    prefill_s: float  # R
+
+    @property
+    def total_s(self) -> float:
+        return self.load_s + self.evict_s + self.prefill_s
+
+
+class PrebleE2(Policy):
+    name = "e2"
+
+    def __init__(self, config: E2Config | None = None) -> None:
+        self.cfg = config or E2Config()
+        self.tree = RadixTree()  # one tree: hashes are chained, and only a request's candidates are read
+        self.history: dict[WorkerId, WorkerHistory] = {}
+        self.hit_ratio: dict[WorkerId, HitRatioWindow] = {}
+        self.fits: dict[WorkerId, OnlineFit] = {}
+        self.evicted: dict[WorkerId, set[int]] = {}  # assigned block hashes removed by events since
+        self.resident_count: dict[WorkerId, int] = {}  # blocks resident per events
+        self.resident_nodes: dict[WorkerId, set[Any]] = {}  # nodes with a resident run (candidates for M)
+        self.transfers: deque[tuple[float, WorkerId, float]] = deque()  # (t, worker, Δload s) from rebalancing
+        self.dirty_ttft: dict[tuple[int, WorkerId], Any] = {}  # (id(key node), worker) -> node: new TTFT samples
+        self.in_flight: dict[str, _InFlight] = {}
+        self._turn = 0
+        self._facts: dict[WorkerId, _Facts] = {}
+        self._models: set[str] = set()
+        self._fleet: FleetView | None = None
+        self._next_gc = 0.0
+        self._next_rebalance = 0.0
+        self.num_redirects = 0
+        self.num_replications = 0
+
+    # ------------------------------------------------------------------------------------------ cost model
+    def cost_model(self, w: WorkerId) -> CostModel:
+        facts = self._facts.get(w)
+        base = profile_cost(self.cfg.default_profile)
+        if facts is None:
+            return base
+        if facts.perf_profile:
+            return profile_cost(facts.perf_profile)
+        return self.fits.get(w) or base
+
+    def load_s(self, w: WorkerId, now: float) -> float:
+        """L_i: the history sum plus what rebalancing moved within H."""
+        h = self.history.get(w)
+        base = h.load_s(now, self.cost_model(w)) if h is not None else 0.0
+        cutoff = now - self.cfg.history_window_s
+        return base + sum(d for t, x, d in self.transfers if x == w and t >= cutoff)
+
+    def _cached_blocks(self, w: WorkerId, m: Any, hashes: tuple[int, ...]) -> int:
+        """max(resident run, assigned run cut at the first block evicted since assignment)."""
+        r = m.resident_blocks.get(w, 0)
+        a = m.assigned_blocks.get(w, 0)
+        ev = self.evicted.get(w)
+        if a > r and ev:
+            for k in range(r, a):
+                if hashes[k] in ev:
+                    a = k
+                    break
+        return max(r, a)
+
+    def _key_end(self, path: list[Any], upto: int) -> tuple[Any, int]:
+        """(key-portion node, its end in blocks) on `path` clipped to the first `upto` blocks."""
+        best, end, best_n = None, 0, 0
+        for node in path:
+            start = node.context_blocks
+            if start >= upto:
+                break
+            n = min(node.num_blocks, upto - start)
+            if (n > start) if self.cfg.key_portion == "study" else (n > best_n):
+                best, end, best_n = node, start + n, n
+        return best, end
+
+    def key_of(self, block_hashes: tuple[int, ...]) -> Any:
+        """The key-portion node of a prompt in the current tree (None when nothing of it is in the tree)."""
+        if not block_hashes:
+            return None
+        m = self.tree.match(block_hashes)
+        return self._key_end(m.path, m.matched_blocks)[0]
+
+    def loadcost(self, w: WorkerView, ctx: RoutingContext, cached_blocks: int, path: list[Any], now: float) -> Cost:
+        wid = w.worker_id
+        cost = self.cost_model(wid)
+        bs = w.block_size
+        cached = min(cached_blocks * bs, max(0, ctx.num_prompt_tokens - 1))  # the last token is always computed
+        missed = ctx.num_prompt_tokens - cached
+        r = cost.prefill_s(missed, cached)
+        m = 0.0
+        if self.cfg.eviction_cost != "off":
+            cap = w.kv_capacity_blocks
+            used = max(self.resident_count.get(wid, 0), int(w.kv_usage_frac * cap))
+            need = -(-missed // bs)
+            evict = need if self.cfg.assume_full else need - max(0, cap - used)
+            if evict > 0:
+                victims = lru_victims(wid, self.resident_nodes.get(wid, ()), evict, {id(n) for n in path})
+                m = eviction_cost_s(victims, wid, now, self.cfg.node_window_s, bs, cost, self.cfg.eviction_cost)
+        return Cost(self.load_s(wid, now), m, r)
+
+    # ------------------------------------------------------------------------------------------ select
+    def _remember(self, fleet: FleetView, pool: list[WorkerView], model: str) -> None:
+        """Memo of static facts (idempotent; no decision depends on when it was filled)."""
+        self._fleet = fleet
+        self._models.add(model)
+        for w in pool:
+            if w.worker_id not in self._facts:
+                info = getattr(w, "info", None)
+                self._facts[w.worker_id] = _Facts(
+                    getattr(info, "perf_profile", ""), w.block_size, w.kv_capacity_blocks
+                )
+
+    def _argmin(self, pool: list[WorkerView], costs: dict[WorkerId, Cost]) -> WorkerView:
+        n = len(pool)
+        return min(
+            ((w, i) for i, w in enumerate(pool) if w.worker_id in costs),
+            key=lambda wi: (costs[wi[0].worker_id].total_s, (wi[1] - self._turn) % n),
+        )[0]
+
+    def select(self, ctx: RoutingContext, fleet: FleetView, now: float) -> Decision | None:
+        pool = candidates(ctx, fleet)
+        if not pool:
+            return None
+        self._remember(fleet, pool, ctx.model)
+        hashes = ctx.block_hashes
+        m = self.tree.match(hashes) if hashes else None
+        cached = {w.worker_id: self._cached_blocks(w.worker_id, m, hashes) if m else 0 for w in pool}
+        best_blocks = max(cached.values())
+        bs = pool[0].block_size
+        cached_len = min(best_blocks * bs, ctx.num_prompt_tokens)
+        missed_len = ctx.num_prompt_tokens - cached_len
+        path = m.path if m else []
+        if cached_len > missed_len:
+            key, key_end = self._key_end(path, best_blocks)
+            ks = self._exploit_set(key, key_end, pool, cached, now)
+            if len(ks) == 1:
+                return self._decide(ctx, ks[0], "exploit only holder", cached_len, missed_len, {})
+            if ks:
+                costs = {w.worker_id: self.loadcost(w, ctx, cached[w.worker_id], path, now) for w in ks}
+                return self._decide(ctx, self._argmin(ks, costs), "exploit", cached_len, missed_len, costs)
+        if self.cfg.enable_pd_balancing:
+            ratios = [(self._ratio(w.worker_id, now), -((i - self._turn) % len(pool)), w) for i, w in enumerate(pool)]
+            ratio, _, w = max(ratios, key=lambda x: (x[0], x[1]))
+            if ratio > self.cfg.imbalance_ratio:
+                return self._decide(ctx, w, f"explore P/D hit_ratio={ratio:.2f}>{self.cfg.imbalance_ratio}",
+                                    cached_len, missed_len, {})
+        costs = {w.worker_id: self.loadcost(w, ctx, cached[w.worker_id], path, now) for w in pool}
+        return self._decide(ctx, self._argmin(pool, costs), "explore", cached_len, missed_len, costs)
+
+    def _ratio(self, w: WorkerId, now: float) -> float:
+        hw = self.hit_ratio.get(w)
+        return hw.ratio(now) if hw is not None else 0.0
+
+    def _exploit_set(
+        self, key: Any, key_end: int, pool: list[WorkerView], cached: dict[WorkerId, int], now: float
+    ) -> list[WorkerView]:
+        by_id = {w.worker_id: w for w in pool}
+        ks = [w.worker_id for w in pool if key is not None and cached[w.worker_id] >= key_end]
+        st = key.stats if key is not None else None
+        if isinstance(st, NodeStats):
+            for i, wid in enumerate(ks):
+                light, until = st.redirect.get(wid, ("", -1.0))
+                if until >= now and light in by_id:
+                    ks[i] = WorkerId(light)  # rebalanced: future exploit traffic of this node goes light
+            if ks:  # replicas only widen an existing holder set
+                ks += [WorkerId(r) for r, until in st.replicas.items() if until >= now and r in by_id]
+        return [by_id[w] for w in dict.fromkeys(ks)]
+
+    def _decide(
+        self, ctx: RoutingContext, w: WorkerView, why: str, cached_len: int, missed_len: int, costs: dict[WorkerId, Cost]
+    ) -> Decision:
+        if log.isEnabledFor(logging.DEBUG):
+            terms = " ".join(
+                f"{k}: L={c.load_s:.3f} + M={c.evict_s:.3f} + R={c.prefill_s:.3f} = {c.total_s:.3f} s;"
+                for k, c in costs.items()
+            )
+            log.debug(
+                "e2 %s -> %s (%s): cached_len=%d %s missed_len=%d; LOADCOST = L + M + R: %s",
+                ctx.request_id, w.worker_id, why, cached_len, ">" if cached_len > missed_len else "<=", missed_len,
+                terms or "-",
+            )
+        c = costs.get(w.worker_id)
+        reason = why if c is None else f"{why} cost={c.total_s:.3f}s"
+        return Decision(worker_id=w.worker_id, reason=reason)
+
+    # ------------------------------------------------------------------------------------------ hooks
+    def on_dispatch(self, ctx: RoutingContext, decision: Decision, now: float) -> None:
+        w = decision.worker_id
+        self._turn += 1
+        hashes = ctx.block_hashes
+        facts = self._facts.get(w)
+        bs = facts.block_size if facts else 16
+        m = self.tree.match(hashes) if hashes else None
+        cached_blocks = self._cached_blocks(w, m, hashes) if m else 0
+        cached = min(cached_blocks * bs, max(0, ctx.num_prompt_tokens - 1))
+        missed = ctx.num_prompt_tokens - cached
+        prefill_s = self.cost_model(w).prefill_s(missed, cached)
+        path = self.tree.insert(hashes, now) if hashes else []
+        self.tree.assign(path, w, now)
+        ev = self.evicted.get(w)
+        if ev:
+            ev.difference_update(hashes)  # re-assigned: predicted resident again
+        win = self.cfg.node_window_s
+        for node in path:
+            if not isinstance(node.stats, NodeStats):
+                node.stats = merged_stats(node.children.values())  # a split's new upper half
+            node.stats.add_hit(w, now, prefill_s, win)
+        key, _ = self._key_end(path, len(hashes))
+        med = key.stats.median_decode() if key is not None else None  # every node of path has stats now
+        decode = int(med) if med is not None else (ctx.predicted_output_tokens or ctx.max_tokens)
+        hist = self.history.get(w)
+        if hist is None:
+            hist = self.history[w] = WorkerHistory(self.cfg.history_window_s, self.cfg.history_max_requests)
+        hist.add(HistoryEntry(now, ctx.request_id, prefill_s, ctx.num_prompt_tokens, decode, hashes))
+        hw = self.hit_ratio.get(w)
+        if hw is None:
+            hw = self.hit_ratio[w] = HitRatioWindow(self.cfg.hit_ratio_window_s)
+        hw.add(now, cached, ctx.num_prompt_tokens)
+        if w not in self.fits:
+            self.fits[w] = OnlineFit(
+                profile_cost(self.cfg.default_profile), self.cfg.online_fit_min_samples, self.cfg.online_fit_decay
+            )
+        self.in_flight[ctx.request_id] = _InFlight(w, now, hashes, missed, ctx.num_prompt_tokens)
+
+    def on_first_token(self, request_id: str, worker_id: WorkerId, now: float) -> None:
+        rec = self.in_flight.get(request_id)
+        if rec is None or rec.worker != worker_id or rec.first_token_s >= 0:
+            return
+        rec.first_token_s = now
+        ttft = now - rec.t
+        fit = self.fits.get(worker_id)
+        if fit is not None:
+            fit.add_prefill(rec.missed_tokens, ttft)
+        key = self.key_of(rec.block_hashes)
+        if key is not None and isinstance(key.stats, NodeStats):
+            dq = key.stats.ttft.setdefault(worker_id, deque())
+            dq.append((now, ttft))
+            cutoff = now - self.cfg.history_window_s
+            while dq[0][0] < cutoff:
+                dq.popleft()
+            self.dirty_ttft[(id(key), worker_id)] = key
+
+    def on_finish(self, request_id: str, worker_id: WorkerId, now: float, num_output_tokens: int) -> None:
+        rec = self.in_flight.pop(request_id, None)
+        if rec is None or rec.worker != worker_id:
+            return
+        hist = self.history.get(worker_id)
+        if hist is not None:
+            hist.set_decode(request_id, num_output_tokens)
+        key = self.key_of(rec.block_hashes)
+        if key is not None and isinstance(key.stats, NodeStats):
+            key.stats.decode_tokens.append(num_output_tokens)
+        fit = self.fits.get(worker_id)
+        if fit is not None and rec.first_token_s >= 0 and num_output_tokens > 1:
+            tpot = (now - rec.first_token_s) / (num_output_tokens - 1)
+            fit.add_decode(rec.prompt_tokens + num_output_tokens / 2, tpot)
+
+    def on_abort(self, request_id: str, worker_id: WorkerId, now: float) -> None:
+        rec = self.in_flight.get(request_id)
+        if rec is not None and rec.worker == worker_id:
+            del self.in_flight[request_id]
+
+    def on_kv_events(self, worker_id: WorkerId, batch: KvEventBatch) -> None:
+        w, tree = worker_id, self.tree
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                tree.mark_resident(w, ev.block_hashes, ev.parent_block_hash, batch.ts)
+                self.resident_count[w] = self.resident_count.get(w, 0) + len(ev.block_hashes)
+                evicted = self.evicted.get(w)
+                if evicted:
+                    evicted.difference_update(ev.block_hashes)
+                nodes = self.resident_nodes.setdefault(w, set())
+                for h in ev.block_hashes[-1:]:  # lru_victims walks up to the rest
+                    pos = tree.node_of(h)
+                    if pos is not None:
+                        nodes.add(pos[0])
+            elif isinstance(ev, BlockRemoved):
+                tree.mark_evicted(w, ev.block_hashes)
+                self.resident_count[w] = max(0, self.resident_count.get(w, 0) - len(ev.block_hashes))
+                evicted = self.evicted.setdefault(w, set())
+                for h in ev.block_hashes:
+                    pos = tree.node_of(h)
+                    if pos is not None and w in pos[0].assigned:
+                        evicted.add(h)
+            elif isinstance(ev, AllBlocksCleared):
+                tree.clear_worker(w)
+                tree.unassign_worker(w)  # its predictions were about a cache that no longer exists
+                self.resident_count[w] = 0
+                self.evicted.pop(w, None)
+                self.resident_nodes.pop(w, None)
+
+    def on_worker_change(self, worker_id: WorkerId, now: float) -> None:
+        rec = self._fleet.get(worker_id) if self._fleet is not None else None
+        if rec is not None and getattr(rec, "healthy", rec.is_routable):
+            self._facts.pop(worker_id, None)  # re-read its Info at the next select (it may have re-registered)
+            return  # a drain or a state change: keep its cache view and load
+        self.tree.remove_worker(worker_id)
+        for d in (self.history, self.hit_ratio, self.fits, self.evicted, self.resident_count, self.resident_nodes,
+                  self._facts):
+            d.pop(worker_id, None)  # type: ignore[attr-defined]
+        self.transfers = deque(x for x in self.transfers if x[1] != worker_id)
+
+    def on_tick(self, now: float) -> None:
+        for h in self.history.values():
+            h.expire(now)
+        for hw in self.hit_ratio.values():
+            hw.expire(now)
+        cutoff = now - self.cfg.history_window_s
+        while self.transfers and self.transfers[0][0] < cutoff:
+            self.transfers.popleft()
+        if self.cfg.enable_replication and self.dirty_ttft:
+            maybe_replicate(self, now)
+        if self.cfg.enable_rebalancing and now >= self._next_rebalance:
+            self._next_rebalance = now + self.cfg.rebalance_interval_s
+            for model in sorted(self._models):
+                rebalance(self, model, now)
+        if now >= self._next_gc:
+            self._next_gc = now + self.cfg.gc_interval_s
+            self.gc(now)
+
+    # ------------------------------------------------------------------------------------------ background
+    def routable(self, model: str) -> list[WorkerView]:
+        return list(self._fleet.routable(model)) if self._fleet is not None else []
+
+    def gc(self, now: float) -> int:
+        """Drop tree nodes with no resident worker and no request within W; prune per-worker side tables."""
+        removed = self.tree.gc(now, self.cfg.node_window_s)
+        for w, ev in self.evicted.items():
+            keep = set()
+            for h in ev:
+                pos = self.tree.node_of(h)
+                if pos is not None and w in pos[0].assigned:
+                    keep.add(h)
+            self.evicted[w] = keep
+        for w, nodes in self.resident_nodes.items():
+            deepest = set()
+            for n in nodes:  # keep, per stored node, its deepest ancestor-or-self still resident
+                while n is not None and not (n.is_attached and n.resident.get(w, 0) > 0):
+                    n = n.parent
+                if n is not None:
+                    deepest.add(n)
+            self.resident_nodes[w] = deepest
+        return removed
+
+
+class PrebleE2Base(PrebleE2):
+    """E2 alone (ablation step 1): no rebalancing, no replication, no P/D balancing."""
+
+    name = "e2_base"
+
+    def __init__(self) -> None:
+        super().__init__(E2Config(enable_rebalancing=False, enable_replication=False, enable_pd_balancing=False))
+
+
+class PrebleE2Rebal(PrebleE2):
+    """E2 + rebalancing and replication (ablation step 2), no P/D balancing."""
+
+    name = "e2_rebal"
+
+    def __init__(self) -> None:
+        super().__init__(E2Config(enable_pd_balancing=False))
+
+
+__all__ = ["E2Config", "PrebleE2", "PrebleE2Base", "PrebleE2Rebal"]

@@ -1,0 +1,278 @@
+"""Preble E2's windowed bookkeeping (specs/preble.md §4.1, §5.2-5.5): per-worker load history with an
+incrementally maintained L, the windowed hit ratio behind DECODERATIO, per-node statistics, the queueing-time
+doubling detector, and the simulated LRU eviction behind M. Plain data; `preble_e2` owns the instances.
+"""
+
+from __future__ import annotations
+
+import heapq
+import statistics
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from switchyard.router.policies.preble_cost import CostModel
+
+
+# ---------------------------------------------------------------------------------------------- L_i (history H)
+@dataclass(slots=True)
+class HistoryEntry:
+    t: float  # dispatch time, s
+    request_id: str
+    prefill_s: float  # PT_r: PREFILLTIME of r's uncached tokens on this worker at its scheduling time
+    prompt_tokens: int
+    decode_tokens: int  # predicted at dispatch, replaced by the observed output length on finish
+    block_hashes: tuple[int, ...] = ()  # r's prompt (its key node is resolved when needed: splits move it)
+
+
+class WorkerHistory:
+    """The last requests routed to one worker within H, and L_i = Σ_{r∈H} (PT_r + DT_r) kept incrementally.
+
+    DT_r = DECODETIME(average decode length in H, average context in H), the same for every r (§5.2: "using the
+    average request decoding time observed on GPU_i in window H"), so
+        L_i = Σ PT_r + |H| × DECODETIME(Σdec/|H|, Σprompt/|H| + Σdec/(2|H|))        [seconds]
+    and only the three sums and the count are maintained: O(1) per dispatch, finish and expiry. H is a
+    duration (`window_s`) and optionally also a count (`max_requests`, errata E2).
+    """
+
+    def __init__(self, window_s: float, max_requests: int | None = None) -> None:
+        self.window_s = window_s
+        self.max_requests = max_requests
+        self.entries: deque[HistoryEntry] = deque()
+        self.by_id: dict[str, HistoryEntry] = {}
+        self.sum_prefill_s = 0.0
+        self.sum_prompt_tokens = 0
+        self.sum_decode_tokens = 0
+
+    def add(self, e: HistoryEntry) -> None:
+        self.entries.append(e)
+        self.by_id[e.request_id] = e  # a retry on the same worker replaces the lookup (both entries count)
+        self.sum_prefill_s += e.prefill_s
+        self.sum_prompt_tokens += e.prompt_tokens
+        self.sum_decode_tokens += e.decode_tokens
+        if self.max_requests is not None:
+            while len(self.entries) > self.max_requests:
+                self._pop()
+        self.expire(e.t)
+
+    def set_decode(self, request_id: str, decode_tokens: int) -> None:
+        e = self.by_id.get(request_id)
+        if e is not None:
+            self.sum_decode_tokens += decode_tokens - e.decode_tokens
+            e.decode_tokens = decode_tokens
+
+    def _pop(self) -> None:
+        e = self.entries.popleft()
+        if self.by_id.get(e.request_id) is e:
+            del self.by_id[e.request_id]
+        if not self.entries:  # NOTE: reset exactly, so float drift never outlives an empty window
+            self.sum_prefill_s, self.sum_prompt_tokens, self.sum_decode_tokens = 0.0, 0, 0
+        else:
+            self.sum_prefill_s -= e.prefill_s
+            self.sum_prompt_tokens -= e.prompt_tokens
+            self.sum_decode_tokens -= e.decode_tokens
+
+    def expire(self, now: float) -> None:
+        cutoff = now - self.window_s
+        while self.entries and self.entries[0].t < cutoff:
+            self._pop()
+
+    def live_sums(self, now: float) -> tuple[int, float, int, int]:
+        """(count, Σ PT_r, Σ prompt, Σ decode) over entries within H at `now`, without mutating (select is pure)."""
+        n, pre, prompt, dec = len(self.entries), self.sum_prefill_s, self.sum_prompt_tokens, self.sum_decode_tokens
+        cutoff = now - self.window_s
+        for e in self.entries:  # only the not-yet-expired head is walked (on_tick expires the rest)
+            if e.t >= cutoff:
+                break
+            n, pre, prompt, dec = n - 1, pre - e.prefill_s, prompt - e.prompt_tokens, dec - e.decode_tokens
+        return n, pre, prompt, dec
+
+    def load_s(self, now: float, cost: CostModel) -> float:
+        n, pre, prompt, dec = self.live_sums(now)
+        return load_from_sums(n, pre, prompt, dec, cost)
+
+    def decode_time_s(self, now: float, cost: CostModel) -> float:
+        """DT for one request on this worker (the same for every r in H)."""
+        n, _, prompt, dec = self.live_sums(now)
+        return 0.0 if n <= 0 else cost.decode_s(dec / n, prompt / n + dec / (2 * n))
+
+
+def load_from_sums(n: int, sum_prefill_s: float, sum_prompt: int, sum_decode: int, cost: CostModel) -> float:
+    if n <= 0:
+        return 0.0
+    return max(0.0, sum_prefill_s) + n * cost.decode_s(sum_decode / n, sum_prompt / n + sum_decode / (2 * n))
+
+
+# ---------------------------------------------------------------------------------------------- DECODERATIO
+class HitRatioWindow:
+    """Windowed prefix hit ratio of one worker: Σ hit tokens / Σ prompt tokens over dispatches in the last
+    `window_s` (the code's `hit_trace_window_size` = 30 s, errata E9). Hits are the router's estimate at dispatch."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.samples: deque[tuple[float, int, int]] = deque()
+        self.hit = 0
+        self.total = 0
+
+    def add(self, now: float, hit_tokens: int, prompt_tokens: int) -> None:
+        self.samples.append((now, hit_tokens, prompt_tokens))
+        self.hit += hit_tokens
+        self.total += prompt_tokens
+        self.expire(now)
+
+    def expire(self, now: float) -> None:
+        cutoff = now - self.window_s
+        while self.samples and self.samples[0][0] < cutoff:
+            _, h, p = self.samples.popleft()
+            self.hit -= h
+            self.total -= p
+
+    def ratio(self, now: float) -> float:
+        hit, total, cutoff = self.hit, self.total, now - self.window_s
+        for t, h, p in self.samples:
+            if t >= cutoff:
+                break
+            hit, total = hit - h, total - p
+        return hit / total if total > 0 else 0.0
+
+
+# ---------------------------------------------------------------------------------------------- per-node stats
+def count_since(dq: deque[tuple[float, float]], cutoff: float) -> tuple[int, float]:
+    """(count, Σ value) of the (t, value) samples with t >= cutoff (the head may hold expired ones)."""
+    n, s = len(dq), 0.0
+    skipped = 0.0
+    for t, v in dq:
+        if t >= cutoff:
+            break
+        n -= 1
+        skipped += v
+    if n:
+        s = sum(v for _, v in dq) - skipped
+    return n, s
+
+
+@dataclass(slots=True)
+class NodeStats:
+    """The policy's slot on a radix node (`node.stats`)."""
+
+    # per worker: (dispatch t, that request's PT on the worker) for requests through this node in W
+    # (N_j of the text's M formula, and Alg 2's Σ PREFILLTIME(missed of l) for eviction_cost="alg2")
+    hits: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
+    # observed output lengths of requests whose key portion is this node (bounded deque, median -> decode)
+    decode_tokens: deque[int] = field(default_factory=lambda: deque(maxlen=64))
+    # per worker: (first-token t, TTFT s) of requests keyed here, for the queueing-doubling detector (§5.5)
+    ttft: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
+    redirect: dict[str, tuple[str, float]] = field(default_factory=dict)  # heavy -> (light, until_s) (§5.4)
+    replicas: dict[str, float] = field(default_factory=dict)  # extra worker -> until_s (§5.5)
+
+    def add_hit(self, worker: str, now: float, prefill_s: float, window_s: float) -> None:
+        dq = self.hits.get(worker)
+        if dq is None:
+            dq = self.hits[worker] = deque()
+        dq.append((now, prefill_s))
+        cutoff = now - window_s
+        while dq[0][0] < cutoff:
+            dq.popleft()
+
+    def median_decode(self) -> float | None:
+        return statistics.median(self.decode_tokens) if self.decode_tokens else None
+
+
+def merged_stats(children: Iterable[Any]) -> NodeStats:
+    """Stats for a node that a split created: every request through a child also went through it."""
+    out = NodeStats()
+    for child in children:
+        st = child.stats
+        if not isinstance(st, NodeStats):
+            continue
+        for w, dq in st.hits.items():
+            cur = out.hits.get(w)
+            out.hits[w] = deque(heapq.merge(cur, dq)) if cur else deque(dq)
+    return out
+
+
+def is_overloaded(samples: deque[tuple[float, float]], now: float, window_s: float, factor: float) -> bool:
+    """Queueing time doubles over H: mean TTFT in the window's second half >= factor × the first half's
+    (the code's TTFTWindowedOverloadedDetector); False when either half is empty."""
+    start, mid = now - window_s, now - window_s / 2
+    first = [v for t, v in samples if start <= t < mid]
+    second = [v for t, v in samples if t >= mid]
+    if not first or not second:
+        return False
+    return sum(second) / len(second) >= factor * (sum(first) / len(first))
+
+
+# ---------------------------------------------------------------------------------------------- simulated LRU
+def lru_victims(
+    worker: str,
+    nodes: Iterable[Any],
+    need_blocks: int,
+    protected: set[int],
+) -> list[tuple[Any, int]]:
+    """Which (node, blocks) the worker's LRU would evict to free `need_blocks` (§4.2 "simulated LRU eviction").
+
+    Candidates are the worker's resident nodes not on the request's own path (`protected`, by id), leaves
+    first (a node becomes a candidate once none of its children holds the worker), oldest `last_access` first;
+    a node's tail blocks go first, so a partial take is allowed. Read-only. O(R log R), R = resident nodes.
+    """
+    resident: dict[int, Any] = {}
+    seen: set[int] = set()
+    for n in nodes:  # the set holds the deepest stored nodes; their ancestors (split-off parents too) walk up
+        while n is not None and id(n) not in seen:
+            seen.add(id(n))
+            if n.resident.get(worker, 0) > 0:
+                resident[id(n)] = n
+            n = n.parent
+    held_children: dict[int, int] = {}
+    for n in resident.values():
+        p = n.parent
+        if p is not None and id(p) in resident:
+            held_children[id(p)] = held_children.get(id(p), 0) + 1
+    heap = [(n.last_access, id(n), n) for k, n in resident.items() if not held_children.get(k)]
+    heapq.heapify(heap)
+    out: list[tuple[Any, int]] = []
+    left = need_blocks
+    while heap and left > 0:
+        _, k, n = heapq.heappop(heap)
+        if k in protected:
+            continue  # about to be reused by this request: never a victim, and its ancestors neither
+        take = min(n.resident[worker], left)
+        out.append((n, take))
+        left -= take
+        p = n.parent
+        if take == n.resident[worker] and p is not None and id(p) in resident:
+            held_children[id(p)] -= 1
+            if held_children[id(p)] == 0:
+                heapq.heappush(heap, (p.last_access, id(p), p))
+    return out
+
+
+def eviction_cost_s(
+    victims: list[tuple[Any, int]],
+    worker: str,
+    now: float,
+    window_s: float,
+    block_size: int,
+    cost: CostModel,
+    mode: str,
+) -> float:
+    """M_i over the victims. "text": Σ_j PT_j × N_j (recompute the evicted tokens of j after its context,
+    times the requests through j on this worker in W); "alg2": Σ_j Σ_{l through j in W} PREFILLTIME(missed_l)."""
+    m = 0.0
+    cutoff = now - window_s
+    for node, nblocks in victims:
+        st = node.stats
+        dq = st.hits.get(worker) if isinstance(st, NodeStats) else None
+        if not dq:
+            continue
+        count, sum_pt = count_since(dq, cutoff)
+        if mode == "alg2":
+            m += sum_pt
+        elif count:
+            keep = node.resident.get(worker, 0) - nblocks
+            ctx_tokens = (node.context_blocks + keep) * block_size
+            m += cost.prefill_s(nblocks * block_size, ctx_tokens) * count
+    return m
+
+

@@ -1,0 +1,368 @@
+"""The global prefix radix tree: worked examples on both builds, and a state machine that runs them side by side."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from switchyard.ext import radix, radix_py
+
+try:
+    from switchyard.ext import _radix_c
+except ImportError:  # pragma: no cover - test_c_extension_loaded reports it
+    _radix_c = None
+
+NO_EXTENSIONS = bool(os.environ.get("SWITCHYARD_NO_EXTENSIONS"))
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("py"),
+        pytest.param(
+            "c",
+            marks=[
+                pytest.mark.c_extension,
+                pytest.mark.skipif(_radix_c is None, reason="Cython extension not built"),
+            ],
+        ),
+    ]
+)
+def impl(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    return radix_py if request.param == "py" else _radix_c
+
+
+@pytest.mark.skip_in_ci_ok  # skipping is right when the opt-out is set on purpose
+def test_c_extension_loaded() -> None:
+    if NO_EXTENSIONS:
+        pytest.skip("SWITCHYARD_NO_EXTENSIONS is set")
+    assert _radix_c is not None, "switchyard.ext._radix_c did not build or import"
+    assert radix.IMPLEMENTATION == "c"
+    assert radix.RadixTree is _radix_c.RadixTree
+    assert radix.Node is _radix_c.Node
+    assert radix.MatchResult is _radix_c.MatchResult
+
+
+def blocks_of(path) -> list[tuple[int, ...]]:  # type: ignore[no-untyped-def]
+    return [tuple(node.blocks) for node in path]
+
+
+# Block hashes in the examples are small ints: the tree only needs them unique per prefix, as chained hashes are.
+SYS = [11, 12, 13, 14]  # a 4-block system prompt
+TOOL_A = [21, 22]
+TOOL_B = [31, 32, 33]
+
+
+def test_insert_splits_and_key_node(impl) -> None:  # type: ignore[no-untyped-def]
+    t = impl.RadixTree()
+    first = t.insert(SYS + TOOL_A, now=1.0)  # one leaf of 6 blocks
+    assert blocks_of(first) == [(11, 12, 13, 14, 21, 22)]
+    path = t.insert(SYS + TOOL_B, now=2.0)
+    # the match ends inside the 6-block node after 4 blocks: split at k=4 -> [11..14] + [21, 22];
+    # the new leaf [31, 32, 33] hangs under the upper half
+    assert blocks_of(path) == [(11, 12, 13, 14), (31, 32, 33)]
+    assert [n.context_blocks for n in path] == [0, 4]
+    assert first[0].blocks == (21, 22) and first[0].context_blocks == 4  # the original object is the lower half
+    assert first[0].parent is path[0] and path[0].parent is None
+    assert t.num_nodes == 3 and t.num_blocks == 4 + 2 + 3
+    assert t.node_of(22) == (first[0], 1) and t.node_of(13) == (path[0], 2) and t.node_of(99) is None
+    # key portion: [11..14] has 4 blocks > 0 before it; [31..33] has 3 > 4? no -> the system prompt is the key
+    assert path[0].last_access == 2.0 and first[0].last_access == 1.0  # insert touched only its own path
+    m = t.match(SYS + TOOL_B + [41])
+    assert m.matched_blocks == 7 and m.key_node is path[0]  # 4 + 3 matched, block 41 unknown
+    # a long question under a short prefix: [11..14] + [51..55]: 5 blocks > 4 before -> the leaf is the key
+    tail = t.insert(SYS + [51, 52, 53, 54, 55], now=3.0)
+    assert t.match(SYS + [51, 52, 53, 54, 55]).key_node is tail[-1]
+    assert impl.RadixTree.key_node(tail) is tail[-1]
+    # a query ending mid-node is split on insert so the path covers exactly the query
+    assert blocks_of(t.insert([11, 12], now=4.0)) == [(11, 12)]
+    assert t.match([11, 12]).matched_blocks == 2 and t.num_nodes == 5
+    t.check_invariants()
+
+
+def test_split_keeps_stats_on_lower_half_and_clips_runs(impl) -> None:  # type: ignore[no-untyped-def]
+    t = impl.RadixTree()
+    (node,) = t.insert([1, 2, 3, 4, 5], now=0.0)
+    node.stats = {"count": 7}
+    t.mark_resident("w0", [1, 2, 3, 4], None, now=0.0)  # run 4 of 5
+    t.mark_resident("w1", [1], None, now=0.0)  # run 1 of 5
+    t.assign([node], "w2", now=0.0)
+    upper, _leaf = t.insert([1, 2, 9], now=1.0)  # split at k=2
+    # upper [1, 2]: runs min(4, 2) = 2 and min(1, 2) = 1; lower [3, 4, 5]: 4 - 2 = 2, w1 (1 <= 2) dropped
+    assert upper.resident == {"w0": 2, "w1": 1} and node.resident == {"w0": 2}
+    assert upper.assigned == {"w2"} == node.assigned
+    assert upper.stats is None and node.stats == {"count": 7}
+    t.check_invariants()
+
+
+def test_match_leading_runs(impl) -> None:  # type: ignore[no-untyped-def]
+    t = impl.RadixTree()
+    t.insert(SYS + TOOL_A, now=0.0)
+    t.insert(SYS + TOOL_B, now=0.0)  # [11..14] -> {[21, 22], [31, 32, 33]}
+    t.mark_resident("a", SYS + TOOL_B, None, now=0.0)  # all 7 blocks
+    t.mark_resident("b", SYS, None, now=0.0)
+    t.mark_resident("b", [32, 33], 31, now=0.0)  # gap: 31 missing, so 32, 33 cannot count (leading run)
+    t.mark_resident("c", [12, 13], 11, now=0.0)  # no block 11: no leading run at all
+    t.assign(t.match(SYS + TOOL_A).path, "d", now=0.0)
+    m = t.match(SYS + [31, 32, 99])
+    assert m.matched_blocks == 6  # 4 + 2 of [31, 32, 33]
+    # a: 4 + min(3, 2) = 6; b: 4 + 0 (its run on [31..33] is empty) = 4; c: none; d: 4 (assigned [11..14] only)
+    assert m.resident_blocks == {"a": 6, "b": 4}
+    assert m.assigned_blocks == {"d": 4}
+    t.mark_resident("b", [31], 14, now=0.0)  # now 31 is there: run 0 -> 1, and 32, 33 still need re-storing
+    assert t.match(SYS + TOOL_B).resident_blocks == {"a": 7, "b": 5}
+    t.check_invariants()
+
+
+def test_mark_resident_inserts_under_parent_and_ignores_unknown_parent(impl) -> None:  # type: ignore[no-untyped-def]
+    t = impl.RadixTree()
+    t.insert([1, 2, 3], now=0.0)
+    t.mark_resident("w", [7, 8], 2, now=5.0)  # parent 2 is mid-node: split [1, 2] + [3], then [7, 8] under [1, 2]
+    assert sorted(blocks_of(t.nodes())) == [(1, 2), (3,), (7, 8)]
+    assert t.node_of(7)[0].last_access == 5.0 and t.node_of(7)[0].resident == {"w": 2}
+    assert t.match([1, 2, 7, 8]).resident_blocks == {}  # w never stored 1, 2
+    t.mark_resident("w", [1, 2], None, now=5.0)
+    assert t.match([1, 2, 7, 8]).resident_blocks == {"w": 4}
+    t.mark_resident("w", [40, 41], 999, now=5.0)  # unknown parent: ignored
+    assert t.node_of(40) is None and t.num_nodes == 3
+    t.check_invariants()
+
+
+def test_eviction_is_never_reported_resident(impl) -> None:  # type: ignore[no-untyped-def]
+    # Preble claim 10 (sync): once the eviction events are applied, no block of them is reported resident.
+    t = impl.RadixTree()
+    t.mark_resident("w", [1, 2, 3, 4, 5, 6], None, now=0.0)
+    t.assign(t.insert([1, 2, 3, 4, 5, 6], now=0.0), "w", now=0.0)  # optimistic too
+    t.mark_evicted("w", [6, 5, 4])  # tail first, as vLLM frees: run 6 -> min(6, 5)=5 -> 4 -> 3
+    m = t.match([1, 2, 3, 4, 5, 6])
+    assert m.resident_blocks == {"w": 3} and m.assigned_blocks == {"w": 6}  # assigned stays optimistic
+    t.mark_evicted("w", [2])  # a middle block: run min(3, 1) = 1, block 3 is no longer usable either
+    assert t.match([1, 2, 3]).resident_blocks == {"w": 1}
+    t.mark_resident("w", [3], 2, now=0.0)  # 3 is not right after the run (1): still not counted
+    assert t.match([1, 2, 3]).resident_blocks == {"w": 1}
+    t.mark_evicted("w", [1, 42])  # unknown hashes are skipped
+    assert t.match([1, 2, 3]).resident_blocks == {} and t.node_of(1)[0].resident == {}
+    t.check_invariants()
+
+
+def test_gc_removes_unreferenced_nodes_after_the_window(impl) -> None:  # type: ignore[no-untyped-def]
+    t = impl.RadixTree()
+    sys_path = t.insert(SYS, now=0.0)
+    a = t.insert(SYS + TOOL_A, now=10.0)[-1]
+    b = t.insert(SYS + TOOL_B, now=100.0)[-1]
+    t.assign([a], "w", now=10.0)  # assigned but never confirmed by a KV event
+    t.mark_resident("r", SYS, None, now=0.0)
+    # window 60 s at now=120: a (120 - 10 = 110 > 60) is stale -> collected although assigned;
+    # b (20 s) is inside the window; SYS is resident -> kept
+    assert t.gc(now=120.0, window_s=60.0) == 1
+    assert not a.is_attached and a.parent is None and a.assigned == set()
+    assert sorted(blocks_of(t.nodes())) == [(11, 12, 13, 14), (31, 32, 33)]
+    assert t.node_of(21) is None and t.num_blocks == 7
+    t.clear_worker("r")
+    # at now=200: b (100 s) goes, then SYS becomes a leaf, its last access 100 s ago: also goes (one pass)
+    assert t.gc(now=200.0, window_s=60.0) == 2
+    assert t.num_nodes == 0 and t.num_blocks == 0 and not sys_path[0].is_attached
+    t.assign(sys_path, "w", now=300.0)  # a detached node: no effect
+    assert t.match(SYS).path == [] and b.assigned == set()
+    t.check_invariants()
+
+
+def test_remove_worker_and_unassign(impl) -> None:  # type: ignore[no-untyped-def]
+    t = impl.RadixTree()
+    path = t.insert([1, 2, 3], now=0.0)
+    for w in ("a", "b"):
+        t.assign(path, w, now=0.0)
+        t.mark_resident(w, [1, 2, 3], None, now=0.0)
+    t.unassign_worker("a")
+    m = t.match([1, 2, 3])
+    assert m.assigned_blocks == {"b": 3} and m.resident_blocks == {"a": 3, "b": 3}
+    t.remove_worker("b")
+    m = t.match([1, 2, 3])
+    assert m.assigned_blocks == {} and m.resident_blocks == {"a": 3}
+    t.clear_worker("a")
+    assert t.match([1, 2, 3]).resident_blocks == {}
+    t.check_invariants()
+
+
+def test_bad_hashes_and_collisions(impl) -> None:  # type: ignore[no-untyped-def]
+    t = impl.RadixTree()
+    with pytest.raises(ValueError, match="not a uint64"):
+        t.insert([1, -1], now=0.0)
+    with pytest.raises(ValueError, match="not a uint64"):
+        t.mark_resident("w", [2**64], None, now=0.0)
+    assert t.num_nodes == 0
+    t.insert([2**64 - 1, 0], now=0.0)  # the extremes are fine
+    assert t.match([2**64 - 1, 0, -5]).matched_blocks == 2  # a bad hash in a query just does not match
+    # 0 is already in the tree (a collision or a broken chain): the new leaf is cut before it
+    assert blocks_of(t.insert([5, 6, 0, 7], now=0.0)) == [(5, 6)]
+    assert blocks_of(t.insert([8, 9, 8], now=0.0)) == [(8, 9)]  # a repeat inside one insert: same
+    t.check_invariants()
+
+
+def test_c_slot_limit() -> None:
+    if _radix_c is None:
+        pytest.skip("Cython extension not built")
+    t = _radix_c.RadixTree()
+    path = t.insert([1], now=0.0)
+    for w in range(64):
+        t.assign(path, f"w{w}", now=0.0)
+    with pytest.raises(RuntimeError, match="more than 64 workers"):
+        t.mark_resident("w64", [1], None, now=0.0)
+    t.remove_worker("w0")  # frees a slot
+    t.mark_resident("w64", [1], None, now=0.0)
+    assert t.match([1]).resident_blocks == {"w64": 1} and len(t.match([1]).assigned_blocks) == 63
+    t.check_invariants()
+
+
+# ---- state machine: reference and Cython side by side -----------------------------------------------------
+
+TOKENS = st.lists(st.integers(min_value=0, max_value=2), min_size=0, max_size=7)
+WORKERS = st.sampled_from(["w0", "w1", "w2"])
+
+
+def snapshot(tree) -> tuple:  # type: ignore[no-untyped-def]
+    nodes = []
+    for n in tree.nodes():
+        parent = None if n.parent is None else tuple(n.parent.blocks)
+        nodes.append(
+            (
+                tuple(n.blocks),
+                n.num_blocks,
+                n.context_blocks,
+                parent,
+                tuple(sorted(n.children)),
+                tuple(sorted(n.resident.items())),
+                tuple(sorted(n.assigned)),
+                n.last_access,
+                n.is_attached,
+                n.stats,
+            )
+        )
+    return tree.num_nodes, tree.num_blocks, sorted(nodes)
+
+
+def match_view(m) -> tuple:  # type: ignore[no-untyped-def]
+    key = None if m.key_node is None else tuple(m.key_node.blocks)
+    return blocks_of(m.path), m.matched_blocks, m.resident_blocks, m.assigned_blocks, key
+
+
+class SideBySide(RuleBasedStateMachine):
+    """Random operation sequences on both builds; every observable result is compared after each step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trees = [radix_py.RadixTree()] + ([_radix_c.RadixTree()] if _radix_c is not None else [])
+        self.hash_of: dict[tuple[int, ...], int] = {}  # token prefix -> chained "block hash"
+        self.paths: list[list] = []  # per insert: the path from each tree
+        self.held: dict[str, set[int]] = {}  # model: blocks each worker's cache really holds
+        self.now = 0.0
+
+    def chain(self, tokens: list[int]) -> list[int]:
+        out = []
+        for i in range(1, len(tokens) + 1):
+            prefix = tuple(tokens[:i])
+            if prefix not in self.hash_of:  # large, distinct, deterministic uint64 values
+                self.hash_of[prefix] = ((len(self.hash_of) + 1) * 0x9E3779B97F4A7C15) % 2**64
+            out.append(self.hash_of[prefix])
+        return out
+
+    def tick(self, dt: float) -> float:
+        self.now += dt
+        return self.now
+
+    def same(self, results: list) -> None:
+        for r in results[1:]:
+            assert r == results[0]
+
+    @rule(tokens=TOKENS, dt=st.sampled_from([0.0, 1.0, 30.0]))
+    def insert(self, tokens: list[int], dt: float) -> None:
+        hashes, now = self.chain(tokens), self.tick(dt)
+        paths = [t.insert(hashes, now) for t in self.trees]
+        self.same([blocks_of(p) for p in paths])
+        self.paths.append(paths)
+
+    @rule(tokens=TOKENS)
+    def match(self, tokens: list[int]) -> None:
+        hashes = self.chain(tokens)
+        results = [t.match(hashes) for t in self.trees]
+        self.same([match_view(m) for m in results])
+        # claim 10: a reported resident run is held by the worker's cache, block by block
+        for w, r in results[0].resident_blocks.items():
+            assert set(hashes[:r]) <= self.held.get(w, set()), (w, r)
+
+    @precondition(lambda self: self.paths)
+    @rule(i=st.integers(min_value=0), worker=WORKERS, dt=st.sampled_from([0.0, 5.0]))
+    def assign(self, i: int, worker: str, dt: float) -> None:
+        now = self.tick(dt)
+        for t, p in zip(self.trees, self.paths[i % len(self.paths)], strict=True):
+            t.assign(p, worker, now)
+
+    @rule(
+        worker=WORKERS,
+        tokens=TOKENS,
+        cut=st.sampled_from([0, 0, 0, 1, 2, 3]),  # mostly whole chains: a parent unknown to the tree is ignored
+        orphan=st.sampled_from([False] * 7 + [True]),
+    )
+    def mark_resident(self, worker: str, tokens: list[int], cut: int, orphan: bool) -> None:
+        hashes = self.chain(tokens)
+        cut = min(cut, len(hashes))
+        parent = hashes[cut - 1] if cut else None
+        if orphan:
+            parent = 12345  # never a chained hash here: the tree ignores the event
+        self.held.setdefault(worker, set()).update(hashes[cut:])  # the worker's cache holds them either way
+        for t in self.trees:
+            t.mark_resident(worker, hashes[cut:], parent, self.now)
+
+    @rule(worker=WORKERS, tokens=st.just([]) | TOKENS, data=st.data())
+    def mark_evicted(self, worker: str, tokens: list[int], data: st.DataObject) -> None:
+        candidates = self.chain(tokens) + sorted(self.held.get(worker, ()))  # mostly blocks it holds
+        evicted = data.draw(st.lists(st.sampled_from(candidates), max_size=3)) if candidates else []
+        self.held.get(worker, set()).difference_update(evicted)
+        for t in self.trees:
+            t.mark_evicted(worker, evicted)
+
+    # NOTE: "keep" makes this rule a no-op 3 times in 4, or the workers would rarely hold anything long enough.
+    @rule(worker=WORKERS, how=st.sampled_from(["clear_worker", "unassign_worker", "remove_worker"] + ["keep"] * 9))
+    def drop_worker(self, worker: str, how: str) -> None:
+        if how == "keep":
+            return
+        if how != "unassign_worker":
+            self.held.pop(worker, None)
+        for t in self.trees:
+            getattr(t, how)(worker)
+
+    @rule(window=st.sampled_from([0.0, 10.0, 60.0]), dt=st.sampled_from([0.0, 20.0]))
+    def gc(self, window: float, dt: float) -> None:
+        now = self.tick(dt)
+        self.same([t.gc(now, window) for t in self.trees])
+
+    @rule(tokens=TOKENS, value=st.integers(min_value=0, max_value=3))
+    def set_stats(self, tokens: list[int], value: int) -> None:
+        for t in self.trees:
+            m = t.match(self.chain(tokens))
+            if m.path:
+                m.path[-1].stats = value
+
+    @invariant()
+    def identical_and_consistent(self) -> None:
+        for t in self.trees:
+            t.check_invariants()
+        self.same([snapshot(t) for t in self.trees])
+        for h in list(self.hash_of.values())[:40]:
+            self.same([(None if p is None else (tuple(p[0].blocks), p[1])) for p in (t.node_of(h) for t in self.trees)])
+
+
+SideBySide.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+test_side_by_side = SideBySide.TestCase
+
+
+def test_bench_smoke(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from switchyard.bench.micro import radix as bench
+
+    assert bench.main(["--nodes", "300", "--ops", "50", "--out", str(tmp_path)]) == 0
+    rows = __import__("json").loads((tmp_path / "radix.json").read_text())["rows"]
+    assert {r["impl"] for r in rows} == ({"py", "c"} if _radix_c is not None else {"py"})
+    assert all(r["nodes"] >= 300 and r["match_p50_us"] > 0 for r in rows)
