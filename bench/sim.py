@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from switchyard.bench import preble_workloads as preble
 from switchyard.bench import report
 from switchyard.bench.metrics import (
     INCOMPLETE,
@@ -446,13 +447,17 @@ TRACE_DEFAULTS: dict[str, dict[str, float]] = {
     "mooncake-conversation": {"duration": 600.0},
     "azure-code": {"duration": 600.0},
     "azure-conv": {"duration": 300.0},
+    # Azure code + conversation, first 300 s of the merged trace (~2.4k requests), then inter-arrivals x 0.7
+    preble.AZURE_MIX: {"duration": 300.0},
 }
+SYNTHETIC = (*ARRIVALS, *preble.GENERATORS)  # generated at --rate, so --rate is not a rescale for them
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="switchyard bench sim", description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", default="mooncake-conversation",
-                   help="mooncake-conversation | azure-code | azure-conv | poisson | gamma | PATH (.jsonl/.csv)")
+                   help="mooncake-conversation | azure-code | azure-conv | poisson | gamma | "
+                        f"{' | '.join(preble.TRACE_NAMES)} | PATH (.jsonl/.csv)")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--policies", default="round_robin,least_request,power_of_two",
                    help=f"comma-separated, the first is the baseline; known: {','.join(sorted(POLICIES))}")
@@ -475,13 +480,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-queue", action="store_true", help="route at arrival; never hold in the router queue")
     g.add_argument("--max-num-seqs", type=int, default=None, help="override the engine's max_num_seqs")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="override the profile's KV capacity")
-    g = p.add_argument_group("synthetic workloads (--trace poisson|gamma)")
-    g.add_argument("--num-requests", type=int, default=200)
+    g.add_argument("--engine-scheduling", choices=("fcfs", "priority", "preble_groups"), default=None,
+                   help="engine admission order (default fcfs); preble_groups = Preble's local priority groups")
+    g.add_argument("--num-priority-groups", type=int, default=None, help="preble_groups: P (default 10)")
+    g.add_argument("--priority-group-quota", type=int, default=None, help="preble_groups: k (default 10)")
+    g = p.add_argument_group("synthetic workloads (--trace poisson|gamma|preble-*)")
+    g.add_argument("--num-requests", type=int, default=None,
+                   help="requests to generate (default 200; preble-*: 2000)")
     g.add_argument("--cv", type=float, default=2.0, help="gamma inter-arrival CV")
     g.add_argument("--prompt-len", default="lognormal:1024:0.6")
     g.add_argument("--output-len", default="lognormal:128:0.8")
     g.add_argument("--prefix-groups", type=int, default=0)
     g.add_argument("--prefix-len", type=int, default=512)
+    g = p.add_argument_group("Preble workloads (--trace preble-*, specs/preble.md §7)")
+    g.add_argument("--num-tools", type=int, default=200, help="preble-toolbench / azure-mix: tools (paper: 200, 1500)")
+    g.add_argument("--zipf", type=float, default=None,
+                   help="preble-toolbench / azure-mix: Zipf exponent of tool popularity (paper: 1.1); default uniform")
     g = p.add_argument_group("report")
     g.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO, s")
     g.add_argument("--slo-tpot", type=float, default=0.1, help="TPOT SLO, s")
@@ -492,13 +506,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _preble_spec(args: argparse.Namespace) -> preble.PrebleSpec:
+    from switchyard.workers.engine.profiles import get_profile
+
+    return preble.PrebleSpec(
+        num_requests=args.max_requests or args.num_requests or 2000,
+        rate=args.rate or 4.0,
+        max_model_len=get_profile(args.profile).max_model_len,  # prompt + output never exceed the engines' limit
+        num_tools=args.num_tools,
+        zipf=args.zipf,
+    )
+
+
 def load_workload(args: argparse.Namespace) -> Trace:
+    if args.trace in preble.GENERATORS:
+        trace = preble.make_preble_trace(args.trace, _preble_spec(args), seed=args.seed)
+        return take_slice(trace, args.start, args.duration, args.max_requests)
+    if args.trace == preble.AZURE_MIX:
+        duration = args.duration
+        if duration is None and args.max_requests is None:
+            duration = TRACE_DEFAULTS[preble.AZURE_MIX]["duration"]
+        return preble.azure_mix(_preble_spec(args), args.seed, args.start, duration, args.max_requests)
     if args.trace in ARRIVALS:
         spec = WorkloadSpec(
             arrival=args.trace,
             rate=args.rate or 4.0,
             cv=args.cv if args.trace == "gamma" else 1.0,
-            num_requests=args.max_requests or args.num_requests,
+            num_requests=args.max_requests or args.num_requests or 200,
             prompt_len=args.prompt_len,
             output_len=args.output_len,
             prefix_groups=args.prefix_groups,
@@ -529,6 +563,12 @@ def _sim_config(args: argparse.Namespace, policy: str) -> SimConfig:
         overrides["max_num_seqs"] = args.max_num_seqs
     if args.num_kv_blocks:
         overrides["num_kv_blocks"] = args.num_kv_blocks
+    if args.engine_scheduling:
+        overrides["scheduling"] = args.engine_scheduling
+    if args.num_priority_groups:
+        overrides["num_priority_groups"] = args.num_priority_groups
+    if args.priority_group_quota:
+        overrides["priority_group_quota"] = args.priority_group_quota
     return SimConfig(
         policy=policy,
         num_workers=args.workers,
@@ -571,7 +611,7 @@ def run_sweep(args: argparse.Namespace, base: Trace) -> dict[str, Any]:
     # generated at --rate, so there --rate is not a rescale
     if args.rates:
         loads = [("rate", float(r)) for r in args.rates.split(",") if r.strip()]
-    elif args.rate and args.trace not in ARRIVALS:
+    elif args.rate and args.trace not in SYNTHETIC:
         loads = [("rate", args.rate)]
     else:
         loads = [("time_scale", args.time_scale or 1.0)]
@@ -609,6 +649,7 @@ def run_sweep(args: argparse.Namespace, base: Trace) -> dict[str, Any]:
             "event_lag_s": args.event_lag,
             "tick_interval_s": args.tick_interval,
             "use_queue": not args.no_queue,
+            "engine_scheduling": args.engine_scheduling or "fcfs",
             "policies": policies,
             "slo_ttft_s": args.slo_ttft,
             "slo_tpot_s": args.slo_tpot,

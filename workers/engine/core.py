@@ -60,15 +60,19 @@ class EngineConfig:
     block_hash_seed: str = ""  # NONE_HASH seed; "" = vLLM's "vllm-none-hash" (PYTHONHASHSEED unset)
     vocab_size: int = 32000  # simulated tokens are drawn from [3, vocab_size)
     eos_token_id: int = 2  # emitted as the last token of a STOP finish
-    scheduling: str = "fcfs"  # "fcfs" | "priority" (lower `priority` first, then arrival)
+    scheduling: str = "fcfs"  # "fcfs" | "priority" (lower `priority` first, then arrival) | "preble_groups"
+    num_priority_groups: int = 10  # preble_groups: P, groups by cached fraction of the prompt (specs/preble.md §5.6)
+    priority_group_quota: int = 10  # preble_groups: k; group g admits up to (g + 1) × k requests in its step
 
 
 class EngineCore:
     """The simulated engine: Scheduler -> KVCacheManager -> BlockPool, timed by a PerfProfile."""
 
     def __init__(self, config: EngineConfig, profile: PerfProfile) -> None:
-        if config.scheduling not in ("fcfs", "priority"):
+        if config.scheduling not in ("fcfs", "priority", "preble_groups"):
             raise ValueError(f"unknown scheduling {config.scheduling!r}")
+        if config.num_priority_groups < 1 or config.priority_group_quota < 1:
+            raise ValueError("num_priority_groups and priority_group_quota must be >= 1")
         if config.vocab_size <= 3 or config.block_size < 1:
             raise ValueError("vocab_size must exceed 3 and block_size be positive")
         config = replace(

@@ -2,6 +2,9 @@
 the waiting queue under the token budget), preempts by recompute when blocks run out, and applies a step's
 result (`schedule() -> StepPlan`, `update_from_step(plan)`), as `vllm/v1/core/sched/scheduler.py`.
 It also fast-forwards pure decode stretches exactly (`fast_forward_decode`).
+
+Option `scheduling="preble_groups"`: Preble's local scheduler (specs/preble.md §5.6, code `fcfs-mpq`) for the
+admissions: see `priority_group` and `Scheduler._admit_groups`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,22 @@ if TYPE_CHECKING:
 _EMPTY: list[int] = []
 
 
+def priority_group(num_cached_tokens: int, num_tokens: int, num_groups: int) -> int:
+    """Preble's priority group of a request (specs/preble.md §5.6): 0 with no cached token, else
+    ceil(cached / tokens × P) - 1, so 63 of 100 cached with P = 10 is group 6 and fully cached is group P - 1.
+
+    Integer arithmetic: 70 / 100 × 10 is 7.000000000000001 in floats, whose ceil would give group 7, not 6.
+    """
+    if num_cached_tokens <= 0:
+        return 0
+    return min(num_groups - 1, -(-num_cached_tokens * num_groups // num_tokens) - 1)
+
+
+def group_quota(group: int, quota_unit: int) -> int:
+    """Requests group g may admit in the step that serves it: (g + 1) × k (k = 10: group 9 → 100, group 0 → 10)."""
+    return (group + 1) * quota_unit
+
+
 @dataclass(frozen=True, slots=True)
 class StepPlan:
     """One iteration's schedule (vLLM `SchedulerOutput`, reduced to what the time model and tests need)."""
@@ -36,6 +55,7 @@ class StepPlan:
     num_decode_reqs: int  # requests computing their one newest token
     decode_context_tokens: int  # sum over decodes of the context each attends to (c + 1)
     admission_blocked: str | None  # why requests still wait: max_num_seqs | budget | blocks | preempted
+    # | priority_groups (preble_groups: others wait in groups this step did not serve)
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
@@ -97,6 +117,8 @@ class Scheduler:
         self.kv = kv
         self.max_model_len = max_model_len
         self.by_priority = config.scheduling == "priority"
+        self.by_groups = config.scheduling == "preble_groups"
+        self.group_cursor = 0  # preble_groups: the group served last; the next step scans down from cursor - 1
         self.running: list[Request] = []
         self.waiting = WaitingQueue(self.by_priority)
         self.requests: dict[str, Request] = {}
@@ -185,6 +207,8 @@ class Scheduler:
         if preempted:
             # vLLM admits nothing in a step that preempted
             blocked = "preempted" if len(self.waiting) else None
+        elif self.by_groups:
+            blocked = self._admit_groups(scheduled, budget)
         else:
             blocked = self._admit(scheduled, budget)
         return self._make_plan(scheduled, len(scheduled) - num_running_scheduled, preempted, blocked)
@@ -208,17 +232,82 @@ class Scheduler:
             if kv.allocate_slots(r, n, num_hit, hit_blocks) is None:
                 return "blocks"
             waiting.pop()
-            self._set_uncached_estimate(r, 0)
-            r.status = RequestStatus.RUNNING
-            r.num_computed_tokens = num_hit
-            if r.num_cached_tokens < 0:
-                r.num_cached_tokens = num_hit
-            self.prefix_cache_queries += r.num_tokens
-            self.prefix_cache_hits += num_hit
-            self.running.append(r)
-            scheduled.append((r, n))
+            self._start(r, n, num_hit, scheduled)
             budget -= n
         return None
+
+    def _start(self, r: Request, n: int, num_hit: int, scheduled: list[tuple[Request, int]]) -> None:
+        """Bookkeeping of an admission whose slots are allocated (the request is already out of `waiting`)."""
+        self._set_uncached_estimate(r, 0)
+        r.status = RequestStatus.RUNNING
+        r.num_computed_tokens = num_hit
+        if r.num_cached_tokens < 0:
+            r.num_cached_tokens = num_hit
+        self.prefix_cache_queries += r.num_tokens
+        self.prefix_cache_hits += num_hit
+        self.running.append(r)
+        scheduled.append((r, n))
+
+    def waiting_groups(self) -> list[list[Request]]:
+        """The waiting requests by priority group, each list in queue order, groups recomputed from the cache now
+        (hit ratios drift as blocks are cached and evicted [P §4.3 code])."""
+        p = self.config.num_priority_groups
+        groups: list[list[Request]] = [[] for _ in range(p)]
+        for r in self.waiting:
+            num_hit = self.kv.num_cached_prefix_tokens(r)
+            self._set_uncached_estimate(r, r.num_tokens - num_hit)
+            groups[priority_group(num_hit, r.num_tokens, p)].append(r)
+        return groups
+
+    def _admit_groups(self, scheduled: list[tuple[Request, int]], budget: int) -> str | None:
+        """Preble's local scheduler (specs/preble.md §5.6, code version): each step serves ONE priority group,
+        round-robin downward (cursor - 1, skipping empty groups, wrapping from 0 to P - 1); group g admits up to
+        (g + 1) × k of its requests, FCFS within the group, under the token budget, max_num_seqs and free blocks.
+
+        Highly cached requests get the larger quotas, and every non-empty group is served within P steps, so a
+        request with no cached token is not starved (it waits at most P admission steps per quota of 10 ahead).
+
+        Returns why requests still wait; "priority_groups" when others wait in groups this step did not serve (the
+        next step may admit them, so decode-only fast-forward must not skip it).
+        """
+        cfg = self.config
+        if not len(self.waiting):
+            return None
+        if budget <= 0:
+            return "budget"
+        if len(self.running) >= cfg.max_num_seqs:
+            return "max_num_seqs"
+        p = cfg.num_priority_groups
+        groups = self.waiting_groups()
+        g = (self.group_cursor - 1) % p
+        while not groups[g]:
+            g = (g - 1) % p
+        self.group_cursor = g
+        kv = self.kv
+        blocked: str | None = None
+        quota = group_quota(g, cfg.priority_group_quota)
+        for r in groups[g][:quota]:
+            if budget <= 0:
+                blocked = "budget"
+                break
+            if len(self.running) >= cfg.max_num_seqs:
+                blocked = "max_num_seqs"
+                break
+            hit_blocks, num_hit = kv.get_computed_blocks(r)
+            n = r.num_tokens - num_hit
+            if not cfg.enable_chunked_prefill and n > budget:
+                blocked = "budget"
+                break
+            n = min(n, budget)
+            if kv.allocate_slots(r, n, num_hit, hit_blocks) is None:
+                blocked = "blocks"
+                break
+            self.waiting.remove(r)
+            self._start(r, n, num_hit, scheduled)
+            budget -= n
+        if not len(self.waiting) or blocked == "max_num_seqs":
+            return blocked if len(self.waiting) else None
+        return "priority_groups"
 
     def _pick_victim(self) -> Request:
         if self.by_priority:
