@@ -6,7 +6,10 @@ Two sources, chosen per worker by `preble_e2` from the worker's `WorkerInfo.perf
   PREFILLTIME(e, c) = iteration_time_s(P=e, A=pairs(e, c), D=0, C=0): one request prefilling e uncached tokens
   after c cached ones, alone in a batch (§9.2: "PREFILLTIME used by the global scheduler = the above with one
   request"). DECODETIME(n, c) = n × iteration_time_s(0, 0, D=1, C=c): n tokens of one request decoding at
-  context c, the paper's single-request regression, linear in context (§2.1, Fig. 2).
+  context c, the paper's single-request regression, linear in context (§2.1, Fig. 2). `decode_marginal_s` is
+  the batched alternative [inferred]: what n decode tokens add to iterations that run anyway (one more decoding
+  sequence: iteration(D=2, C=2c) − iteration(D=1, C=c)); with continuous batching that is the GPU work a decode
+  really costs, ~1-2% of the single-request figure, whose per-iteration step every decoding request shares.
 - `OnlineFit`: real vLLM workers (perf_profile == "") have no profile, so both regressions are fitted online
   by running least squares (sums only, O(1) per sample) to what the router observes:
   TTFT_s ≈ a + b·e (e = uncached prompt tokens at dispatch) and TPOT_s ≈ c0 + d·ctx (ctx = prompt +
@@ -29,6 +32,7 @@ from switchyard.workers.engine.profiles import DEFAULT_PROFILE, PROFILES, get_pr
 class CostModel(Protocol):
     def prefill_s(self, missed_tokens: int, cached_tokens: int) -> float: ...
     def decode_s(self, num_tokens: float, context_tokens: float) -> float: ...
+    def decode_marginal_s(self, num_tokens: float, context_tokens: float) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +50,15 @@ class ProfileCost:
             return 0.0
         # iteration_time is linear in C, so one call at the mean context prices n tokens of growing context
         return num_tokens * self.profile.iteration_time_s(0, 0, 1, int(context_tokens))
+
+    def decode_marginal_s(self, num_tokens: float, context_tokens: float) -> float:
+        """GPU time n decode tokens add to iterations that run anyway (continuous batching): the increment of one
+        more decoding sequence, iteration(D=2, C=2c) − iteration(D=1, C=c), without the per-iteration step."""
+        if num_tokens <= 0:
+            return 0.0
+        c = int(context_tokens)
+        it = self.profile.iteration_time_s
+        return num_tokens * max(0.0, it(0, 0, 2, 2 * c) - it(0, 0, 1, c))
 
 
 @cache
@@ -115,3 +128,10 @@ class OnlineFit:
         if cd is None:
             return self.fallback.decode_s(num_tokens, context_tokens)
         return max(0.0, num_tokens) * (cd[0] + cd[1] * context_tokens)
+
+    def decode_marginal_s(self, num_tokens: float, context_tokens: float) -> float:
+        """The context-dependent part of the TPOT fit (the intercept is the shared per-iteration step)."""
+        cd = self.decode.coeffs() if self.num_decode_samples >= self.min_samples else None
+        if cd is None:
+            return self.fallback.decode_marginal_s(num_tokens, context_tokens)
+        return max(0.0, num_tokens) * cd[1] * context_tokens

@@ -33,6 +33,27 @@ Per request (`select`, read-only; all costs in seconds):
   of its key node, else the request's predicted_output_tokens, else max_tokens.
   Ties: lowest (cost, (candidate index − dispatch count) mod n): a rotation advanced in on_dispatch, no RNG.
 
+Load-aware additions [inferred] (defaults; `E2Config.paper()` restores the spec as written). Measured cause:
+on shared-prefix traces E2 lost p99 to smg_cache_aware because (a) L priced every request in H with the
+single-request DECODETIME (~29 ms/token on llama2-70b-h100-tp4), so L ≈ 1.2 s × requests in H: a windowed request
+count in which the explored requests' prefill (what actually queues) barely registered, and the cold-start burst
+of misses piled multi-thousand-token prefills onto whichever worker had the fewest requests; (b) the 3-minute
+history cannot see that a worker has prefills queued right now. Changes:
+  decode_pricing="marginal": DT_r = what r's decode tokens add to iterations that run anyway (one more decoding
+      sequence, `ProfileCost.decode_marginal_s`), not a single-request decode; L becomes the GPU work assigned in
+      H, dominated by prefill, as §5.2's "load" means (Alg 2 keeps "single").
+  load_signal="both": LOADCOST = L + M + R + Q, Q_i = Σ PT_r over requests dispatched to i with no first token yet
+      (`Outstanding`, kept from on_dispatch / on_first_token / on_finish / on_abort, no Stats lag): the prefill R_k
+      waits behind. The spec avoids "the current load" because it changes before R_k runs; Q is the one part of it
+      that R_k cannot avoid. "outstanding" = Q alone, "history" = L alone (spec).
+  decode_ratio="decode_tokens" (errata E9's option): DECODERATIO_i = decoding requests / (decoding requests +
+      queued uncached prompt tokens) on i: the decode-token fraction of the work ahead, instead of the windowed hit
+      ratio, which stays > IMBALR on every worker of a high-sharing trace and so sent every explore to argmax.
+  pd_pick="lightest": among the workers over IMBALR, argmin LOADCOST (the spec's argmax piles onto one worker).
+  exploit_overflow (off by default): explore instead of exploiting when a non-holder's Q + M + R beats the holder's
+      Q + M + R. Measured harmful at ≥ 70 % load (toolbench rate 96: hit ratio 0.83 → 0.61, mean TTFT 0.19 → 1.8 s):
+      the recompute it chooses per request is extra work for the fleet, and under load that cascades.
+
 Background (`on_tick`): every `rebalance_interval_s`, if windowed requests ≥ `rebalance_min_requests_per_worker` ×
 workers and max L > Th_bal × min L, redirect the heavy worker's cheapest key nodes (≥ 2 requests in H) to the
 lightest until the gap closes (§5.4, the code's REBALANCE); a key node whose TTFT on a worker doubles over H
@@ -71,6 +92,7 @@ from switchyard.router.policies.preble_load import (
     HistoryEntry,
     HitRatioWindow,
     NodeStats,
+    Outstanding,
     WorkerHistory,
     eviction_cost_s,
     lru_victims,
@@ -108,6 +130,20 @@ class E2Config(BaseModel):
     default_profile: str = DEFAULT_PROFILE  # for unknown profile names and before the online fit is ready
     online_fit_min_samples: int = Field(default=8, ge=1)
     online_fit_decay: float = Field(default=1.0, gt=0, le=1)  # 1.0 = plain running least squares
+    # --- [inferred] extensions (see the module docstring, "Load-aware additions"); the spec's behaviour is
+    # load_signal="history", exploit_overflow=False, decode_ratio="hit_ratio", pd_pick="argmax"
+    load_signal: Literal["history", "outstanding", "both"] = "both"  # L = history (Alg 2), Q = queued prefill
+    exploit_overflow: bool = False  # explore when a non-holder would serve R_k sooner, recompute included (off: see docstring)
+    decode_ratio: Literal["hit_ratio", "decode_tokens"] = "decode_tokens"  # DECODERATIO (errata E9)
+    pd_pick: Literal["argmax", "lightest"] = "lightest"  # among workers over IMBALR
+    decode_pricing: Literal["single", "marginal"] = "marginal"  # DT in L: Alg 2's single-request, or batched
+
+    @classmethod
+    def paper(cls, **overrides: Any) -> E2Config:
+        """The spec's E2 as written (Alg 1-2 with the §11 resolutions), without the [inferred] load-aware additions."""
+        base: dict[str, Any] = dict(load_signal="history", exploit_overflow=False, decode_ratio="hit_ratio",
+                                    pd_pick="argmax", decode_pricing="single")
+        return cls(**(base | overrides))
 
 
 @dataclass(slots=True)
@@ -126,18 +162,25 @@ class _InFlight:
     block_hashes: tuple[int, ...]  # its key node is resolved at each use (splits move it)
     missed_tokens: int
     prompt_tokens: int
+    decode_tokens: int = 0  # predicted at dispatch
     first_token_s: float = -1.0
 
 
 @dataclass(frozen=True, slots=True)
 class Cost:
-    load_s: float  # L
+    load_s: float  # L (0 when load_signal="outstanding")
     evict_s: float  # M
     prefill_s: float  # R
+    queue_s: float = 0.0  # Q: prefill already queued ahead on the worker (0 when load_signal="history")
 
     @property
     def total_s(self) -> float:
-        return self.load_s + self.evict_s + self.prefill_s
+        return self.load_s + self.evict_s + self.prefill_s + self.queue_s
+
+    @property
+    def wait_s(self) -> float:
+        """The short-term part: when R_k's own first token could come, plus the recompute it forces."""
+        return self.queue_s + self.evict_s + self.prefill_s
 
 
 class PrebleE2(Policy):
@@ -155,6 +198,7 @@ class PrebleE2(Policy):
         self.transfers: deque[tuple[float, WorkerId, float]] = deque()  # (t, worker, Δload s) from rebalancing
         self.dirty_ttft: dict[tuple[int, WorkerId], Any] = {}  # (id(key node), worker) -> node: new TTFT samples
         self.in_flight: dict[str, _InFlight] = {}
+        self.outstanding: dict[WorkerId, Outstanding] = {}
         self._turn = 0
         self._facts: dict[WorkerId, _Facts] = {}
         self._models: set[str] = set()
@@ -177,7 +221,7 @@ class PrebleE2(Policy):
     def load_s(self, w: WorkerId, now: float) -> float:
         """L_i: the history sum plus what rebalancing moved within H."""
         h = self.history.get(w)
-        base = h.load_s(now, self.cost_model(w)) if h is not None else 0.0
+        base = h.load_s(now, self.cost_model(w), self.cfg.decode_pricing == "marginal") if h is not None else 0.0
         cutoff = now - self.cfg.history_window_s
         return base + sum(d for t, x, d in self.transfers if x == w and t >= cutoff)
 
@@ -228,7 +272,14 @@ class PrebleE2(Policy):
             if evict > 0:
                 victims = lru_victims(wid, self.resident_nodes.get(wid, ()), evict, {id(n) for n in path})
                 m = eviction_cost_s(victims, wid, now, self.cfg.node_window_s, bs, cost, self.cfg.eviction_cost)
-        return Cost(self.load_s(wid, now), m, r)
+        sig = self.cfg.load_signal
+        load = self.load_s(wid, now) if sig != "outstanding" else 0.0
+        return Cost(load, m, r, self.queue_s(wid) if sig != "history" else 0.0)
+
+    def queue_s(self, w: WorkerId) -> float:
+        """Q_i: Σ PT_r over requests dispatched to i that have no first token yet (their prefill is ahead)."""
+        o = self.outstanding.get(w)
+        return max(0.0, o.queued_s) if o is not None else 0.0
 
     # ------------------------------------------------------------------------------------------ select
     def _remember(self, fleet: FleetView, pool: list[WorkerView], model: str) -> None:
@@ -265,21 +316,67 @@ class PrebleE2(Policy):
         if cached_len > missed_len:
             key, key_end = self._key_end(path, best_blocks)
             ks = self._exploit_set(key, key_end, pool, cached, now)
-            if len(ks) == 1:
-                return self._decide(ctx, ks[0], "exploit only holder", cached_len, missed_len, {})
             if ks:
-                costs = {w.worker_id: self.loadcost(w, ctx, cached[w.worker_id], path, now) for w in ks}
-                return self._decide(ctx, self._argmin(ks, costs), "exploit", cached_len, missed_len, costs)
+                if len(ks) == 1:
+                    pick, why, costs = ks[0], "exploit only holder", {}
+                else:
+                    costs = {w.worker_id: self.loadcost(w, ctx, cached[w.worker_id], path, now) for w in ks}
+                    pick, why = self._argmin(ks, costs), "exploit"
+                if not self.cfg.exploit_overflow:
+                    return self._decide(ctx, pick, why, cached_len, missed_len, costs)
+                over = self._overflow(ctx, pick, ks, pool, cached, path, now)
+                if over is None:
+                    return self._decide(ctx, pick, why, cached_len, missed_len, costs)
+                alt, alt_costs = over
+                return self._decide(ctx, alt, "explore overflow", cached_len, missed_len, alt_costs)
         if self.cfg.enable_pd_balancing:
-            ratios = [(self._ratio(w.worker_id, now), -((i - self._turn) % len(pool)), w) for i, w in enumerate(pool)]
-            ratio, _, w = max(ratios, key=lambda x: (x[0], x[1]))
-            if ratio > self.cfg.imbalance_ratio:
-                return self._decide(ctx, w, f"explore P/D hit_ratio={ratio:.2f}>{self.cfg.imbalance_ratio}",
-                                    cached_len, missed_len, {})
+            n = len(pool)
+            ratios = [(self._ratio(w.worker_id, now), -((i - self._turn) % n), w) for i, w in enumerate(pool)]
+            over_r = [x for x in ratios if x[0] > self.cfg.imbalance_ratio]
+            if over_r:
+                if self.cfg.pd_pick == "argmax":
+                    ratio, _, w = max(over_r, key=lambda x: (x[0], x[1]))
+                    costs = {}
+                else:  # the lightest of the decode-heavy workers
+                    sub = [x[2] for x in over_r]
+                    costs = {v.worker_id: self.loadcost(v, ctx, cached[v.worker_id], path, now) for v in sub}
+                    w = self._argmin(sub, costs)
+                    ratio = self._ratio(w.worker_id, now)
+                return self._decide(ctx, w, f"explore P/D ratio={ratio:.2f}>{self.cfg.imbalance_ratio}",
+                                    cached_len, missed_len, costs)
         costs = {w.worker_id: self.loadcost(w, ctx, cached[w.worker_id], path, now) for w in pool}
         return self._decide(ctx, self._argmin(pool, costs), "explore", cached_len, missed_len, costs)
 
+    def _overflow(
+        self, ctx: RoutingContext, pick: WorkerView, ks: list[WorkerView], pool: list[WorkerView],
+        cached: dict[WorkerId, int], path: list[Any], now: float,
+    ) -> tuple[WorkerView, dict[WorkerId, Cost]] | None:
+        """Exploit overflow [inferred]: (non-holder, costs) when some worker outside KS would finish R_k's prefill
+        sooner than the chosen holder, counting its queue Q, the recompute R of the prefix it lacks and the
+        eviction M that recompute forces; else None. Compares only these short-term terms (the history L is a
+        placement signal for new prefixes, not a wait), so a holder keeps its traffic until it is truly backed
+        up, and the overflowing request seeds a second holder (which rebalancing and replication reach only
+        after H-scale windows)."""
+        held = {w.worker_id for w in ks}
+        others = [w for w in pool if w.worker_id not in held]
+        if not others:
+            return None
+        mine = self.loadcost(pick, ctx, cached[pick.worker_id], path, now)
+        mine_wait = self.queue_s(pick.worker_id) + mine.evict_s + mine.prefill_s
+        alt_costs = {w.worker_id: self.loadcost(w, ctx, cached[w.worker_id], path, now) for w in others}
+        waits = {k: self.queue_s(k) + c.evict_s + c.prefill_s for k, c in alt_costs.items()}
+        n = len(pool)
+        idx = {w.worker_id: i for i, w in enumerate(pool)}
+        alt = min(others, key=lambda w: (waits[w.worker_id], alt_costs[w.worker_id].total_s,
+                                         (idx[w.worker_id] - self._turn) % n))
+        if waits[alt.worker_id] >= mine_wait:
+            return None
+        return alt, alt_costs
+
     def _ratio(self, w: WorkerId, now: float) -> float:
+        if self.cfg.decode_ratio == "decode_tokens":
+            o = self.outstanding.get(w)
+            return o.decode_fraction() if o is not None else 0.0
         hw = self.hit_ratio.get(w)
         return hw.ratio(now) if hw is not None else 0.0
 
@@ -319,6 +416,9 @@ class PrebleE2(Policy):
     def on_dispatch(self, ctx: RoutingContext, decision: Decision, now: float) -> None:
         w = decision.worker_id
         self._turn += 1
+        prev = self.in_flight.get(ctx.request_id)
+        if prev is not None and prev.worker != w and prev.worker in self.outstanding:
+            self.outstanding[prev.worker].drop(ctx.request_id)  # a retry elsewhere: the old attempt is gone
         hashes = ctx.block_hashes
         facts = self._facts.get(w)
         bs = facts.block_size if facts else 16
@@ -352,13 +452,20 @@ class PrebleE2(Policy):
             self.fits[w] = OnlineFit(
                 profile_cost(self.cfg.default_profile), self.cfg.online_fit_min_samples, self.cfg.online_fit_decay
             )
-        self.in_flight[ctx.request_id] = _InFlight(w, now, hashes, missed, ctx.num_prompt_tokens)
+        self.in_flight[ctx.request_id] = _InFlight(w, now, hashes, missed, ctx.num_prompt_tokens, decode)
+        out = self.outstanding.get(w)
+        if out is None:
+            out = self.outstanding[w] = Outstanding()
+        out.add(ctx.request_id, missed, prefill_s)
 
     def on_first_token(self, request_id: str, worker_id: WorkerId, now: float) -> None:
         rec = self.in_flight.get(request_id)
         if rec is None or rec.worker != worker_id or rec.first_token_s >= 0:
             return
         rec.first_token_s = now
+        out = self.outstanding.get(worker_id)
+        if out is not None:
+            out.first_token(request_id, rec.prompt_tokens + rec.decode_tokens // 2)
         ttft = now - rec.t
         fit = self.fits.get(worker_id)
         if fit is not None:
@@ -376,6 +483,9 @@ class PrebleE2(Policy):
         rec = self.in_flight.pop(request_id, None)
         if rec is None or rec.worker != worker_id:
             return
+        out = self.outstanding.get(worker_id)
+        if out is not None:
+            out.drop(request_id)
         hist = self.history.get(worker_id)
         if hist is not None:
             hist.set_decode(request_id, num_output_tokens)
@@ -391,6 +501,9 @@ class PrebleE2(Policy):
         rec = self.in_flight.get(request_id)
         if rec is not None and rec.worker == worker_id:
             del self.in_flight[request_id]
+            out = self.outstanding.get(worker_id)
+            if out is not None:
+                out.drop(request_id)
 
     def on_kv_events(self, worker_id: WorkerId, batch: KvEventBatch) -> None:
         w, tree = worker_id, self.tree
@@ -428,7 +541,7 @@ class PrebleE2(Policy):
             return  # a drain or a state change: keep its cache view and load
         self.tree.remove_worker(worker_id)
         for d in (self.history, self.hit_ratio, self.fits, self.evicted, self.resident_count, self.resident_nodes,
-                  self._facts):
+                  self._facts, self.outstanding):
             d.pop(worker_id, None)  # type: ignore[attr-defined]
         self.transfers = deque(x for x in self.transfers if x[1] != worker_id)
 

@@ -88,20 +88,27 @@ class WorkerHistory:
             n, pre, prompt, dec = n - 1, pre - e.prefill_s, prompt - e.prompt_tokens, dec - e.decode_tokens
         return n, pre, prompt, dec
 
-    def load_s(self, now: float, cost: CostModel) -> float:
+    def load_s(self, now: float, cost: CostModel, marginal: bool = False) -> float:
         n, pre, prompt, dec = self.live_sums(now)
-        return load_from_sums(n, pre, prompt, dec, cost)
+        return load_from_sums(n, pre, prompt, dec, cost, marginal)
 
-    def decode_time_s(self, now: float, cost: CostModel) -> float:
+    def decode_time_s(self, now: float, cost: CostModel, marginal: bool = False) -> float:
         """DT for one request on this worker (the same for every r in H)."""
         n, _, prompt, dec = self.live_sums(now)
-        return 0.0 if n <= 0 else cost.decode_s(dec / n, prompt / n + dec / (2 * n))
+        if n <= 0:
+            return 0.0
+        f = cost.decode_marginal_s if marginal else cost.decode_s
+        return f(dec / n, prompt / n + dec / (2 * n))
 
 
-def load_from_sums(n: int, sum_prefill_s: float, sum_prompt: int, sum_decode: int, cost: CostModel) -> float:
+def load_from_sums(
+    n: int, sum_prefill_s: float, sum_prompt: int, sum_decode: int, cost: CostModel, marginal: bool = False
+) -> float:
+    """Σ PT + n × DT; DT single-request (Alg 2) or, with `marginal`, the batched increment (`decode_marginal_s`)."""
     if n <= 0:
         return 0.0
-    return max(0.0, sum_prefill_s) + n * cost.decode_s(sum_decode / n, sum_prompt / n + sum_decode / (2 * n))
+    f = cost.decode_marginal_s if marginal else cost.decode_s
+    return max(0.0, sum_prefill_s) + n * f(sum_decode / n, sum_prompt / n + sum_decode / (2 * n))
 
 
 # ---------------------------------------------------------------------------------------------- DECODERATIO
@@ -276,3 +283,62 @@ def eviction_cost_s(
     return m
 
 
+
+
+# ---------------------------------------------------------------------------------------------- outstanding work
+class Outstanding:
+    """The work this router has dispatched to one worker and not yet seen done (from its own hooks, no lag).
+
+    queued: requests dispatched without a first token yet -> (uncached prompt tokens, PT_r s). Their prefill is
+            still ahead of (or running with) any request dispatched now, so Σ PT_r over them is the prefill a new
+            request waits behind on an engine that admits in arrival order [inferred].
+    decoding: requests past their first token -> context tokens (prompt + predicted output / 2). Every engine
+            iteration carries one decode token for each of them; `decode_tokens` / (decode tokens + queued
+            prefill tokens) is the decode-token fraction of the work ahead (errata E9, the [inferred] option).
+    O(1) per hook; select only reads.
+    """
+
+    __slots__ = ("queued", "decoding", "queued_s", "queued_tokens", "decoding_ctx")
+
+    def __init__(self) -> None:
+        self.queued: dict[str, tuple[int, float]] = {}
+        self.decoding: dict[str, int] = {}
+        self.queued_s = 0.0
+        self.queued_tokens = 0
+        self.decoding_ctx = 0
+
+    def add(self, request_id: str, missed_tokens: int, prefill_s: float) -> None:
+        self.drop(request_id)
+        self.queued[request_id] = (missed_tokens, prefill_s)
+        self.queued_s += prefill_s
+        self.queued_tokens += missed_tokens
+
+    def first_token(self, request_id: str, context_tokens: int) -> None:
+        q = self.queued.pop(request_id, None)
+        if q is None:
+            return
+        self._unqueue(q)
+        self.decoding[request_id] = context_tokens
+        self.decoding_ctx += context_tokens
+
+    def drop(self, request_id: str) -> None:
+        q = self.queued.pop(request_id, None)
+        if q is not None:
+            self._unqueue(q)
+        c = self.decoding.pop(request_id, None)
+        if c is not None:
+            self.decoding_ctx -= c
+
+    def _unqueue(self, q: tuple[int, float]) -> None:
+        if not self.queued:  # NOTE: exact reset, so float drift never outlives an empty queue
+            self.queued_s, self.queued_tokens = 0.0, 0
+        else:
+            self.queued_tokens -= q[0]
+            self.queued_s -= q[1]
+
+    def decode_fraction(self) -> float:
+        """Decode tokens / all tokens in the work ahead (1 token per decoding request, the queued prefill);
+        0 when idle."""
+        d = len(self.decoding)
+        total = d + self.queued_tokens
+        return d / total if total > 0 else 0.0

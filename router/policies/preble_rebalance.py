@@ -25,7 +25,7 @@ def node_loads(p: PrebleE2, worker: str, now: float) -> dict[int, list[Any]]:
     hist = p.history.get(worker)  # type: ignore[call-overload]
     if hist is None:
         return {}
-    dt = hist.decode_time_s(now, p.cost_model(worker))  # type: ignore[arg-type]
+    dt = hist.decode_time_s(now, p.cost_model(worker), p.cfg.decode_pricing == "marginal")  # type: ignore[arg-type]
     cutoff = now - p.cfg.history_window_s
     acc: dict[int, list[Any]] = {}
     for e in hist.entries:

@@ -94,7 +94,7 @@ def stored(ctx: RoutingContext, seq: int, ts: float = 0.0) -> KvEventBatch:
     ],
 )
 def test_exploit_rule(shared: int, holders: list[str], expected: str, why: str) -> None:
-    fleet, policy = make_fleet(3), PrebleE2()
+    fleet, policy = make_fleet(3), PrebleE2(E2Config.paper())
     for i, w in enumerate(holders):
         place(policy, fleet, req(f"old{i}", shared=512), w, now=float(i))  # a 512-token prompt of tokens 0..511
     d = policy.select(req("new", shared=shared), fleet, now=10.0)
@@ -104,7 +104,7 @@ def test_exploit_rule(shared: int, holders: list[str], expected: str, why: str) 
 
 @pytest.mark.usefixtures("impl")
 def test_exploit_cost_terms_are_seconds_from_the_profile() -> None:
-    fleet, policy = make_fleet(3), PrebleE2()
+    fleet, policy = make_fleet(3), PrebleE2(E2Config.paper())
     place(policy, fleet, req("a", shared=512), "w1", now=0.0)
     place(policy, fleet, req("b", shared=512), "w2", now=0.0)
     place(policy, fleet, req("c", shared=512), "w2", now=0.0)
@@ -123,7 +123,7 @@ def test_exploit_cost_terms_are_seconds_from_the_profile() -> None:
 
 @pytest.mark.usefixtures("impl")
 def test_select_is_side_effect_free() -> None:
-    fleet, policy = make_fleet(3), PrebleE2()
+    fleet, policy = make_fleet(3), PrebleE2(E2Config.paper())
     place(policy, fleet, req("a", shared=512), "w1", now=0.0)
     nodes, turn = policy.tree.num_nodes, policy._turn
     ctx = req("new", shared=320)
@@ -147,7 +147,7 @@ def test_select_is_side_effect_free() -> None:
     ],
 )
 def test_explore_rule_and_imbalr_override(repeats_on_w0: int, pd: bool, expected: str) -> None:
-    fleet, policy = make_fleet(3), PrebleE2(E2Config(enable_pd_balancing=pd))
+    fleet, policy = make_fleet(3), PrebleE2(E2Config.paper(enable_pd_balancing=pd))
     for i in range(repeats_on_w0 + 1):
         place(policy, fleet, dataclasses.replace(req("a", shared=512), request_id=f"a{i}"), "w0", now=0.0)
     d = policy.select(req("new", shared=0), fleet, now=1.0)  # nothing shared: explore
@@ -157,7 +157,7 @@ def test_explore_rule_and_imbalr_override(repeats_on_w0: int, pd: bool, expected
 
 @pytest.mark.usefixtures("impl")
 def test_explore_goes_to_the_lowest_load_cost() -> None:
-    fleet, policy = make_fleet(3), PrebleE2()
+    fleet, policy = make_fleet(3), PrebleE2(E2Config.paper())
     place(policy, fleet, req("a", shared=0), "w0", now=0.0)
     place(policy, fleet, req("b", shared=0), "w0", now=0.0)
     place(policy, fleet, req("c", shared=0), "w2", now=0.0)
@@ -167,7 +167,7 @@ def test_explore_goes_to_the_lowest_load_cost() -> None:
 
 @pytest.mark.usefixtures("impl")
 def test_cold_start_burst_spreads() -> None:
-    fleet, policy = make_fleet(3), PrebleE2()
+    fleet, policy = make_fleet(3), PrebleE2(E2Config.paper())
     got = [route(policy, fleet, ctx, 0.0).worker_id for ctx in make_requests(6, prompt_len=512)]
     assert got == ["w0", "w1", "w2", "w0", "w1", "w2"]
 
@@ -175,7 +175,7 @@ def test_cold_start_burst_spreads() -> None:
 # ---------------------------------------------------------------------------------------------- claim 10: sync
 @pytest.mark.usefixtures("impl")
 def test_eviction_events_win_over_assignment_and_gc() -> None:
-    fleet, policy = make_fleet(3), PrebleE2()
+    fleet, policy = make_fleet(3), PrebleE2(E2Config.paper())
     old = req("old", shared=512)
     place(policy, fleet, old, "w1", now=0.0)
     policy.on_kv_events(W1, stored(old, 1))
@@ -197,7 +197,7 @@ def test_eviction_events_win_over_assignment_and_gc() -> None:
 
 @pytest.mark.usefixtures("impl")
 def test_all_blocks_cleared_and_removed_worker() -> None:
-    fleet, policy = make_fleet(3), PrebleE2()
+    fleet, policy = make_fleet(3), PrebleE2(E2Config.paper())
     old = req("old", shared=512)
     place(policy, fleet, old, "w1", now=0.0)
     policy.on_kv_events(W1, stored(old, 1))
@@ -266,7 +266,7 @@ def test_incremental_load_equals_recomputation(ops: list[tuple], window_s: float
 # ---------------------------------------------------------------------------------------------- rebalancing
 @pytest.mark.usefixtures("impl")
 def test_rebalancing_redirects_the_cheapest_key_node() -> None:
-    cfg = E2Config(rebalance_min_requests_per_worker=3, enable_replication=False, enable_pd_balancing=False)
+    cfg = E2Config.paper(rebalance_min_requests_per_worker=3, enable_replication=False, enable_pd_balancing=False)
     fleet, policy = make_fleet(2), PrebleE2(cfg)
     # group A (prefix 0..383) 4 requests and group B (prefix 5000.., 384 tokens) 2 requests, all on w0; w1 idle
     a = [dataclasses.replace(req(f"a{i}", shared=384), request_id=f"a{i}") for i in range(4)]
@@ -286,7 +286,7 @@ def test_rebalancing_redirects_the_cheapest_key_node() -> None:
 
 @pytest.mark.usefixtures("impl")
 def test_rebalancing_waits_for_enough_requests() -> None:
-    fleet, policy = make_fleet(2), PrebleE2()  # default: >= 50 × 2 requests in H
+    fleet, policy = make_fleet(2), PrebleE2(E2Config.paper())  # default: >= 50 × 2 requests in H
     for i in range(6):
         place(policy, fleet, dataclasses.replace(req("a", shared=384), request_id=f"a{i}"), "w0", now=0.0)
     policy.on_tick(1.0)
@@ -306,7 +306,7 @@ def _shift(ctx: RoutingContext, by: int) -> RoutingContext:
 # ---------------------------------------------------------------------------------------------- replication
 @pytest.mark.usefixtures("impl")
 def test_hot_prefix_gets_a_replica_when_queueing_doubles() -> None:
-    cfg = E2Config(history_window_s=10.0, enable_rebalancing=False, enable_pd_balancing=False)
+    cfg = E2Config.paper(history_window_s=10.0, enable_rebalancing=False, enable_pd_balancing=False)
     fleet, policy = make_fleet(3), PrebleE2(cfg)
     fired_at = []
     for i in range(10):  # one request per second on w0 at 0.05 + i; TTFT 0.1 s before t = 5, then 0.3 s
@@ -329,7 +329,7 @@ def test_hot_prefix_gets_a_replica_when_queueing_doubles() -> None:
 
 @pytest.mark.usefixtures("impl")
 def test_no_replica_without_doubling() -> None:
-    cfg = E2Config(history_window_s=10.0, enable_rebalancing=False)
+    cfg = E2Config.paper(history_window_s=10.0, enable_rebalancing=False)
     fleet, policy = make_fleet(2), PrebleE2(cfg)
     for i in range(10):
         place(policy, fleet, dataclasses.replace(req("h", shared=384), request_id=f"h{i}"), "w0", now=float(i))
@@ -342,7 +342,7 @@ def test_no_replica_without_doubling() -> None:
 @pytest.mark.usefixtures("impl")
 def test_eviction_cost_when_full() -> None:
     fleet = make_fleet(2, kv_capacity_blocks=40)
-    policy = PrebleE2()
+    policy = PrebleE2(E2Config.paper())
     a = req("a", shared=512)  # 32 blocks resident on w0, 3 requests through it within W
     for i in range(3):
         place(policy, fleet, dataclasses.replace(a, request_id=f"a{i}"), "w0", now=float(i))
@@ -394,3 +394,79 @@ def test_degenerates_to_a_load_balancer_without_sharing() -> None:
 def test_shared_prefixes_raise_the_hit_ratio() -> None:
     hit = {p: _sim(p, 8, 1024, rate=8.0)["prefix_cache_hit_ratio"] for p in ("round_robin", "e2")}
     assert hit["e2"] > hit["round_robin"] + 0.05, hit
+
+
+# ---------------------------------------------------------------------------------------------- [inferred] additions
+# The defaults add load-aware terms where the spec is silent or [inferred] (preble_e2 docstring, "Load-aware
+# additions"); E2Config.paper() is the spec as written and every claim test above runs on it.
+def first_token(policy: PrebleE2, fleet: Fleet, rid: str, worker: str, now: float) -> None:
+    policy.on_first_token(rid, WorkerId(worker), now)
+
+
+@pytest.mark.usefixtures("impl")
+def test_marginal_decode_pricing_in_l() -> None:
+    fleet, policy = make_fleet(3), PrebleE2()
+    place(policy, fleet, req("a", shared=512), "w1", now=0.0)
+    ctx = req("new", shared=0)
+    c1 = policy.loadcost(fleet.get(W1), ctx, 0, [], now=1.0)  # type: ignore[arg-type]
+    # L_w1 = PT(512, 0) + DT_marginal(16 at ctx 520): one more sequence in iterations that run anyway
+    assert c1.load_s == pytest.approx(COST.prefill_s(512, 0) + COST.decode_marginal_s(16, 520))
+    assert COST.decode_marginal_s(16, 520) < 0.05 * COST.decode_s(16, 520)  # the per-iteration step is shared
+    # Q: a's prefill is still ahead of anything dispatched to w1 now
+    assert c1.queue_s == pytest.approx(COST.prefill_s(512, 0))
+    first_token(policy, fleet, "a", "w1", 0.5)
+    assert policy.loadcost(fleet.get(W1), ctx, 0, [], now=1.0).queue_s == 0.0  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("impl")
+@pytest.mark.parametrize(("cfg", "expected"), [(E2Config.paper(), "w0"), (E2Config(), "w1")])
+def test_queued_prefill_steers_explore(cfg: E2Config, expected: str) -> None:
+    fleet, policy = make_fleet(2), PrebleE2(cfg)
+    place(policy, fleet, req("a", shared=0), "w0", now=0.0)
+    place(policy, fleet, req("b", shared=0), "w1", now=0.0)
+    first_token(policy, fleet, "b", "w1", 0.1)  # w1's prefill is done, w0's is still queued
+    # the history L ties (one identical request each); the paper's tie goes by the rotation (w0), Q picks w1
+    assert route(policy, fleet, req("new", shared=0), 0.2).worker_id == expected
+
+
+@pytest.mark.usefixtures("impl")
+def test_pd_balancing_takes_the_lightest_decode_heavy_worker() -> None:
+    fleet, policy = make_fleet(3), PrebleE2()
+    for i in range(3):
+        place(policy, fleet, req(f"a{i}", shared=0), "w0", now=0.0)
+        first_token(policy, fleet, f"a{i}", "w0", 0.1)
+    place(policy, fleet, req("b", shared=0), "w1", now=0.0)
+    first_token(policy, fleet, "b", "w1", 0.1)
+    place(policy, fleet, req("c", shared=0), "w2", now=0.0)  # w2 is prefilling: decode fraction 0
+    assert [policy._ratio(w, 1.0) for w in (W0, W1, W2)] == [1.0, 1.0, 0.0]
+    d = route(policy, fleet, req("new", shared=0), 1.0)
+    # both w0 and w1 are decode-only (ratio 1 > IMBALR): the lighter one, not a pile-on onto one argmax
+    assert d.worker_id == "w1" and d.reason.startswith("explore P/D")
+
+
+def test_outstanding_bookkeeping_is_exact() -> None:
+    fleet, policy = make_fleet(2), PrebleE2()
+    place(policy, fleet, req("a", shared=0), "w0", now=0.0)
+    place(policy, fleet, req("b", shared=0), "w0", now=0.0)
+    o = policy.outstanding[W0]
+    assert o.queued_tokens == 1024 and o.queued_s == pytest.approx(2 * COST.prefill_s(512, 0))
+    first_token(policy, fleet, "a", "w0", 0.1)
+    assert (o.queued_tokens, len(o.decoding)) == (512, 1)
+    policy.on_abort("b", W0, 0.2)
+    assert (o.queued_tokens, o.queued_s, len(o.decoding)) == (0, 0.0, 1)
+    policy.on_finish("a", W0, 0.3, 16)
+    assert (o.queued_tokens, o.queued_s, len(o.decoding), o.decoding_ctx) == (0, 0.0, 0, 0)
+    place(policy, fleet, req("c", shared=0), "w0", now=0.4)
+    place(policy, fleet, req("c", shared=0), "w1", now=0.5)  # a retry elsewhere leaves w0
+    assert o.queued_tokens == 0 and policy.outstanding[W1].queued_tokens == 512
+
+
+@pytest.mark.usefixtures("impl")
+@pytest.mark.parametrize(("overflow", "expected", "why"), [(False, "w1", "exploit only holder"),
+                                                          (True, "w0", "explore overflow")])
+def test_exploit_overflow_is_opt_in(overflow: bool, expected: str, why: str) -> None:
+    fleet, policy = make_fleet(2), PrebleE2(E2Config(exploit_overflow=overflow))
+    for i in range(12):  # w1 holds the prefix and has 12 prefills queued (~12 × 31 ms) ahead
+        place(policy, fleet, req(f"old{i}", shared=512), "w1", now=0.0)
+    d = policy.select(req("new", shared=320), fleet, now=0.1)
+    assert d is not None and d.worker_id == expected and d.reason.startswith(why)
