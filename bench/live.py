@@ -11,6 +11,13 @@ hashing, queueing, policy and two extra loopback hops. The same load is also sen
 Router CPU per request comes from the router process's /proc CPU time over each rate step.
 
 Quick: `switchyard bench live --rates 20,50 --duration 5`. Full (default): rates 25,50,100,200,400, 15 s each.
+
+`--peers` (needs `make peers-env`): after the Switchyard steps, the SAME worker processes (started with their
+HTTP facade and vLLM-format ZMQ KV events) are driven through smg 1.13 (cache_aware, least_load) and
+vllm-router 0.1.17 (cache_aware, kv_aware) with streaming HTTP /v1/completions (text prompts: smg rejects
+token-id prompts), plus a direct-to-worker HTTP baseline. Router-added TTFT is measured the same way, matching
+each client sample to the worker's timings by the response `id` (= the X-Request-Id both routers forward).
+Each router gets fresh prompts of the same shape, after a /flush_cache of every worker, so hit ratios compare.
 """
 
 from __future__ import annotations
@@ -25,10 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 import numpy as np
 
-from switchyard.bench import procs
+from switchyard.bench import peers, procs
 from switchyard.bench.metrics import dist
 from switchyard.router.client import AsyncRouterClient, make_request
 from switchyard.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -118,12 +126,15 @@ def _step_result(
     samples: list[Sample], timings: dict[str, dict[str, float]], rate: float, wall_s: float
 ) -> dict[str, Any]:
     added_ms = []
+    prompt_tokens = cached_tokens = 0
     for s in samples:
         w = timings.get(s.request_id)
         if s.ok and s.first_at and w and w["first_token_at"]:
             client_ttft = s.first_at - s.sent_at
             worker_ttft = w["first_token_at"] - w["received_at"]
             added_ms.append((client_ttft - worker_ttft) * 1e3)
+            prompt_tokens += w.get("prompt_tokens", 0)
+            cached_tokens += w.get("cached_prompt_tokens", 0)
     ok = sum(s.ok for s in samples)
     span = samples[-1].sent_at - samples[0].sent_at if len(samples) > 1 else 0.0
     return {
@@ -136,18 +147,23 @@ def _step_result(
         "wall_s": wall_s,
         "send_span_s": span,
         "added_ttft_ms": dist(added_ms),
+        "num_matched": len(added_ms),  # samples matched to a worker timing record
+        "hit_ratio": cached_tokens / prompt_tokens if prompt_tokens else 0.0,  # prefix-cached prompt tokens
     }
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     rates = [float(r) for r in args.rates.split(",")]
+    if args.peers and (reason := peers.missing_reason()):
+        raise SystemExit(f"bench live --peers: {reason}")
     tmp = Path(tempfile.mkdtemp(prefix="switchyard-live-"))
     logs = [tmp / f"worker{i}.jsonl" for i in range(args.workers)]
     workers = [
         procs.start(
             f"worker{i}",
             ["worker", "sim", "--port", "0", "--worker-id", f"w{i}", "--model", MODEL, "--profile", args.profile,
-             "--time-scale", str(args.time_scale), "--timings-log", str(logs[i]), "--log-level", "WARNING"],
+             "--time-scale", str(args.time_scale), "--timings-log", str(logs[i]), "--log-level", "WARNING",
+             *(PEER_WORKER_ARGS if args.peers else ())],
         )
         for i in range(args.workers)
     ]
@@ -209,6 +225,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
             for c in channels:
                 await c.close()
+        if args.peers:
+            result["peers"] = await run_peers(args, workers, logs, rates, result)
     result["saturation_rate"] = saturation_rate(result["steps"])
     return result
 
@@ -267,6 +285,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"Each request: {result['prompt_len']}-token prompt, {result['output_len']} output tokens streamed.",
         "",
     ]
+    if result.get("peers"):
+        lines += [peers_markdown(result["peers"]), ""]
     return "\n".join(lines)
 
 
@@ -294,6 +314,172 @@ def plot(result: dict[str, Any], out: Path) -> Path:
     return path
 
 
+# ---------------------------------------------------------------- peers mode (smg, vllm-router over HTTP)
+
+# Workers in peers mode also serve the HTTP facade and publish vLLM-format ZMQ KV events (bound, ephemeral
+# ports; the READY line reports them), and hash blocks with vLLM's sha256 chain: vllm-router kv_aware recomputes
+# it from the rendered token ids and matches it against the event hashes (xxhash workers get no credit).
+PEER_WORKER_ARGS = ("--http-port", "0", "--kv-events-endpoint", "tcp://127.0.0.1:*",
+                    "--kv-replay-endpoint", "tcp://127.0.0.1:*", "--hash-algo", "sha256")  # fmt: skip
+
+
+def _word_pool() -> list[str]:
+    """Whole-word vocabulary pieces (one token each), so an N-word text prompt is about N tokens."""
+    from switchyard.workers.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    words = []
+    for i in range(tok.vocab_size):
+        piece = tok.id_to_piece(i)
+        if piece.startswith("\u2581") and piece[1:].isascii() and piece[1:].isalpha() and len(piece) >= 4:
+            words.append(piece[1:])
+    return words
+
+
+def _text_prompts(rng: np.random.Generator, words: list[str], n: int, prompt_len: int, groups: int) -> list[str]:
+    """The text twin of `_prompts`: a shared prefix per group (half the prompt), the rest unique."""
+    half = prompt_len // 2
+    prefixes = [" ".join(words[j] for j in rng.integers(0, len(words), half)) for _ in range(max(groups, 1))]
+    rest = prompt_len - half - 1
+    return [
+        prefixes[i % len(prefixes)] + " " + " ".join(words[j] for j in rng.integers(0, len(words), rest))
+        for i in range(n)
+    ]
+
+
+async def _via_http(session: Any, url: str, s: Sample, prompt: str, max_tokens: int) -> None:
+    """One streaming /v1/completions request; the response `id` (= X-Request-Id) keys the worker timings."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    try:
+        async with session.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": s.request_id}) as r:
+            if r.status != 200:
+                await r.read()
+                return
+            async for line in r.content:
+                if not s.first_at and line.startswith(b"data: {"):
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices"):
+                        s.first_at = time.time()
+                        s.request_id = chunk.get("id") or s.request_id
+        s.done_at = time.time()
+        s.ok = bool(s.first_at)
+    except (TimeoutError, OSError, ValueError, aiohttp.ClientError):
+        s.ok = False
+
+
+async def _http_json(session: Any, method: str, url: str) -> Any:
+    async with session.request(method, url) as r:
+        return await r.json(content_type=None) if r.status == 200 else None
+
+
+async def run_peers(
+    args: argparse.Namespace, workers: list[procs.Proc], logs: list[Path], rates: list[float],
+    result: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """The same rates through smg and vllm-router (and straight to the workers) over HTTP."""
+    eps = [peers.WorkerEndpoints(w.extra["http"], w.extra.get("zmq", ""), w.extra.get("zmq_replay", ""))
+           for w in workers]  # fmt: skip
+    words = _word_pool()
+    out: dict[str, Any] = {"transport": "http", "runs": []}
+    tmp = logs[0].parent
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        info = await _http_json(session, "GET", f"{eps[0].url}/get_server_info")
+        block_size = int(info["block_size"]) if info else 16
+        out["block_size"] = block_size
+
+        async def flush() -> None:
+            for ep in eps:
+                async with session.post(f"{ep.url}/flush_cache") as r:
+                    if r.status != 200:
+                        print(f"warning: {ep.url}/flush_cache: {r.status} {await r.text()}", flush=True)
+
+        async def steps(label: str, policy: str, send: Any, proc: Any, seed: int) -> dict[str, Any]:
+            rng = np.random.default_rng(seed)
+            await flush()
+            warm = _text_prompts(rng, words, 20, args.prompt_len, args.prefix_groups)
+            await _drive(send, 20, 1.0, warm, f"{label}-{policy}-warm", rng)
+            run: dict[str, Any] = {"router": label, "policy": policy, "steps": []}
+            if proc is not None:
+                cpu0, t0 = proc.cpu_seconds(), time.perf_counter()
+                await asyncio.sleep(args.idle_probe_s)
+                run["router_idle_cpu_frac"] = (proc.cpu_seconds() - cpu0) / (time.perf_counter() - t0)
+                run["pid"] = proc.pid
+            for rate in rates:
+                prompts = _text_prompts(rng, words, int(rate * args.duration) + 1, args.prompt_len,
+                                        args.prefix_groups)  # fmt: skip
+                cpu0 = proc.cpu_seconds() if proc is not None else 0.0
+                t0 = time.perf_counter()
+                samples = await _drive(send, rate, args.duration, prompts, f"{label}-{policy}-{rate:g}", rng)
+                wall = time.perf_counter() - t0
+                step = _step_result(samples, _read_timings(logs), rate, wall)
+                if proc is not None:
+                    cpu_s = proc.cpu_seconds() - cpu0
+                    step["router_cpu_us_per_request"] = cpu_s / max(1, len(samples)) * 1e6
+                    step["router_cpu_us_per_request_net"] = (
+                        max(0.0, cpu_s - run["router_idle_cpu_frac"] * wall) / max(1, len(samples)) * 1e6
+                    )
+                run["steps"].append(step)
+                a = step["added_ttft_ms"]
+                cpu = f"  CPU {step['router_cpu_us_per_request']:.0f} us/req" if proc is not None else ""
+                print(f"[{label} {policy}] rate {rate:7.1f}/s  ok {step['num_ok']}/{step['num_requests']}  "
+                      f"added TTFT p50 {a['p50']:.2f} ms p99 {a['p99']:.2f} ms  hit {step['hit_ratio']:.2f}{cpu}",
+                      flush=True)  # fmt: skip
+            return run
+
+        rr = itertools.cycle([ep.url for ep in eps])
+        out["runs"].append(await steps(
+            "direct", "round_robin", lambda s, p: _via_http(session, next(rr), s, p, args.output_len), None,
+            args.seed + 1))  # fmt: skip
+        for k, pair in enumerate(args.peer_routers.split(",")):
+            name, policy = pair.split(":")
+            log_path = tmp / f"{name}-{policy}.log"
+            router = peers.start_router(name, policy, eps, block_size, MODEL, log_path)
+            try:
+                out["runs"].append(await steps(
+                    name, policy, lambda s, p, u=router.url: _via_http(session, u, s, p, args.output_len),
+                    router, args.seed + 2 + k))  # fmt: skip
+            finally:
+                router.stop()
+            out["runs"][-1]["log"] = str(log_path)
+    # Switchyard's own steps (gRPC) as the first rows of the side-by-side table.
+    out["switchyard"] = {"router": "switchyard", "policy": result["policy"], "transport": "grpc",
+                         "steps": result["steps"]}  # fmt: skip
+    print(peers_markdown(out), flush=True)
+    return out
+
+
+def peers_markdown(p: dict[str, Any]) -> str:
+    lines = [
+        "## Side by side: Switchyard (gRPC) vs smg vs vllm-router (HTTP), same workers",
+        "",
+        "| router | policy | transport | offered req/s | ok | router-added TTFT p50 ms | p99 ms | hit ratio "
+        "| router CPU us/req | net of idle |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    runs = [p["switchyard"], *p["runs"]] if p.get("switchyard") else p["runs"]
+    for run in runs:
+        transport = run.get("transport", p.get("transport", "http"))
+        for s in run["steps"]:
+            a = s["added_ttft_ms"]
+            cpu = s.get("router_cpu_us_per_request")
+            net = s.get("router_cpu_us_per_request_net")
+            lines.append(
+                f"| {run['router']} | {run['policy']} | {transport} | {s['offered_rate']:g} "
+                f"| {s['num_ok']}/{s['num_requests']} | {a['p50']:.2f} | {a['p99']:.2f} | {s['hit_ratio']:.2f} "
+                f"| {'-' if cpu is None else f'{cpu:.0f}'} | {'-' if net is None else f'{net:.0f}'} |"
+            )
+    lines += [
+        "",
+        "Router-added TTFT = client TTFT - worker TTFT (the worker's own receive / first-token timestamps). "
+        "'direct' is the same measure with the client talking HTTP to the workers (round-robin): the HTTP "
+        "baseline for smg and vllm-router; Switchyard's own direct-gRPC baseline is in the table above. "
+        "Hit ratio: prefix-cached / prompt tokens, from the workers' timings. Router CPU from /proc/<pid>/stat.",
+    ]
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="switchyard bench live", description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=4)
@@ -308,6 +494,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--idle-probe-s", type=float, default=2.0, help="seconds to measure idle router CPU")
     p.add_argument("--out", default="results/live")
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help="also run the same rates through smg (cache_aware, least_load) and vllm-router (cache_aware, "
+        "kv_aware) against the same workers over HTTP (needs `make peers-env`)",
+    )
+    p.add_argument(
+        "--peer-routers",
+        default="smg:cache_aware,smg:least_load,vllm-router:cache_aware,vllm-router:kv_aware",
+        help="router:policy pairs run by --peers",
+    )
     return p
 
 

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -27,7 +27,6 @@ from switchyard.router.policies.base import Decision, Policy, WorkerId, WorkerVi
 from switchyard.router.queue import QueueEntry, QueueFull, RequestQueue, should_hold
 from switchyard.router.registry import WorkerRegistry
 from switchyard.v1 import common_pb2, router_pb2, worker_pb2
-from switchyard.workers.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -53,31 +52,6 @@ class WorkerFailed(Exception):
         self.detail = detail
 
 
-class Detokenizer:
-    """Incremental detokenization (vLLM's prefix/read offsets): each push returns the new text only.
-
-    Decodes a short window that starts inside the prompt, so the first output piece keeps its leading space, and
-    holds back text ending in U+FFFD (an incomplete multi-byte character) until the next token completes it.
-    """
-
-    CONTEXT_TOKENS = 5
-
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> None:
-        self._tok = tokenizer
-        self._ids = list(prompt_ids[-self.CONTEXT_TOKENS :])
-        self._prefix = 0
-        self._read = len(self._ids)
-
-    def push(self, new_ids: Sequence[int], final: bool = False) -> str:
-        self._ids.extend(new_ids)
-        prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
-        full = self._tok.decode(self._ids[self._prefix :])
-        if len(full) > len(prefix_text) and (final or not full.endswith("\ufffd")):
-            self._prefix, self._read = self._read, len(self._ids)
-            return full[len(prefix_text) :]
-        return ""
-
-
 @dataclass(eq=False)
 class _Flight:
     """One request from admission to its last chunk."""
@@ -95,8 +69,6 @@ class _Flight:
     route_s: float = 0.0  # summed over attempts
     first_token_at: float | None = None
     num_tokens_sent: int = 0
-    worker_text: bool | None = None  # None until the first token chunk says whether the worker sends text
-    detok: Detokenizer | None = None
     finished: bool = False
     served_by: str = ""
 
@@ -114,7 +86,6 @@ class Dispatcher:
         queue: RequestQueue,
         metrics: RouterMetrics,
         clock: Clock,
-        tokenizer_for: Callable[[str], Tokenizer],
         kv_usage_hold_frac: float = 0.95,
         max_attempts: int = 3,
         retry_after_ms: int = 500,
@@ -127,7 +98,6 @@ class Dispatcher:
         self.queue = queue
         self._metrics = metrics
         self._clock = clock
-        self._tokenizer_for = tokenizer_for
         self._kv_hold = kv_usage_hold_frac
         self._max_attempts = max_attempts
         self._retry_after_ms = retry_after_ms
@@ -300,22 +270,13 @@ class Dispatcher:
             raise ApiError(code, f"worker {wid}: {e.details()}") from None
         raise WorkerFailed(wid, "UNAVAILABLE", "stream ended without a final chunk")
 
-    def _text(self, fl: _Flight, wc: worker_pb2.WorkerGenerateChunk, final: bool) -> str:
-        if fl.worker_text is None and (wc.token_ids or wc.text):
-            fl.worker_text = bool(wc.text)
-            if not fl.worker_text:
-                fl.detok = Detokenizer(self._tokenizer_for(fl.req.model), fl.req.prompt_token_ids)
-        if fl.worker_text or fl.detok is None:
-            return wc.text
-        return fl.detok.push(wc.token_ids, final=final)
-
     def _relay(self, fl: _Flight, wid: WorkerId, wc: worker_pb2.WorkerGenerateChunk) -> router_pb2.GenerateChunk | None:
         now = self._clock.now()
         if wc.token_ids and fl.first_token_at is None:
             fl.first_token_at = now
             self._policy.on_first_token(fl.req.request_id, wid, now)
         final = wc.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-        text = self._text(fl, wc, final)
+        text = wc.text  # NOTE: workers detokenize (and apply stop strings, as vLLM does); the router relays
         fl.num_tokens_sent += len(wc.token_ids)
         if not final:
             if not wc.token_ids and not text:

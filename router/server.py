@@ -159,7 +159,6 @@ class RouterDaemon:
         self.queue = RequestQueue(config.queue.max_size)
         self.dispatcher = Dispatcher(
             self.fleet, self.registry, self.policy, config.routing.policy, self.queue, self.metrics, self.clock,
-            self.tokenizer_for,
             kv_usage_hold_frac=config.queue.kv_usage_hold_frac,
             max_attempts=config.retries.max_attempts,
             retry_after_ms=config.queue.retry_after_ms,

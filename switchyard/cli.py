@@ -10,11 +10,14 @@ USAGE = """usage: switchyard <command> [args]
 commands:
   serve              run the router daemon
   worker sim         run a simulated vLLM-like worker
+  worker vllm        run vLLM (AsyncLLM, in-process) behind the Worker service; from .venv-vllm (make vllm-env)
   demo               the main job: router + 4 simulated workers + a Mooncake slice, printing a results table
   bench sim          discrete-event simulation of N workers in virtual time
   bench live         router + simulated worker processes over loopback gRPC: router-added latency
   bench profiles     fit error of each performance profile against the measured tables
   bench radix        micro-benchmark of the global prefix radix tree (match, insert; Cython vs Python)
+  bench decisions    routing decisions/s and select latency of each policy alone, vs Preble's 634/245/2931
+  bench suite        the simulator campaign: Preble workloads x policies x 2 loads, ablation, no-sharing, scaling
 
 Run `switchyard <command> --help` for a command's options.
 """
@@ -22,11 +25,14 @@ Run `switchyard <command> --help` for a command's options.
 COMMANDS: dict[tuple[str, ...], str] = {
     ("serve",): "switchyard.router.server",
     ("worker", "sim"): "switchyard.workers.sim_worker",
+    ("worker", "vllm"): "switchyard.workers.vllm_worker",
     ("demo",): "switchyard.bench.demo",
     ("bench", "sim"): "switchyard.bench.sim",
     ("bench", "live"): "switchyard.bench.live",
     ("bench", "profiles"): "switchyard.bench.profiles",
     ("bench", "radix"): "switchyard.bench.micro.radix",
+    ("bench", "decisions"): "switchyard.bench.micro.decisions",
+    ("bench", "suite"): "switchyard.bench.suite",
 }
 
 

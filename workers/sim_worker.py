@@ -293,6 +293,8 @@ class SimWorker:
         self.timings_log = timings_log  # JSONL, one line per request: the worker-side timestamps
         self.state = worker_pb2.LIFECYCLE_STATE_STARTING
         self.hub = KvEventHub(core.snapshot_kv_events)
+        # Extra KV event consumers, called with each step's events (the vLLM-format ZMQ publisher).
+        self.kv_sinks: list[Callable[[Sequence[kv.KvEvent], float], object]] = []
         self.streams: dict[str, _Stream] = {}
         self.idle = asyncio.Event()  # set while no Generate stream is open (drain waits on it)
         self.idle.set()
@@ -371,7 +373,10 @@ class SimWorker:
     def _flush_kv_events(self) -> None:
         events = self.core.take_kv_events()
         if events:
-            self.hub.publish(events, time.time())
+            ts = time.time()
+            self.hub.publish(events, ts)
+            for sink in self.kv_sinks:
+                sink(events, ts)
 
     def _fail_all(self) -> None:
         for rid, stream in list(self.streams.items()):
@@ -636,6 +641,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="append one JSON line per finished request (received_at, first_token_at, ...) to this file",
     )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI/vLLM-compatible HTTP facade on this port (0: a free one; needs aiohttp)",
+    )
+    p.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        help="publish vLLM-format ZMQ KV events here (binds if it has * or :: or is ipc/inproc, else connects)",
+    )
+    p.add_argument(
+        "--kv-replay-endpoint", default=None, help="ZMQ ROUTER endpoint (bound) serving KV event replay"
+    )
+    p.add_argument("--kv-events-topic", default="", help="topic frame of the ZMQ KV event messages")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -710,12 +730,38 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lifecycle.on_signal, sig)
 
+    publisher = facade = None
+    ready_extra = ""
+    if args.kv_events_endpoint:
+        from switchyard.workers.zmq_kv_publisher import ZmqKvPublisher
+
+        try:
+            publisher = ZmqKvPublisher(args.kv_events_endpoint, args.kv_replay_endpoint, args.kv_events_topic)
+        except Exception as e:  # zmq.ZMQError: bad or busy endpoint
+            log.error("cannot open the ZMQ KV event endpoints: %s", e)
+            return EXIT_BIND_FAILED
+        worker.kv_sinks.append(publisher.publish)
+        publisher.start()
+        ready_extra += f" zmq={publisher.endpoint}"
+        if publisher.replay_endpoint:
+            ready_extra += f" zmq_replay={publisher.replay_endpoint}"
+    if args.http_port is not None:
+        from switchyard.workers.http_facade import HttpFacade  # aiohttp: imported only when asked for
+
+        facade = HttpFacade(worker, args.host, args.http_port, publisher)
+        try:
+            http_port = await facade.start()
+        except OSError as e:
+            log.error("cannot bind HTTP %s:%s: %s", args.host, args.http_port, e)
+            return EXIT_BIND_FAILED
+        ready_extra = f" http={args.host}:{http_port}" + ready_extra
+
     worker.start()
     await server.start()
     worker.state = worker_pb2.LIFECYCLE_STATE_READY
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    print(f"READY {args.host}:{port} worker_id={worker.worker_id}", flush=True)
+    print(f"READY {args.host}:{port} worker_id={worker.worker_id}{ready_extra}", flush=True)
     log.info(
         "worker %s serving on %s:%d (profile %s, time scale %g)",
         worker.worker_id,
@@ -736,8 +782,12 @@ async def serve(args: argparse.Namespace) -> int:
         log.warning("drain: aborting %d unfinished requests", len(worker.streams))
         worker.abort(list(worker.streams))
     worker.hub.close()
+    if facade is not None:
+        await facade.stop()
     await server.stop(grace=1.0)
     await worker.stop()
+    if publisher is not None:
+        await publisher.close()
     if timings_log is not None:
         timings_log.close()
     log.info("worker %s stopped", worker.worker_id)

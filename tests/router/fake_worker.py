@@ -22,7 +22,6 @@ class Script:
     fail_after_tokens: int | None = None  # abort with UNAVAILABLE after this many tokens
     hold_after: int | None = None  # wait on the gate after this many tokens
     status: grpc.StatusCode | None = None  # abort with this status before any token
-    send_text: bool = True  # fill WorkerGenerateChunk.text (else the router detokenizes)
 
 
 @dataclass
@@ -119,7 +118,6 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.received.append(request)
         self.active.add(rid)
         await self._notify()
-        tok = load_tokenizer(None)
         try:
             if s.status is not None:
                 await context.abort(s.status, "scripted failure")
@@ -135,7 +133,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 token = 1000 + i  # "▁..." pieces: readable text
                 last = i == n - 1
                 chunk = worker_pb2.WorkerGenerateChunk(
-                    request_id=rid, token_ids=[token], text=tok.decode([token]) if s.send_text else ""
+                    request_id=rid, token_ids=[token], text=f"<{token}>"
                 )
                 if last:
                     chunk.finish_reason = common_pb2.FINISH_REASON_LENGTH

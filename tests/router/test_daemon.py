@@ -80,12 +80,13 @@ async def test_streaming_generate_end_to_end() -> None:
         await until(lambda: daemon.fleet.get(WorkerId("w0")).in_flight == 0)  # type: ignore[union-attr]
 
 
-async def test_complete_and_router_side_detokenization() -> None:
-    w = FakeWorker("w0", script=Script(send_text=False))
+async def test_complete_relays_the_workers_text() -> None:
+    # Workers detokenize (and apply stop strings, as vLLM does); the router relays their text deltas unchanged.
+    w = FakeWorker("w0")
     async with stack([w]) as (_daemon, client):
         resp = await client.complete("m", messages=[("user", "hi")], max_tokens=6)
         assert list(resp.token_ids) == [1000, 1001, 1002, 1003, 1004, 1005]
-        assert resp.text == TOK.decode(list(resp.token_ids))  # incremental deltas add up to a full decode
+        assert resp.text == "<1000><1001><1002><1003><1004><1005>"
         assert resp.finish_reason == common_pb2.FINISH_REASON_LENGTH and resp.timings.worker_id == "w0"
         assert list(w.received[0].prompt_token_ids) == TOK.apply_chat_template([_msg("user", "hi")])
 

@@ -1,0 +1,460 @@
+"""End to end with real vLLM (the CPU build): the router in front of 2 `switchyard worker vllm` processes.
+
+The workers run from vLLM's own environment (`make vllm-env` builds `.venv-vllm`; `SWITCHYARD_VLLM_PYTHON`
+overrides the interpreter) and serve the tiny random Llama (`workers/tiny_model.py`, built here if missing),
+each pinned to its own core. They start once per module (about 30-60 s) and are shared; the last test kills
+them. Every wait polls an observable condition with a bound (READY lines, worker Stats, the router's admin
+view), never a fixed sleep. Under CI=true a missing vLLM environment fails the run (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from switchyard.bench import procs
+from switchyard.ext.blockhash import block_digests, to_event_hash
+from switchyard.router.client import RouterClient
+from switchyard.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from switchyard.workers.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = Path(os.environ.get("SWITCHYARD_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+TINY = ROOT / "build" / "tiny-llama"
+TOKENIZER = TINY / "tokenizer.model"
+MODEL = "tiny-llama"
+BLOCK = 32
+KV_BLOCKS = 1024
+START_TIMEOUT_S = 300.0
+RESULTS = ROOT / "build" / "vllm-prefix-hits.json"
+
+
+@dataclass
+class VllmProc:
+    name: str
+    popen: subprocess.Popen[str]
+    address: str
+    log_path: Path
+
+    def stats(self) -> worker_pb2.WorkerStats:
+        with grpc.insecure_channel(self.address) as ch:
+            return worker_pb2_grpc.WorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=10)
+
+    def info(self) -> worker_pb2.WorkerInfo:
+        with grpc.insecure_channel(self.address) as ch:
+            return worker_pb2_grpc.WorkerStub(ch).Info(worker_pb2.InfoRequest(), timeout=10)
+
+    def kill(self) -> None:
+        """SIGKILL the worker process only; its orphan guard must then take vLLM's EngineCore down with it."""
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(timeout=30)
+        until(lambda: not group_members(self.popen.pid), timeout_s=20, what=f"{self.name}'s EngineCore exits")
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(timeout=60)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)  # leftovers of the group, if any
+        self.popen.wait(timeout=30)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes of a process group (each worker runs in its own session), from /proc."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(entry))
+    return out
+
+
+def launch_worker(name: str, core: int, tmp: Path) -> tuple[subprocess.Popen[str], Path]:
+    """Start one vLLM worker in its own session (so a kill takes its EngineCore with it)."""
+    workdir = tmp / name
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "VLLM_CPU_OMP_THREADS_BIND": str(core),  # one core each (auto-binding would put both on core 0)
+        "VLLM_CACHE_ROOT": str(workdir / "cache"),
+        "TMPDIR": str(workdir),  # vLLM's dist-init files and our ZMQ replay socket land here
+        "HF_HUB_OFFLINE": "1",
+    }
+    env.pop("PYTHONHASHSEED", None)
+    log_path = workdir / "worker.log"
+    # stdin/stdout as procs.start; stderr (vLLM's logs) to a file, shown when a test fails
+    popen = subprocess.Popen(
+        [
+            str(VLLM_PYTHON),
+            "-m",
+            "switchyard",
+            "worker",
+            "vllm",
+            "--model",
+            str(TINY),
+            "--worker-id",
+            name,
+            "--port",
+            "0",
+            "--dtype",
+            "float32",
+            "--block-size",
+            str(BLOCK),
+            "--enforce-eager",
+            "--max-model-len",
+            "2048",
+            "--num-gpu-blocks-override",
+            str(KV_BLOCKS),
+            "--max-num-seqs",
+            "16",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=open(log_path, "w"),  # noqa: SIM115 - owned by the child
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    return popen, log_path
+
+
+def wait_ready(name: str, popen: subprocess.Popen[str], log_path: Path, timeout_s: float) -> str:
+    assert popen.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(popen.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or popen.poll() is not None:
+                tail = log_path.read_text()[-4000:] if log_path.exists() else ""
+                raise RuntimeError(f"vLLM worker {name} did not become ready (exit {popen.poll()}):\n{tail}")
+            if sel.select(timeout=min(remaining, 1.0)):
+                line = popen.stdout.readline()
+                if line.startswith("READY "):
+                    return line.split()[1]
+    finally:
+        sel.close()
+
+
+def until(predicate: Callable[[], bool], timeout_s: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def vllm_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmProc]]:
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"vLLM environment missing ({VLLM_PYTHON}); run `make vllm-env`")
+    subprocess.run(
+        [str(VLLM_PYTHON), "-m", "switchyard.workers.tiny_model", "--out", str(TINY)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    tmp = tmp_path_factory.mktemp("vllm")
+    started = [(name, *launch_worker(name, core, tmp)) for core, name in enumerate(("v0", "v1"))]
+    workers: list[VllmProc] = []
+    try:
+        for name, popen, log_path in started:
+            workers.append(
+                VllmProc(name, popen, wait_ready(name, popen, log_path, START_TIMEOUT_S), log_path)
+            )
+        yield workers
+    finally:
+        for _, popen, log_path in started:
+            VllmProc("", popen, "", log_path).stop()
+
+
+@pytest.fixture
+def router_factory() -> Iterator[Callable[..., procs.Proc]]:
+    started: list[procs.Proc] = []
+
+    def make(workers: list[VllmProc], *extra: str) -> procs.Proc:
+        args = [
+            "serve",
+            "--port",
+            "0",
+            "--admin-port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--grace-s",
+            "5",
+            "--tokenizer",
+            str(TOKENIZER),
+        ]
+        for w in workers:
+            args += ["--worker", w.address]
+        r = procs.start("router", [*args, *extra], timeout_s=60)
+        started.append(r)
+        with client_for(r) as c:
+            until(lambda: sum(s.healthy for s in c.list_workers()) == len(workers), what="workers joined")
+        return r
+
+    yield make
+    for r in started:
+        r.stop()
+
+
+def client_for(router: procs.Proc) -> RouterClient:
+    return RouterClient(router.address, admin_address=router.extra["admin"])
+
+
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    """Ordinary vocabulary ids (no BOS/EOS/byte pieces), BOS first like a tokenized prompt."""
+    return [1, *(rng.randrange(300, 31000) for _ in range(n - 1))]
+
+
+def is_idle(w: VllmProc) -> bool:
+    s = w.stats()
+    return s.num_running == 0 and s.num_waiting == 0
+
+
+# ---------------------------------------------------------------------- info and the request path
+def test_info_matches_the_router_recipe(vllm_workers: list[VllmProc]) -> None:
+    tok = load_tokenizer(str(TOKENIZER))
+    for w in vllm_workers:
+        info = w.info()
+        assert (info.worker_id, info.model, info.engine) == (w.name, MODEL, "vllm")
+        assert (info.block_size, info.kv_capacity_blocks, info.max_model_len) == (BLOCK, KV_BLOCKS, 2048)
+        assert (info.block_hash_algo, info.block_hash_seed) == ("sha256", "")
+        assert info.tokenizer_id == tok.tokenizer_id
+        assert info.state == worker_pb2.LIFECYCLE_STATE_READY
+
+
+def test_streaming_generation_through_the_router(vllm_workers: list[VllmProc], router_factory) -> None:  # type: ignore[no-untyped-def]
+    router = router_factory(vllm_workers, "--policy", "round_robin")
+    with client_for(router) as c:
+        chunks = list(
+            c.generate(
+                MODEL,
+                prompt="Tell me a story about a fox",
+                max_tokens=24,
+                ignore_eos=True,
+                temperature=0.0,
+                request_id="s1",
+                timeout=60,
+            )
+        )
+        assert len(chunks) > 2  # streamed, not one blob
+        assert sum(len(ch.token_ids) for ch in chunks) == 24
+        final = chunks[-1]
+        assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert final.usage.completion_tokens == 24 and final.usage.prompt_tokens > 0
+        assert final.timings.worker_id in {"v0", "v1"} and 0 < final.timings.ttft_s <= final.timings.e2e_s
+        # greedy decoding on the same engine is deterministic, and the text is the tokens' detokenization
+        again = c.complete(
+            MODEL,
+            prompt="Tell me a story about a fox",
+            max_tokens=24,
+            ignore_eos=True,
+            temperature=0.0,
+            timeout=60,
+        )
+        assert list(again.token_ids) == [t for ch in chunks for t in ch.token_ids]
+        tok = load_tokenizer(str(TOKENIZER))
+        assert again.text == "".join(ch.text for ch in chunks)
+        assert again.text.strip() == tok.decode(list(again.token_ids)).strip()
+        seen = {
+            c.complete(MODEL, prompt=f"q{i}", max_tokens=2, timeout=60).timings.worker_id for i in range(4)
+        }
+        assert seen == {"v0", "v1"}  # round robin over both vLLM workers
+        # a stop string ends the stream early: applied by the worker on its detokenized text (asked directly:
+        # the router infers "the worker sends no text" from a first chunk whose text is held back)
+        text = again.text
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        assert stop.strip()
+        req = worker_pb2.WorkerGenerateRequest(
+            request_id="stop1",
+            prompt_token_ids=load_tokenizer(str(TOKENIZER)).encode("Tell me a story about a fox"),
+            sampling=common_pb2.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]),
+        )
+        w = next(w for w in vllm_workers if w.name == final.timings.worker_id)
+        with grpc.insecure_channel(w.address) as ch:
+            got = list(worker_pb2_grpc.WorkerStub(ch).Generate(req, timeout=60))
+        cut = "".join(g.text for g in got)
+        assert got[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+        assert stop not in cut and text.startswith(cut) and len(cut) < len(text)
+        until(lambda: is_idle(w), what="the stopped request left vLLM")
+
+
+def test_kv_events_carry_the_routers_block_hashes(vllm_workers: list[VllmProc], router_factory) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's own BlockStored hashes == the router's tokenization + switchyard.ext hashing, and they land in the
+    router's prefix view of the worker that served the request."""
+    w0 = vllm_workers[0]
+    router = router_factory([w0], "--policy", "round_robin")
+    tok = load_tokenizer(str(TOKENIZER))
+    prompt = "The quick brown fox jumps over the lazy dog while the router watches the cache. " * 12
+    ids = tok.encode(prompt)
+    expected = [to_event_hash(d) for d in block_digests(ids, BLOCK, "sha256")]
+    assert len(expected) >= 4
+    with grpc.insecure_channel(w0.address) as ch, client_for(router) as c:
+        events = worker_pb2_grpc.WorkerStub(ch).KvEvents(worker_pb2.KvEventsRequest(), timeout=120)
+        first = next(events)  # the snapshot: AllBlocksCleared, then every resident block
+        assert first.events[0].WhichOneof("event") == "cleared"
+        before = {s.worker_id: s.num_resident_blocks for s in c.list_workers()}["v0"]
+        resp = c.complete(MODEL, prompt=prompt, max_tokens=2, timeout=60)
+        assert resp.timings.worker_id == "v0" and resp.usage.prompt_tokens == len(ids)
+        stored: list[int] = []
+        for batch in events:
+            for e in batch.events:
+                if e.WhichOneof("event") == "stored":
+                    stored += e.stored.block_hashes
+            if set(expected) <= set(stored):
+                break
+        events.cancel()
+        assert stored[: len(expected)] == expected  # exactly vLLM's chain, in order
+        until(
+            lambda: (
+                {s.worker_id: s.num_resident_blocks for s in c.list_workers()}["v0"] >= before + len(expected)
+            ),
+            what="the router's prefix view holds the prompt's blocks",
+        )
+
+
+# ---------------------------------------------------------------------- cancellation
+def test_cancel_mid_stream_aborts_on_vllm(vllm_workers: list[VllmProc], router_factory) -> None:  # type: ignore[no-untyped-def]
+    w0 = vllm_workers[0]
+    router = router_factory([w0])
+    with client_for(router) as c:
+        call = c.generate(MODEL, prompt="a long one", max_tokens=1500, ignore_eos=True, timeout=120)
+        next(call), next(call)
+        until(lambda: w0.stats().num_running == 1, what="vLLM runs the request")
+        call.cancel()
+        until(lambda: is_idle(w0), what="worker idle after cancel")
+        # vLLM's own scheduler must not still run the cancelled request: with a second long request in
+        # flight, the engine's snapshot (taken at a step after that request's first tokens) counts only it.
+        second = c.generate(MODEL, prompt="another long one", max_tokens=1500, ignore_eos=True, timeout=120)
+        next(second), next(second)
+        until(lambda: w0.stats().num_iterations > 0, what="stats")
+        assert w0.stats().num_running == 1
+        second.cancel()
+        until(lambda: is_idle(w0), what="worker idle after the second cancel")
+
+
+# ---------------------------------------------------------------------- prefix-aware routing (E2)
+def run_families(c: RouterClient, seed: int, families: int = 3, rounds: int = 5) -> list[str]:
+    """`families` shared 256-token prefixes, each with a fresh 40-token suffix per round, interleaved."""
+    rng = random.Random(seed)
+    prefixes = [random_tokens(rng, 8 * BLOCK) for _ in range(families)]
+    served = []
+    for _ in range(rounds):
+        for p in prefixes:
+            ids = p + [rng.randrange(300, 31000) for _ in range(40)]
+            served.append(
+                c.complete(MODEL, token_ids=ids, max_tokens=4, ignore_eos=True, timeout=60).timings.worker_id
+            )
+    return served
+
+
+def test_e2_routes_a_repeated_prefix_to_the_worker_that_cached_it(
+    vllm_workers: list[VllmProc], router_factory
+) -> None:  # type: ignore[no-untyped-def]
+    router = router_factory(vllm_workers, "--policy", "e2")
+    rng = random.Random(7)
+    prefix = random_tokens(rng, 8 * BLOCK)
+    by_id = {w.name: w for w in vllm_workers}
+    with client_for(router) as c:
+        first = c.complete(
+            MODEL, token_ids=prefix + random_tokens(rng, 40)[1:], max_tokens=4, ignore_eos=True, timeout=60
+        )
+        owner = first.timings.worker_id
+        until(
+            lambda: {s.worker_id: s.num_resident_blocks for s in c.list_workers()}[owner] >= 8,
+            what="the router's view holds the prefix on its worker",
+        )
+        hits0 = {n: w.stats().prefix_cache_hits for n, w in by_id.items()}
+        for _ in range(3):
+            resp = c.complete(
+                MODEL,
+                token_ids=prefix + random_tokens(rng, 40)[1:],
+                max_tokens=4,
+                ignore_eos=True,
+                timeout=60,
+            )
+            assert resp.timings.worker_id == owner
+            assert resp.usage.cached_prompt_tokens >= 8 * BLOCK
+        hits1 = {n: w.stats().prefix_cache_hits for n, w in by_id.items()}
+    # vLLM's own counter (tokens): each repeat hit at least the 8 prefix blocks on the owner
+    assert hits1[owner] - hits0[owner] >= 3 * 8 * BLOCK
+    other = next(n for n in by_id if n != owner)
+    assert hits1[other] == hits0[other]
+
+
+def test_round_robin_vs_e2_prefix_hits(vllm_workers: list[VllmProc], router_factory) -> None:  # type: ignore[no-untyped-def]
+    """The same request sequence (3 interleaved prefix families x 5 rounds; fresh token content per run so
+    none starts warm) under round_robin, e2 and e2_base; vLLM's prefix_cache_hits counters (tokens) decide."""
+    results = {}
+    for seed, policy in ((101, "round_robin"), (202, "e2"), (303, "e2_base")):
+        router = router_factory(vllm_workers, "--policy", policy)
+        before = sum(w.stats().prefix_cache_hits for w in vllm_workers)
+        queries_before = sum(w.stats().prefix_cache_queries for w in vllm_workers)
+        with client_for(router) as c:
+            served = run_families(c, seed)
+        results[policy] = {
+            "prefix_cache_hits_tokens": sum(w.stats().prefix_cache_hits for w in vllm_workers) - before,
+            "prefix_cache_queries_tokens": sum(w.stats().prefix_cache_queries for w in vllm_workers)
+            - queries_before,
+            "served_by": served,
+        }
+        router.stop()
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nvLLM prefix cache, same sequence: {json.dumps(results)}", file=sys.stderr)
+    # 15 requests over 3 prefixes of 8 blocks. Round robin alternates the 3 families over 2 workers: each family
+    # misses once per worker, 9 x 8 blocks hit. A prefix-affine placement misses each prefix once (12 x 8);
+    # e2 may trade a few hits for load (rebalancing, replication), e2_base may not.
+    rr = results["round_robin"]["prefix_cache_hits_tokens"]
+    assert rr == 9 * 8 * BLOCK
+    assert results["e2"]["prefix_cache_hits_tokens"] > rr
+    assert results["e2_base"]["prefix_cache_hits_tokens"] > rr
+
+
+# ---------------------------------------------------------------------- worker failures (kills the workers: last)
+def test_killed_vllm_worker_is_retried_before_the_first_token_then_unavailable_mid_stream(
+    vllm_workers: list[VllmProc],
+    router_factory,  # type: ignore[no-untyped-def]
+) -> None:
+    v0, v1 = vllm_workers
+    # slow Stats polls, so the router learns of the death from the failed dispatch
+    router = router_factory(vllm_workers, "--policy", "round_robin", "--set", "workers.stats_interval_s=30")
+    with client_for(router) as c:
+        v1.kill()
+        resps = [c.complete(MODEL, prompt=f"retry {i}", max_tokens=4, timeout=60) for i in range(2)]
+        assert [r.timings.worker_id for r in resps] == ["v0", "v0"]
+        assert sorted(r.timings.attempts for r in resps) == [1, 2]  # the one sent to v1 was retried on v0
+
+        received = 0
+        with pytest.raises(grpc.RpcError) as e:
+            for chunk in c.generate(MODEL, prompt="doomed", max_tokens=1500, ignore_eos=True, timeout=120):
+                received += len(chunk.token_ids)
+                if received >= 3 and v0.popen.poll() is None:
+                    v0.kill()
+    assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert f"after {received} tokens were delivered" in e.value.details()
