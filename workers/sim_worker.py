@@ -623,6 +623,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--hash-algo", default="xxhash", choices=("sha256", "xxhash"))
     p.add_argument(
+        "--scheduling",
+        default=None,
+        choices=("fcfs", "priority", "preble_groups"),
+        help="engine admission order: vLLM FCFS (default), vLLM priority, or Preble's local priority groups",
+    )
+    p.add_argument("--num-priority-groups", type=int, default=None, help="preble_groups: P (default 10)")
+    p.add_argument("--priority-group-quota", type=int, default=None, help="preble_groups: k (default 10)")
+    p.add_argument(
         "--tokenizer", default=None, help="SentencePiece .model (default: the bundled Mistral-7B one)"
     )
     p.add_argument("--time-scale", type=float, default=1.0, help="multiplies every iteration's duration")
@@ -671,6 +679,9 @@ def build_core(args: argparse.Namespace, tokenizer: Tokenizer) -> EngineCore:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
+        "scheduling": args.scheduling,
+        "num_priority_groups": args.num_priority_groups,
+        "priority_group_quota": args.priority_group_quota,
         "block_hash_algo": args.hash_algo,
         "block_hash_seed": args.hash_seed,
         "vocab_size": tokenizer.vocab_size,  # sampled ids must decode with the worker's tokenizer

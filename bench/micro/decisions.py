@@ -1,0 +1,441 @@
+"""Routing-decision throughput of each policy on its own (`switchyard bench decisions`): no tokenizer, no engine,
+no gRPC. A stream of `RoutingContext`s (token ids and the workers' block hashes from `PromptFactory`) over Preble's
+workloads is fed to `policy.select` + `on_dispatch`, in virtual time, over a `Fleet` of READY workers with Stats.
+
+What the workers would send is modelled so the policies' state grows as it would live: after a modelled prefill
+the chosen worker's newly cached blocks arrive as a `BlockStored` batch (its LRU cache of `kv_capacity_blocks`
+evicts tail blocks first and sends `BlockRemoved`), `on_first_token` then, `on_finish` after a modelled decode
+(so in-flight state stays bounded), Stats every 0.2 s and `on_tick` every 0.1 s. Only `select` and `on_dispatch`
+are the decision; the hooks and the fleet's KV index are timed apart ("all hooks").
+
+Compares with Preble's global scheduler [specs/preble.md §8, §10 claim 12]: Toolbench, 50,000 requests, 200 and
+1500 tools: 634 and 245 decisions/s; VideoQA with 1500 videos: 2931 decisions/s (their `runtime_selector`, called
+sequentially on CPU, 2 GPUs). e2 runs with the Cython radix tree and again with the Python reference (`e2-py`,
+what SWITCHYARD_NO_EXTENSIONS=1 selects).
+
+Quick: `switchyard bench decisions --num-requests 2000`. Paper size (50k toolbench requests; VideoQA ~12.9k
+requests = 1500 videos at 8.6 questions each), all policies, 8 and 16 workers: `switchyard bench decisions`
+(minutes; mostly e2-py). Writes results/decisions/decisions.{json,md,png} and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import heapq
+import json
+import platform
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from switchyard.bench.preble_workloads import PrebleSpec, make_toolbench, make_videoqa
+from switchyard.bench.traces import PromptFactory, Trace
+from switchyard.router.fleet import Fleet, StatsSample, WorkerInfo, WorkerState
+from switchyard.router.policies.base import Policy, RoutingContext, WorkerId
+from switchyard.router.policies.registry import make_policy
+from switchyard.workers.engine.kv_events import BlockRemoved, BlockStored, KvEventBatch
+
+MODEL = "bench-model"
+BLOCK_SIZE = 16
+STATS_INTERVAL_S = 0.2
+TICK_INTERVAL_S = 0.1
+VIDEOQA_QUESTIONS_PER_VIDEO = 8.6  # make_videoqa's mean group size
+
+# Preble [P §5.4]: decisions/s of its global scheduler, per workload
+PAPER = {"toolbench-200": 634.0, "toolbench-1500": 245.0, "videoqa-1500": 2931.0}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadDef:
+    name: str
+    make: Callable[[int, int], Trace]  # (num_requests, seed) -> trace
+    profile: str  # WorkerInfo.perf_profile (e2's cost model)
+    kv_capacity_blocks: int  # per worker (the LRU model's size)
+    max_requests: int | None = None  # cap on --num-requests (VideoQA: 1500 videos)
+
+
+def _toolbench(tools: int) -> Callable[[int, int], Trace]:
+    # rate 20 req/s: ~3600 requests inside e2's 3-minute history window
+    return lambda n, seed: make_toolbench(PrebleSpec(num_requests=n, rate=20.0, num_tools=tools, max_model_len=4096), seed)
+
+
+WORKLOADS: dict[str, WorkloadDef] = {
+    # llama2-70b-h100-tp4: 31,030 blocks of 16 per worker
+    "toolbench-200": WorkloadDef("toolbench-200", _toolbench(200), "llama2-70b-h100-tp4", 31_030),
+    "toolbench-1500": WorkloadDef("toolbench-1500", _toolbench(1500), "llama2-70b-h100-tp4", 31_030),
+    # ~9.9k-token prompts; 20,000 blocks per worker as in `bench suite`
+    "videoqa-1500": WorkloadDef(
+        "videoqa-1500",
+        lambda n, seed: make_videoqa(PrebleSpec(num_requests=n, rate=5.0), seed),
+        "llama3-8b-a100",
+        20_000,
+        max_requests=round(1500 * VIDEOQA_QUESTIONS_PER_VIDEO),
+    ),
+}
+DEFAULT_POLICIES = ("e2", "e2-py", "smg_cache_aware", "dynamo_kv", "round_robin")
+
+
+def make_bench_policy(name: str) -> Policy:
+    """A registry policy; `e2-py` = e2 on the Python reference radix tree."""
+    if name == "e2-py":
+        from switchyard.ext import radix_py
+
+        pol = make_policy("e2")
+        pol.tree = radix_py.RadixTree()  # type: ignore[attr-defined]
+        return pol
+    return make_policy(name)
+
+
+# ---------------------------------------------------------------------------------------------------- requests
+@dataclass(slots=True)
+class Prepared:
+    """A trace with its prompts precomputed once (shared by every run): token ids as uint16, hashes as uint64."""
+
+    trace: Trace
+    tokens: list[np.ndarray]
+    hashes: list[np.ndarray]
+    prep_s: float
+
+    def contexts(self) -> Iterator[tuple[RoutingContext, int]]:
+        """(context, output tokens) in arrival order; the tuples are built here, outside any timed region."""
+        for r, toks, hs in zip(self.trace.requests, self.tokens, self.hashes, strict=True):
+            ctx = RoutingContext(
+                request_id=r.request_id,
+                model=MODEL,
+                prompt_token_ids=tuple(toks.tolist()),
+                block_hashes=tuple(hs.tolist()),
+                max_tokens=r.num_output_tokens,
+                arrival_s=r.arrival_s,
+            )
+            yield ctx, r.num_output_tokens
+
+
+def prepare(wl: WorkloadDef, num_requests: int, seed: int) -> Prepared:
+    t0 = time.perf_counter()
+    n = min(num_requests, wl.max_requests) if wl.max_requests else num_requests
+    trace = wl.make(n, seed)
+    pf = PromptFactory(BLOCK_SIZE, seed=seed)
+    tokens, hashes = [], []
+    for r in trace.requests:
+        toks = pf.tokens(r)
+        tokens.append(np.asarray(toks, dtype=np.uint16))
+        hashes.append(np.asarray(pf.block_hashes(r, toks), dtype=np.uint64))
+    return Prepared(trace, tokens, hashes, time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------------------------------------------- worker model
+class WorkerModel:
+    """One worker's prefix cache as its KV events describe it: an LRU of block hashes, tail blocks evicted first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.seq = 0
+        self.in_flight = 0
+
+    def store(self, ctx: RoutingContext, now: float) -> KvEventBatch | None:
+        """The batch the worker sends once `ctx`'s prefill ran: its new blocks, then what the LRU evicted."""
+        hs = ctx.block_hashes
+        lru = self.lru
+        k = 0
+        while k < len(hs) and hs[k] in lru:
+            k += 1
+        for h in reversed(hs):  # the prompt's head ends most recent: its tail is evicted first
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+        lru_new = hs[k:]
+        events: list[Any] = []
+        if lru_new:
+            events.append(
+                BlockStored(
+                    block_hashes=tuple(lru_new),
+                    parent_block_hash=hs[k - 1] if k else None,
+                    token_ids=ctx.prompt_token_ids[k * BLOCK_SIZE : len(hs) * BLOCK_SIZE],
+                    block_size=BLOCK_SIZE,
+                )
+            )
+        if len(lru) > self.capacity:
+            gone = [lru.popitem(last=False)[0] for _ in range(len(lru) - self.capacity)]
+            events.append(BlockRemoved(block_hashes=tuple(gone)))
+        if not events:
+            return None
+        self.seq += 1
+        return KvEventBatch(seq=self.seq, ts=now, events=tuple(events))
+
+
+def prefill_s(num_prompt_tokens: int, cached_blocks: int) -> float:
+    """Modelled prefill: 5 ms + 0.1 ms per uncached token (order of a 70B TP4 / 8B TP2 prefill)."""
+    return 0.005 + 1e-4 * max(0, num_prompt_tokens - cached_blocks * BLOCK_SIZE)
+
+
+DECODE_S_PER_TOKEN = 0.03
+
+
+# ---------------------------------------------------------------------------------------------------- one run
+def _pct_us(samples_ns: np.ndarray, q: float) -> float:
+    return float(np.percentile(samples_ns, q)) / 1000.0 if len(samples_ns) else 0.0
+
+
+def _state_size(policy: Policy, fleet: Fleet) -> tuple[str, int]:
+    tree = getattr(policy, "tree", None)
+    if tree is not None and not callable(tree) and hasattr(tree, "num_nodes"):
+        return "tree nodes", int(tree.num_nodes)
+    trees = getattr(policy, "_trees", None)
+    if isinstance(trees, dict):  # smg_cache_aware's approximate token trees
+        count, stack = 0, [t.root for t in trees.values()]
+        while stack:
+            node = stack.pop()
+            count += 1
+            stack.extend(node.children.values())
+        return "tree nodes", count
+    index = fleet.prefix_index(MODEL)
+    return "indexed blocks", len(getattr(index, "_hash_to_mask", {}))
+
+
+def run_one(prep: Prepared, wl: WorkloadDef, policy_name: str, num_workers: int) -> dict[str, Any]:
+    policy = make_bench_policy(policy_name)
+    fleet = Fleet()
+    workers: dict[WorkerId, WorkerModel] = {}
+    for i in range(num_workers):
+        wid = WorkerId(f"w{i}")
+        fleet.add_worker(
+            WorkerInfo(worker_id=wid, model=MODEL, max_model_len=131072, block_size=BLOCK_SIZE,
+                       kv_capacity_blocks=wl.kv_capacity_blocks, max_num_seqs=256, perf_profile=wl.profile),
+            state=WorkerState.READY,
+            healthy=True,
+        )
+        workers[wid] = WorkerModel(wl.kv_capacity_blocks)
+        policy.on_worker_change(wid, 0.0)
+
+    n = len(prep.trace.requests)
+    select_ns = np.zeros(n, dtype=np.int64)
+    dispatch_ns = np.zeros(n, dtype=np.int64)
+    hooks_ns = 0  # on_kv_events + fleet KV ingestion + on_first_token + on_finish
+    tick_ns = 0
+    max_tick_ns = 0
+    pending: list[tuple[float, int, int, Any]] = []  # (t, kind 0=first token 1=finish, seq, payload)
+    seq = 0
+    next_stats = 0.0
+    next_tick = TICK_INTERVAL_S
+    clock = time.perf_counter_ns
+    gc_was = gc.isenabled()
+    gc.collect()
+    gc.disable()  # as the simulator: long-lived small objects, no per-request cycles
+    try:
+        for i, (ctx, out_tokens) in enumerate(prep.contexts()):
+            now = ctx.arrival_s
+            # everything that happened before this arrival, in time order
+            while True:
+                t_ev = pending[0][0] if pending else float("inf")
+                t = min(t_ev, next_stats, next_tick)
+                if t > now:
+                    break
+                fleet.set_time(t)
+                if t == t_ev:
+                    _, kind, _, payload = heapq.heappop(pending)
+                    if kind == 0:
+                        c, wid, t_fin, outs = payload
+                        batch = workers[wid].store(c, t)
+                        t0 = clock()
+                        if batch is not None:
+                            fleet.apply_kv_events(wid, batch)
+                            policy.on_kv_events(wid, batch)
+                        policy.on_first_token(c.request_id, wid, t)
+                        hooks_ns += clock() - t0
+                        seq += 1
+                        heapq.heappush(pending, (t_fin, 1, seq, (c.request_id, wid, outs)))
+                    else:
+                        rid, wid, outs = payload
+                        workers[wid].in_flight -= 1
+                        t0 = clock()
+                        fleet.note_done(wid)
+                        policy.on_finish(rid, wid, t, outs)
+                        hooks_ns += clock() - t0
+                elif t == next_stats:
+                    for wid, wm in workers.items():
+                        fleet.apply_stats(
+                            wid,
+                            StatsSample(num_running=wm.in_flight, kv_blocks_used=len(wm.lru),
+                                        kv_blocks_total=wm.capacity),
+                            t,
+                        )
+                    next_stats = t + STATS_INTERVAL_S
+                else:
+                    t0 = clock()
+                    policy.on_tick(t)
+                    dt = clock() - t0
+                    tick_ns += dt
+                    max_tick_ns = max(max_tick_ns, dt)
+                    next_tick = t + TICK_INTERVAL_S
+            fleet.set_time(now)
+            t0 = clock()
+            decision = policy.select(ctx, fleet, now)
+            t1 = clock()
+            if decision is None:
+                raise RuntimeError(f"{policy_name} chose no worker for {ctx.request_id}")
+            fleet.note_dispatch(decision.worker_id)
+            t2 = clock()
+            policy.on_dispatch(ctx, decision, now)
+            t3 = clock()
+            select_ns[i] = t1 - t0
+            dispatch_ns[i] = t3 - t2
+            wid = decision.worker_id
+            wm = workers[wid]
+            wm.in_flight += 1
+            # prefill against what this worker really holds (its LRU), then decode
+            hs = ctx.block_hashes
+            k = 0
+            while k < len(hs) and hs[k] in wm.lru:
+                k += 1
+            t_first = now + prefill_s(ctx.num_prompt_tokens, k)
+            seq += 1
+            heapq.heappush(pending, (t_first, 0, seq, (ctx, wid, t_first + DECODE_S_PER_TOKEN * out_tokens, out_tokens)))
+    finally:
+        if gc_was:
+            gc.enable()
+    decide_s = (select_ns.sum() + dispatch_ns.sum()) / 1e9
+    state_kind, state = _state_size(policy, fleet)
+    return {
+        "workload": wl.name,
+        "workers": num_workers,
+        "policy": policy_name,
+        "requests": n,
+        "decisions_per_s": n / decide_s if decide_s > 0 else float("inf"),
+        "select_only_per_s": n / (select_ns.sum() / 1e9) if select_ns.sum() else float("inf"),
+        "with_hooks_per_s": n / (decide_s + hooks_ns / 1e9),
+        "select_p50_us": round(_pct_us(select_ns, 50), 1),
+        "select_p99_us": round(_pct_us(select_ns, 99), 1),
+        "select_mean_us": round(float(select_ns.mean()) / 1000, 1) if n else 0.0,
+        "select_max_ms": round(float(select_ns.max()) / 1e6, 2) if n else 0.0,
+        "dispatch_p50_us": round(_pct_us(dispatch_ns, 50), 1),
+        "dispatch_p99_us": round(_pct_us(dispatch_ns, 99), 1),
+        "hooks_us_per_request": round(hooks_ns / 1000 / n, 1),
+        "tick_total_ms": round(tick_ns / 1e6, 1),
+        "tick_max_ms": round(max_tick_ns / 1e6, 2),
+        "state_kind": state_kind,
+        "state_size": state,
+        "virtual_s": round(prep.trace.duration_s, 1),
+        "paper_decisions_per_s": PAPER.get(wl.name),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def to_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| workload | workers | policy | requests | decisions/s | Preble | ratio | select p50 / p99 / mean µs, max ms "
+        "| on_dispatch p50 / p99 µs | with hooks /s | state |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        paper = r["paper_decisions_per_s"]
+        ratio = f"x{r['decisions_per_s'] / paper:.1f}" if paper else "-"
+        lines.append(
+            f"| {r['workload']} | {r['workers']} | {r['policy']} | {r['requests']} | {r['decisions_per_s']:,.0f} "
+            f"| {paper:,.0f} | {ratio} | {r['select_p50_us']} / {r['select_p99_us']} / {r['select_mean_us']}, "
+            f"{r['select_max_ms']} "
+            f"| {r['dispatch_p50_us']} / {r['dispatch_p99_us']} | {r['with_hooks_per_s']:,.0f} "
+            f"| {r['state_size']:,} {r['state_kind']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Grouped bars (log scale): decisions/s per (workload, workers), one bar per policy, Preble's as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys((r["workload"], r["workers"]) for r in rows))
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    by = {(r["workload"], r["workers"], r["policy"]): r["decisions_per_s"] for r in rows}
+    width = 0.8 / max(1, len(policies))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) + 2), 4.5))
+    for j, p in enumerate(policies):
+        xs = [g + (j - (len(policies) - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, [by.get((w, n, p), 0) for w, n in groups], width, label=p)
+    for g, (w, _) in enumerate(groups):
+        if w in PAPER:
+            ax.hlines(PAPER[w], g - 0.45, g + 0.45, colors="black", linestyles="--",
+                      label="Preble (paper)" if g == 0 else None)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{w}\n{n} workers" for w, n in groups], fontsize=8)
+    ax.set_ylabel("decisions/s (select + on_dispatch)")
+    ax.set_title("Routing decisions per second, one core")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="switchyard bench decisions", description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated; known: {','.join(WORKLOADS)}")
+    ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                    help="comma-separated registry names; e2-py = e2 on the Python reference tree")
+    ap.add_argument("--workers", default="8,16", help="comma-separated fleet sizes")
+    ap.add_argument("--num-requests", type=int, default=50_000,
+                    help="requests per workload (paper: 50,000; VideoQA is capped at 12,900 = 1500 videos)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("results/decisions"), help="output folder")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    sizes = [int(x) for x in args.workers.split(",") if x.strip()]
+    for w in names:
+        if w not in WORKLOADS:
+            print(f"bench decisions: unknown workload {w!r}; known: {', '.join(WORKLOADS)}", file=sys.stderr)
+            return 2
+    for p in policies:
+        try:
+            make_bench_policy(p)
+        except ValueError as e:
+            print(f"bench decisions: {e}", file=sys.stderr)
+            return 2
+    rows: list[dict[str, Any]] = []
+    for w in names:
+        wl = WORKLOADS[w]
+        prep = prepare(wl, args.num_requests, args.seed)
+        print(f"{w}: {len(prep.trace.requests)} requests, {prep.trace.source}; prompts built in {prep.prep_s:.1f} s",
+              flush=True)
+        for nw in sizes:
+            for p in policies:
+                t0 = time.perf_counter()
+                row = run_one(prep, wl, p, nw)
+                rows.append(row)
+                print(f"  {nw:>2} workers {p:<16} {row['decisions_per_s']:>10,.0f} decisions/s  select p50 "
+                      f"{row['select_p50_us']} µs p99 {row['select_p99_us']} µs  ({time.perf_counter() - t0:.1f} s)",
+                      flush=True)
+        del prep
+        gc.collect()
+    md = to_markdown(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"python": platform.python_version(), "machine": platform.machine(), "processor": platform.processor(),
+            "num_requests": args.num_requests, "seed": args.seed, "block_size": BLOCK_SIZE,
+            "paper_decisions_per_s": PAPER}
+    (args.out / "decisions.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    (args.out / "decisions.md").write_text(md)
+    written = [args.out / "decisions.json", args.out / "decisions.md"]
+    if not args.no_plot:
+        written.append(plot(rows, args.out / "decisions.png"))
+    print()
+    print(md, end="")
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

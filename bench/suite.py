@@ -1,0 +1,368 @@
+"""The simulator campaign in one command (`switchyard bench suite`): every workload x policy at two loads set
+from round_robin's saturation point, Preble's ablation, the no-sharing check and 2 -> 4 worker scaling; one
+combined markdown summary plus each sweep's own JSON/markdown/PNGs (`bench sim`'s report) under results/suite/.
+
+Sections (specs/preble.md §8, §10):
+  a. workloads: preble toolbench (uniform, and Zipf 1.1), agent, programming, videoqa, loogle, mooncake-conversation,
+     preble-azure-mix; policies e2 and its peers (smg_cache_aware, smg_least_load, dynamo_kv, llmd_scorer,
+     aibrix_prefix) plus round_robin and least_request; 4 workers. Profiles: toolbench/agent/programming on
+     llama2-70b-h100-tp4; videoqa/loogle/azure-mix on llama3-8b-a100 with 20,000 KV blocks per worker (their
+     ~10k-25k-token prompts exceed the 70B's 4096 limit; 20k blocks keep the cache contended); mooncake on
+     llama3-8b-a100 (its full KV).
+  b. ablation (claim 8) on toolbench Zipf 1.1: e2_base -> e2_rebal -> e2 -> e2 + --engine-scheduling preble_groups
+     (no oracle-partition policy exists, so the ladder starts at e2_base).
+  c. no sharing (claim 3): poisson arrivals, unique prompts (lognormal 1024 / 128 tokens), llama3-8b-a100:
+     e2 vs round_robin and least_request.
+  d. scaling (claim 13): toolbench at 2 and 4 workers: each policy's capacity at both sizes, and latencies at
+     rate r on 2 workers vs 2r on 4.
+
+Capacity: a geometric rate ladder (factor √2) of short round_robin runs; the "light" reference is the mean TTFT at
+the lowest rung (load far below saturation); a rung is saturated when its mean TTFT exceeds
+`--sat-factor` (4) x the light reference, or a request did not complete. Capacity = the highest rung below the first
+saturated one. The two loads are `--load-fractions` (0.5, 1.0) x capacity: half load, and round_robin's knee, where
+cache-aware placement should matter most. `--rates WORKLOAD=R1,R2` skips the ladder for that workload.
+
+Full (about 10-15 min on 2 cores): `switchyard bench suite`. Quick (about 2 min, 300-request runs):
+`switchyard bench suite --quick`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from contextlib import redirect_stdout
+from io import StringIO
+from pathlib import Path
+from typing import Any
+
+from switchyard.bench import report, sim
+
+PEERS = ("smg_cache_aware", "smg_least_load", "dynamo_kv", "llmd_scorer", "aibrix_prefix")
+POLICIES = ("e2", *PEERS, "round_robin", "least_request")
+
+P70 = ["--profile", "llama2-70b-h100-tp4"]
+P8_20K = ["--profile", "llama3-8b-a100", "--num-kv-blocks", "20000"]
+WORKLOADS: dict[str, list[str]] = {
+    "toolbench": ["--trace", "preble-toolbench", *P70],
+    "toolbench-zipf1.1": ["--trace", "preble-toolbench", "--zipf", "1.1", *P70],
+    "agent": ["--trace", "preble-agent", *P70],
+    "programming": ["--trace", "preble-programming", *P70],
+    "videoqa": ["--trace", "preble-videoqa", *P8_20K],
+    "loogle": ["--trace", "preble-loogle", *P8_20K],
+    "mooncake-conversation": ["--trace", "mooncake-conversation", "--profile", "llama3-8b-a100"],
+    "azure-mix": ["--trace", "preble-azure-mix", *P8_20K],
+}
+NO_SHARING = ["--trace", "poisson", "--profile", "llama3-8b-a100"]
+ABLATION_WORKLOAD = "toolbench-zipf1.1"
+SCALING_WORKLOAD = "toolbench"
+LADDER = [0.125 * math.sqrt(2) ** k for k in range(23)]  # 0.125 .. 256 req/s (x workers / 4)
+
+
+def sim_args(extra: list[str]) -> argparse.Namespace:
+    return sim.build_parser().parse_args(extra)
+
+
+def run_sweep(argv: list[str], out: Path | None, plots: bool) -> dict[str, Any]:
+    """One `bench sim` sweep (its own progress lines go to a buffer); its report into `out` when given."""
+    args = sim_args(argv)
+    base = sim.load_workload(args)
+    buf = StringIO()
+    with redirect_stdout(buf):
+        result = sim.run_sweep(args, base)
+    if out is not None:
+        report.write_report(result, out, plots=plots)
+    return result
+
+
+def _m(run: dict[str, Any], *path: str) -> float:
+    v: Any = run["metrics"]
+    for k in path:
+        v = v[k]
+    return float(v)
+
+
+# ---------------------------------------------------------------------------------------------------- capacity
+def capacity(argv: list[str], policy: str, sat_factor: float, workers: int) -> dict[str, Any]:
+    """The saturation rate of `policy` on a rate ladder (see the module docstring): rungs run two at a time."""
+    scale = workers / 4
+    rungs = [r * scale for r in LADDER]
+    points: list[dict[str, float]] = []
+    light = None
+    i = 0
+    batch = 4  # rungs per sweep; stop at the first saturated rung
+    while i < len(rungs):
+        rates = rungs[i : i + batch]
+        res = run_sweep([*argv, "--policies", policy, "--rates", ",".join(f"{r:.4g}" for r in rates)], None, False)
+        done = False
+        for run in sorted(res["runs"], key=lambda r: r["rate"]):
+            ttft = _m(run, "ttft_s", "mean")
+            complete = run["metrics"]["num_completed"] == run["metrics"]["num_requests"]
+            if light is None:
+                light = ttft
+            sat = ttft > sat_factor * light or not complete
+            points.append({"rate": run["rate"], "ttft_mean_s": ttft, "ttft_p99_s": _m(run, "ttft_s", "p99"),
+                           "saturated": sat})
+            if sat:
+                done = True
+                break
+        if done:
+            break
+        i += batch
+    ok = [p["rate"] for p in points if not p["saturated"]]
+    cap = max(ok) if ok else points[0]["rate"]
+    return {"policy": policy, "workers": workers, "capacity_req_s": cap, "light_ttft_s": light,
+            "sat_factor": sat_factor, "ladder": points}
+
+
+# ---------------------------------------------------------------------------------------------------- tables
+def policy_table(runs: list[dict[str, Any]], label_of: Any = None) -> str:
+    lines = ["| policy | req/s | done | TTFT mean s | TTFT p99 s | E2E mean s | E2E p99 s | hit ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        m = r["metrics"]
+        name = label_of(r) if label_of else r["policy"]
+        lines.append(f"| {name} | {r['rate']:.2f} | {m['num_completed']}/{m['num_requests']} "
+                     f"| {_m(r, 'ttft_s', 'mean'):.3f} | {_m(r, 'ttft_s', 'p99'):.3f} | {_m(r, 'e2e_s', 'mean'):.2f} "
+                     f"| {_m(r, 'e2e_s', 'p99'):.2f} | {m['prefix_cache_hit_ratio']:.3f} |")
+    return "\n".join(lines)
+
+
+METRICS = (("TTFT mean", ("ttft_s", "mean")), ("TTFT p99", ("ttft_s", "p99")),
+           ("E2E mean", ("e2e_s", "mean")), ("E2E p99", ("e2e_s", "p99")))
+
+
+def e2_vs_peers(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """e2's latency / the best peer's (lowest of the five), per metric; < 1 = e2 better. Also vs round_robin."""
+    by = {r["policy"]: r for r in runs}
+    e2 = by.get("e2")
+    out: dict[str, Any] = {}
+    if e2 is None:
+        return out
+    for label, path in METRICS:
+        peers = [(_m(by[p], *path), p) for p in PEERS if p in by]
+        if peers:
+            best, who = min(peers)
+            out[label] = {"e2": _m(e2, *path), "best_peer": who, "best_peer_value": best,
+                          "ratio": _m(e2, *path) / best if best > 0 else float("nan")}
+        if "round_robin" in by and _m(by["round_robin"], *path) > 0:
+            out[label]["vs_round_robin"] = _m(e2, *path) / _m(by["round_robin"], *path)
+    hits = [(by[p]["metrics"]["prefix_cache_hit_ratio"], p) for p in PEERS if p in by]
+    if hits:
+        best, who = max(hits)
+        out["hit ratio"] = {"e2": e2["metrics"]["prefix_cache_hit_ratio"], "best_peer": who, "best_peer_value": best}
+    return out
+
+
+def ratio_line(cmp: dict[str, Any]) -> str:
+    parts = []
+    for label, _ in METRICS:
+        c = cmp.get(label)
+        if c:
+            parts.append(f"{label} x{c['ratio']:.2f} (best peer {c['best_peer']})")
+    return "e2 / best peer: " + "; ".join(parts) if parts else ""
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="switchyard bench suite", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="300-request runs, 200-request capacity ladders (~2 min)")
+    ap.add_argument("--num-requests", type=int, default=None, help="requests per run (default 1500; --quick 300)")
+    ap.add_argument("--ladder-requests", type=int, default=None,
+                    help="requests per capacity-ladder run (default 500; --quick 200)")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated; known: {','.join(WORKLOADS)}")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--sections", default="a,b,c,d", help="a workloads, b ablation, c no-sharing, d scaling")
+    ap.add_argument("--rates", nargs="*", default=[], metavar="WORKLOAD=R1,R2",
+                    help="fixed loads for a workload (skips its capacity ladder); 'no-sharing' for section c")
+    ap.add_argument("--load-fractions", default="0.5,1.0", help="loads as fractions of round_robin's capacity")
+    ap.add_argument("--sat-factor", type=float, default=4.0, help="saturated: mean TTFT > this x the light rung's")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("results/suite"))
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+    n = args.num_requests or (300 if args.quick else 1500)
+    n_ladder = args.ladder_requests or (200 if args.quick else 500)
+    fractions = [float(x) for x in args.load_fractions.split(",")]
+    fixed: dict[str, list[float]] = {}
+    for item in args.rates:
+        key, _, vals = item.partition("=")
+        fixed[key] = [float(v) for v in vals.split(",") if v]
+    names = [w for w in args.workloads.split(",") if w]
+    for w in names:
+        if w not in WORKLOADS:
+            print(f"bench suite: unknown workload {w!r}; known: {', '.join(WORKLOADS)}", file=sys.stderr)
+            return 2
+    policies = [p for p in args.policies.split(",") if p]
+    sections = set(args.sections.split(","))
+    plots = not args.no_plots
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    common = ["--workers", str(args.workers), "--seed", str(args.seed), "--jobs", str(args.jobs)]
+
+    def sized(k: int) -> list[str]:
+        return ["--num-requests", str(k), "--max-requests", str(k)]
+
+    t_start = time.perf_counter()
+    data: dict[str, Any] = {"config": {"num_requests": n, "ladder_requests": n_ladder, "workers": args.workers,
+                                       "load_fractions": fractions, "sat_factor": args.sat_factor,
+                                       "policies": policies, "quick": args.quick, "seed": args.seed},
+                            "capacity": {}, "workloads": {}, "ablation": {}, "no_sharing": {}, "scaling": {}}
+    md: list[str] = []
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:6.0f} s] {msg}", flush=True)
+
+    def loads_for(key: str, argv_w: list[str], policy: str = "round_robin", workers: int | None = None) -> list[float]:
+        if key in fixed:
+            data["capacity"][key] = {"fixed_rates": fixed[key]}
+            return fixed[key]
+        nw = workers or args.workers
+        wl_argv = [*argv_w, *sized(n_ladder), "--workers", str(nw), "--seed", str(args.seed), "--jobs", str(args.jobs)]
+        cap = capacity(wl_argv, policy, args.sat_factor, nw)
+        data["capacity"][key] = cap
+        log(f"{key}: {policy} capacity {cap['capacity_req_s']:.2f} req/s on {nw} workers "
+            f"(light TTFT {cap['light_ttft_s']:.3f} s, {len(cap['ladder'])} rungs)")
+        return [round(f * cap["capacity_req_s"], 3) for f in fractions]
+
+    # ------------------------------------------------------------------ a. workloads
+    if "a" in sections:
+        md.append("## a. Workloads x policies\n")
+        md.append(f"{args.workers} workers; {n} requests per run; loads = {fractions} x round_robin's capacity "
+                  f"(ladder of {n_ladder}-request runs, saturated when mean TTFT > {args.sat_factor:g} x the lightest "
+                  "rung's). Ratios: e2 / the best of " + ", ".join(PEERS) + " (< 1 = e2 better).\n")
+        overview = ["| workload | load | req/s | RR capacity | e2 TTFT mean | TTFT p99 | E2E mean | E2E p99 "
+                    "| e2 hit | best peer hit | e2 / RR TTFT mean |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        detail: list[str] = []
+        for w in names:
+            argv_w = WORKLOADS[w]
+            rates = loads_for(w, argv_w)
+            t0 = time.perf_counter()
+            res = run_sweep([*argv_w, *sized(n), *common, "--policies", ",".join(policies),
+                             "--rates", ",".join(f"{r:g}" for r in rates)], out / "workloads" / w, plots)
+            cap = data["capacity"][w].get("capacity_req_s")
+            entry = {"rates": rates, "capacity_req_s": cap, "loads": []}
+            for j, rate in enumerate(rates):
+                runs = [r for r in res["runs"] if abs(next(iter(r["load"].values())) - rate) < 1e-9]
+                cmp = e2_vs_peers(runs)
+                entry["loads"].append({"rate": rate, "fraction": fractions[j] if j < len(fractions) else None,
+                                       "runs": [{"policy": r["policy"], "rate": r["rate"], "metrics": {
+                                           k: r["metrics"][k] for k in ("ttft_s", "e2e_s", "tpot_s",
+                                                                         "prefix_cache_hit_ratio", "num_completed",
+                                                                         "num_requests")}} for r in runs],
+                                       "e2_vs_best_peer": cmp})
+                frac = f"{fractions[j]:g}x" if j < len(fractions) else "fixed"
+                detail.append(f"### {w} @ {rate:g} req/s ({frac} RR capacity)\n")
+                detail.append(policy_table(runs))
+                detail.append("\n" + ratio_line(cmp) + "\n")
+                if cmp:
+                    rr = cmp["TTFT mean"].get("vs_round_robin", float("nan"))
+                    overview.append(
+                        f"| {w} | {frac} | {rate:g} | {cap if cap is None else f'{cap:.2f}'} "
+                        + "".join(f"| x{cmp[label]['ratio']:.2f} " for label, _ in METRICS)
+                        + f"| {cmp['hit ratio']['e2']:.3f} | {cmp['hit ratio']['best_peer_value']:.3f} "
+                          f"({cmp['hit ratio']['best_peer']}) | x{rr:.2f} |")
+            data["workloads"][w] = entry
+            log(f"{w}: {len(res['runs'])} runs in {time.perf_counter() - t0:.0f} s")
+        md.append("e2 / best peer per metric (< 1 = e2 better):\n")
+        md.extend(["\n".join(overview), "", *detail])
+
+    # ------------------------------------------------------------------ b. ablation
+    if "b" in sections:
+        w = ABLATION_WORKLOAD
+        rates = data["workloads"][w]["rates"] if w in data["workloads"] else loads_for(w, WORKLOADS[w])
+        rs = ",".join(f"{r:g}" for r in rates)
+        base_argv = [*WORKLOADS[w], *sized(n), *common, "--rates", rs]
+        t0 = time.perf_counter()
+        res1 = run_sweep([*base_argv, "--policies", "e2_base,e2_rebal,e2"], out / "ablation" / "policies", plots)
+        res2 = run_sweep([*base_argv, "--policies", "e2", "--engine-scheduling", "preble_groups"],
+                         out / "ablation" / "preble_groups", plots)
+        for r in res2["runs"]:
+            r["policy"] = "e2 + preble_groups"
+        md.append(f"## b. Ablation (claim 8), {w}\n")
+        md.append("e2_base (E2 only) -> e2_rebal (+ rebalancing, replication) -> e2 (+ P/D balancing) -> "
+                  "e2 + preble_groups (+ the engines' local priority groups). No oracle-partition step.\n")
+        data["ablation"] = {"workload": w, "rates": rates, "runs": []}
+        for rate in rates:
+            runs = [r for r in res1["runs"] + res2["runs"] if abs(next(iter(r["load"].values())) - rate) < 1e-9]
+            md.append(f"### {w} @ {rate:g} req/s\n")
+            md.append(policy_table(runs) + "\n")
+            data["ablation"]["runs"] += [{"policy": r["policy"], "rate": r["rate"], "metrics": r["metrics"]}
+                                         for r in runs]
+        log(f"ablation: {len(res1['runs']) + len(res2['runs'])} runs in {time.perf_counter() - t0:.0f} s")
+
+    # ------------------------------------------------------------------ c. no sharing
+    if "c" in sections:
+        t0 = time.perf_counter()
+        rates = loads_for("no-sharing", NO_SHARING)
+        res = run_sweep([*NO_SHARING, *sized(n), *common, "--policies", "round_robin,least_request,e2",
+                         "--rates", ",".join(f"{r:g}" for r in rates)], out / "no-sharing", plots)
+        md.append("## c. No sharing (claim 3): poisson, unique prompts, llama3-8b-a100\n")
+        md.append("Ratios in parentheses: / round_robin at the same load.\n")
+        md.append(report.markdown_table(res) + "\n")
+        data["no_sharing"] = {"rates": rates, "runs": [{"policy": r["policy"], "rate": r["rate"],
+                                                          "metrics": r["metrics"]} for r in res["runs"]]}
+        log(f"no-sharing: {len(res['runs'])} runs in {time.perf_counter() - t0:.0f} s")
+
+    # ------------------------------------------------------------------ d. scaling
+    if "d" in sections:
+        t0 = time.perf_counter()
+        w = SCALING_WORKLOAD
+        sc_policies = ["e2", "smg_cache_aware", "round_robin"]
+        caps: dict[str, dict[int, float]] = {}
+        for p in sc_policies:
+            for nw in (2, 4):
+                c = capacity([*WORKLOADS[w], *sized(n_ladder), "--workers", str(nw), "--seed", str(args.seed),
+                              "--jobs", str(args.jobs)], p, args.sat_factor, nw)
+                caps.setdefault(p, {})[nw] = c["capacity_req_s"]
+                data["scaling"].setdefault("capacity", []).append(c)
+        r2 = caps["e2"][2]
+        lat = []
+        for nw, rate in ((2, r2), (4, 2 * r2)):
+            res = run_sweep([*WORKLOADS[w], *sized(n), "--workers", str(nw), "--seed", str(args.seed), "--jobs",
+                             str(args.jobs), "--policies", ",".join(sc_policies), "--rates", f"{rate:g}"],
+                            out / "scaling" / f"{nw}-workers", plots)
+            for r in res["runs"]:
+                r["workers"] = nw
+            lat += res["runs"]
+        md.append(f"## d. Scaling (claim 13), {w}: 2 -> 4 workers\n")
+        md.append("Capacity (same ladder and criterion, each policy against its own lightest rung):\n")
+        md.append("| policy | 2 workers req/s | 4 workers req/s | ratio |\n|---|---|---|---|")
+        for p in sc_policies:
+            md.append(f"| {p} | {caps[p][2]:.2f} | {caps[p][4]:.2f} | x{caps[p][4] / caps[p][2]:.2f} |")
+        md.append(f"\nLatency at e2's 2-worker capacity r = {r2:.2f} req/s on 2 workers, and 2r on 4 workers:\n")
+        md.append(policy_table(lat, lambda r: f"{r['policy']} ({r['workers']}w)") + "\n")
+        data["scaling"]["latency"] = [{"policy": r["policy"], "workers": r["workers"], "rate": r["rate"],
+                                       "metrics": r["metrics"]} for r in lat]
+        log(f"scaling: in {time.perf_counter() - t0:.0f} s")
+
+    # ------------------------------------------------------------------ capacity appendix + write
+    cap_lines = ["## Capacity ladders (round_robin unless noted)\n",
+                 "| workload | capacity req/s | light TTFT s | rungs (rate: mean TTFT s, * = saturated) |",
+                 "|---|---|---|---|"]
+    for k, c in data["capacity"].items():
+        if "fixed_rates" in c:
+            cap_lines.append(f"| {k} | fixed --rates {c['fixed_rates']} | - | - |")
+            continue
+        rungs = ", ".join(f"{p['rate']:.3g}: {p['ttft_mean_s']:.2f}{'*' if p['saturated'] else ''}"
+                          for p in c["ladder"])
+        cap_lines.append(f"| {k} | {c['capacity_req_s']:.2f} | {c['light_ttft_s']:.3f} | {rungs} |")
+    total = time.perf_counter() - t_start
+    data["wall_s"] = total
+    head = [f"# Switchyard simulator suite{' (quick)' if args.quick else ''}\n",
+            f"Generated by `switchyard bench suite{' --quick' if args.quick else ''}` in {total:.0f} s "
+            f"(--jobs {args.jobs}). Per-sweep JSON/markdown/PNGs in the subfolders.\n"]
+    text = "\n".join([*head, *md, *cap_lines]) + "\n"
+    (out / "summary.md").write_text(text)
+    (out / "summary.json").write_text(json.dumps(data, indent=2, default=float) + "\n")
+    print(text)
+    print(f"wrote {out / 'summary.md'} and {out / 'summary.json'} ({total:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

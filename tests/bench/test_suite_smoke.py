@@ -1,0 +1,37 @@
+"""Smoke tests of `bench decisions` and `bench suite` at toy sizes (a few seconds together)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from switchyard.bench import suite
+from switchyard.bench.micro import decisions
+
+
+def test_decisions_smoke(tmp_path: Path) -> None:
+    rc = decisions.main(["--num-requests", "60", "--workloads", "toolbench-200", "--workers", "2",
+                         "--policies", "e2,e2-py,round_robin", "--out", str(tmp_path), "--no-plot"])
+    assert rc == 0
+    rows = json.loads((tmp_path / "decisions.json").read_text())["rows"]
+    assert [r["policy"] for r in rows] == ["e2", "e2-py", "round_robin"]
+    assert all(r["requests"] == 60 and r["decisions_per_s"] > 0 and r["paper_decisions_per_s"] == 634 for r in rows)
+    assert rows[0]["state_kind"] == "tree nodes" and rows[0]["state_size"] > 0
+    assert rows[0]["state_size"] == rows[1]["state_size"]  # the Cython and Python trees grow alike
+    assert "| toolbench-200 | 2 | e2 |" in (tmp_path / "decisions.md").read_text()
+
+
+def test_suite_smoke(tmp_path: Path) -> None:
+    rc = suite.main(["--quick", "--num-requests", "40", "--ladder-requests", "30", "--workloads", "toolbench",
+                     "--policies", "e2,smg_cache_aware,round_robin", "--sections", "a,b,c", "--jobs", "1",
+                     "--rates", "toolbench=5,10", "toolbench-zipf1.1=8", "no-sharing=2", "--no-plots",
+                     "--out", str(tmp_path)])
+    assert rc == 0
+    text = (tmp_path / "summary.md").read_text()
+    assert "e2 / best peer" in text and "## b. Ablation" in text and "## c. No sharing" in text
+    data = json.loads((tmp_path / "summary.json").read_text())
+    loads = data["workloads"]["toolbench"]["loads"]
+    assert [x["rate"] for x in loads] == [5.0, 10.0]
+    assert loads[0]["e2_vs_best_peer"]["TTFT mean"]["best_peer"] == "smg_cache_aware"
+    assert {r["policy"] for r in data["ablation"]["runs"]} == {"e2_base", "e2_rebal", "e2", "e2 + preble_groups"}
+    assert (tmp_path / "workloads" / "toolbench" / "results.json").is_file()
