@@ -91,11 +91,11 @@ from switchyard.router.policies.preble_cost import CostModel, OnlineFit, profile
 from switchyard.router.policies.preble_load import (
     HistoryEntry,
     HitRatioWindow,
+    LruIndex,
     NodeStats,
     Outstanding,
     WorkerHistory,
     eviction_cost_s,
-    lru_victims,
     merged_stats,
 )
 from switchyard.router.policies.preble_rebalance import maybe_replicate, rebalance
@@ -194,7 +194,8 @@ class PrebleE2(Policy):
         self.fits: dict[WorkerId, OnlineFit] = {}
         self.evicted: dict[WorkerId, set[int]] = {}  # assigned block hashes removed by events since
         self.resident_count: dict[WorkerId, int] = {}  # blocks resident per events
-        self.resident_nodes: dict[WorkerId, set[Any]] = {}  # nodes with a resident run (candidates for M)
+        self.resident_nodes: dict[WorkerId, set[Any]] = {}  # nodes with a resident run (lru_victims' input)
+        self.lru: dict[WorkerId, LruIndex] = {}  # per worker: M's eviction order, kept by the hooks (`_touch`)
         self.transfers: deque[tuple[float, WorkerId, float]] = deque()  # (t, worker, Δload s) from rebalancing
         self.dirty_ttft: dict[tuple[int, WorkerId], Any] = {}  # (id(key node), worker) -> node: new TTFT samples
         self.in_flight: dict[str, _InFlight] = {}
@@ -270,7 +271,8 @@ class PrebleE2(Policy):
             need = -(-missed // bs)
             evict = need if self.cfg.assume_full else need - max(0, cap - used)
             if evict > 0:
-                victims = lru_victims(wid, self.resident_nodes.get(wid, ()), evict, {id(n) for n in path})
+                idx = self.lru.get(wid)
+                victims = idx.victims(wid, evict, {id(n) for n in path}) if idx is not None else []
                 m = eviction_cost_s(victims, wid, now, self.cfg.node_window_s, bs, cost, self.cfg.eviction_cost)
         sig = self.cfg.load_signal
         load = self.load_s(wid, now) if sig != "outstanding" else 0.0
@@ -429,6 +431,8 @@ class PrebleE2(Policy):
         prefill_s = self.cost_model(w).prefill_s(missed, cached)
         path = self.tree.insert(hashes, now) if hashes else []
         self.tree.assign(path, w, now)
+        if self.lru and m is not None:
+            self._touch(m.path + path)  # last_access moved on the path; a split moved m.path[-1] under a new node
         ev = self.evicted.get(w)
         if ev:
             ev.difference_update(hashes)  # re-assigned: predicted resident again
@@ -509,7 +513,13 @@ class PrebleE2(Policy):
         w, tree = worker_id, self.tree
         for ev in batch.events:
             if isinstance(ev, BlockStored):
+                idx = self.lru.get(w)
+                if idx is None:
+                    idx = self.lru[w] = LruIndex()
+                keys = ev.block_hashes if ev.parent_block_hash is None else (ev.parent_block_hash, *ev.block_hashes)
+                before = [pos[0] for pos in map(tree.node_of, keys) if pos is not None]  # a split keeps these
                 tree.mark_resident(w, ev.block_hashes, ev.parent_block_hash, batch.ts)
+                self._touch(before + [pos[0] for pos in map(tree.node_of, keys) if pos is not None])
                 self.resident_count[w] = self.resident_count.get(w, 0) + len(ev.block_hashes)
                 evicted = self.evicted.get(w)
                 if evicted:
@@ -521,6 +531,11 @@ class PrebleE2(Policy):
                         nodes.add(pos[0])
             elif isinstance(ev, BlockRemoved):
                 tree.mark_evicted(w, ev.block_hashes)
+                idx = self.lru.get(w)
+                if idx is not None:
+                    for pos in map(tree.node_of, ev.block_hashes):
+                        if pos is not None:
+                            idx.touch(w, pos[0])
                 self.resident_count[w] = max(0, self.resident_count.get(w, 0) - len(ev.block_hashes))
                 evicted = self.evicted.setdefault(w, set())
                 for h in ev.block_hashes:
@@ -533,6 +548,18 @@ class PrebleE2(Policy):
                 self.resident_count[w] = 0
                 self.evicted.pop(w, None)
                 self.resident_nodes.pop(w, None)
+                self.lru.pop(w, None)
+
+    def _touch(self, nodes: list[Any]) -> None:
+        """Reconcile every tracked worker's LRU index with these nodes (residency, parent, last_access)."""
+        seen: set[int] = set()
+        for node in nodes:
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            res = node.resident
+            for w, idx in self.lru.items():
+                idx.touch(w, node, res)
 
     def on_worker_change(self, worker_id: WorkerId, now: float) -> None:
         rec = self._fleet.get(worker_id) if self._fleet is not None else None
@@ -541,7 +568,7 @@ class PrebleE2(Policy):
             return  # a drain or a state change: keep its cache view and load
         self.tree.remove_worker(worker_id)
         for d in (self.history, self.hit_ratio, self.fits, self.evicted, self.resident_count, self.resident_nodes,
-                  self._facts, self.outstanding):
+                  self.lru, self._facts, self.outstanding):
             d.pop(worker_id, None)  # type: ignore[attr-defined]
         self.transfers = deque(x for x in self.transfers if x[1] != worker_id)
 

@@ -342,3 +342,107 @@ class Outstanding:
         d = len(self.decoding)
         total = d + self.queued_tokens
         return d / total if total > 0 else 0.0
+
+
+# ---------------------------------------------------------------------------------------------- incremental LRU
+class LruIndex:
+    """`lru_victims` without the per-call scan (§4.2: "a per-GPU LRU heap ... so the cost is O(k log N)").
+
+    Per worker it keeps, from the hooks, every node resident on it with the parent it was recorded under, the
+    number of its resident children (`held`), and a heap of the current eviction candidates (resident, no
+    resident child) keyed by (last_access, id); entries are lazy: one whose node left the candidates or whose
+    last_access moved is skipped (and the heap is compacted in the hooks once stale entries dominate).
+    `touch(nodes)` reconciles the given nodes for every tracked worker after any tree change that can alter
+    their residency, parent or last_access; the hooks pass every node such a change can reach.
+
+    `victims` is read-only: it walks the heap array in key order (a side heap over indices) merged with the
+    parents the simulated evictions unlock, so it visits O(k + protected) entries for k victims, and returns
+    exactly what `lru_victims` returns over the same resident set. Protected nodes (the request's own path,
+    which is ancestor-closed) are skipped; their ancestors are protected too, so nothing they would unlock counts.
+    """
+
+    __slots__ = ("entries", "held", "heap", "keyed")
+
+    def __init__(self) -> None:
+        self.entries: dict[int, tuple[Any, Any]] = {}  # id(node) -> (node, recorded parent or None)
+        self.held: dict[int, int] = {}  # id(node) -> resident children recorded under it
+        self.heap: list[tuple[float, int, Any]] = []  # (last_access, id, node), lazy
+        self.keyed: dict[int, float] = {}  # id -> last_access of its live heap entry
+
+    def _consider(self, node: Any) -> None:
+        k = id(node)
+        if k in self.entries and not self.held.get(k):
+            la = node.last_access
+            if self.keyed.get(k) != la:
+                self.keyed[k] = la
+                heapq.heappush(self.heap, (la, k, node))
+        else:
+            self.keyed.pop(k, None)
+
+    def touch(self, worker: Any, node: Any, resident: dict[Any, int] | None = None) -> None:
+        """Reconcile one node for `worker` (`resident` = node.resident when the caller already has it)."""
+        k = id(node)
+        res = (node.resident if resident is None else resident).get(worker, 0) > 0 and node.is_attached
+        old = self.entries.get(k)
+        if old is None and not res:
+            return
+        parent = node.parent if res else None
+        if old is not None:
+            if res and old[1] is parent:
+                self._consider(node)  # only last_access can have moved
+                return
+            op = old[1]
+            if op is not None:
+                c = self.held[id(op)] - 1
+                if c:
+                    self.held[id(op)] = c
+                else:
+                    del self.held[id(op)]
+                self._consider(op)
+        if res:
+            self.entries[k] = (node, parent)
+            if parent is not None:
+                self.held[id(parent)] = self.held.get(id(parent), 0) + 1
+                self._consider(parent)
+        else:
+            del self.entries[k]
+        self._consider(node)
+        if len(self.heap) > 2 * len(self.keyed) + 64:
+            self.heap = [e for e in self.heap if self.keyed.get(e[1]) == e[0]]
+            heapq.heapify(self.heap)
+
+    def victims(self, worker: Any, need_blocks: int, protected: set[int]) -> list[tuple[Any, int]]:
+        heap, keyed, entries, held = self.heap, self.keyed, self.entries, self.held
+        out: list[tuple[Any, int]] = []
+        left = need_blocks
+        if not heap or left <= 0:
+            return out
+        side: list[tuple[float, int, int, Any]] = [(heap[0][0], heap[0][1], 0, heap[0][2])]
+        done: set[int] = set()
+        local_held: dict[int, int] = {}
+        n_heap = len(heap)
+        while side and left > 0:
+            la, k, i, n = heapq.heappop(side)
+            if i >= 0:  # an entry of the heap array: queue its children, then check it is live
+                for j in (2 * i + 1, 2 * i + 2):
+                    if j < n_heap:
+                        e = heap[j]
+                        heapq.heappush(side, (e[0], e[1], j, e[2]))
+                if keyed.get(k) != la or k in done:
+                    continue
+            done.add(k)
+            if k in protected:
+                continue
+            d = n.resident.get(worker, 0)
+            take = min(d, left)
+            out.append((n, take))
+            left -= take
+            if take == d:
+                p = entries[k][1]
+                if p is not None and id(p) in entries:
+                    kp = id(p)
+                    c = local_held.get(kp, held.get(kp, 0)) - 1
+                    local_held[kp] = c
+                    if c == 0:
+                        heapq.heappush(side, (p.last_access, kp, -1, p))
+        return out

@@ -470,3 +470,61 @@ def test_exploit_overflow_is_opt_in(overflow: bool, expected: str, why: str) -> 
         place(policy, fleet, req(f"old{i}", shared=512), "w1", now=0.0)
     d = policy.select(req("new", shared=320), fleet, now=0.1)
     assert d is not None and d.worker_id == expected and d.reason.startswith(why)
+
+
+# ---------------------------------------------------------------------------------------------- M's LRU index
+def _chain(labels: list[int]) -> tuple[int, ...]:
+    out, prev = [], 0
+    for lab in labels:
+        prev = zlib.crc32(f"{prev}:{lab}".encode()) * 65_537 + lab
+        out.append(prev & (2**64 - 1))
+    return tuple(out)
+
+
+@pytest.mark.usefixtures("impl")
+@pytest.mark.parametrize("seed", range(12))
+def test_lru_index_matches_lru_victims(seed: int) -> None:
+    """The incremental per-worker LRU index gives exactly `lru_victims` (the straightforward scan) on random
+    trees built through the hooks: dispatches (inserts, splits, last_access), stores with parents, tail
+    evictions, clears and gc."""
+    import random
+
+    rng = random.Random(seed)
+    workers = [W0, W1, W2]
+    policy = PrebleE2(E2Config.paper(node_window_s=5.0))
+    base = make_requests(1, prompt_len=64, shared_prefix=0, max_tokens=4)[0]
+    prompts = [_chain([rng.randrange(3) if d < 4 else rng.randrange(50) for d in range(rng.randint(1, 10))])
+               for _ in range(40)]
+    seq, now, gced = 0, 0.0, False
+    for step in range(300):
+        now += rng.random()
+        hashes = rng.choice(prompts)
+        w = rng.choice(workers)
+        op = rng.random()
+        if op < 0.35:
+            ctx = dataclasses.replace(base, request_id=f"r{step}", block_hashes=hashes)
+            policy.on_dispatch(ctx, Decision(worker_id=w), now)
+        elif op < 0.7:
+            cut = rng.randrange(len(hashes))
+            parent = hashes[cut - 1] if cut else None
+            end = rng.randint(cut + 1, len(hashes))
+            ev = BlockStored(hashes[cut:end], parent, (), 16)
+            policy.on_kv_events(w, KvEventBatch(seq := seq + 1, now, (ev,)))
+        elif op < 0.93:
+            k = rng.randint(1, len(hashes))
+            policy.on_kv_events(w, KvEventBatch(seq := seq + 1, now, (BlockRemoved(hashes[-k:]),)))
+        elif op < 0.96:
+            policy.on_kv_events(w, KvEventBatch(seq := seq + 1, now, (AllBlocksCleared(),)))
+        else:
+            gced = policy.gc(now) > 0 or gced
+        for v in workers:
+            for _ in range(3):
+                path = policy.tree.match(rng.choice(prompts)).path if rng.random() < 0.7 else []
+                protected = {id(n) for n in path}
+                need = rng.choice([1, 3, 10, 1000])
+                want = lru_victims(v, policy.tree.nodes(), need, protected)  # every node resident on v
+                if not gced:  # the old input, resident_nodes, loses the resident ancestors of nodes gc detached
+                    assert want == lru_victims(v, policy.resident_nodes.get(v, ()), need, protected)
+                idx = policy.lru.get(v)
+                got = idx.victims(v, need, protected) if idx is not None else []
+                assert [(id(n), k) for n, k in got] == [(id(n), k) for n, k in want], (step, v, need)
