@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -25,6 +24,8 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from switchyard.bench import procs
 
 REPO = Path(__file__).resolve().parent.parent
 PEERS_VENV = REPO / ".venv-peers"
@@ -90,19 +91,10 @@ class PeerRouter:
 
     def cpu_seconds(self) -> float:
         """User + system CPU of the router process (the Rust server runs in the launched process itself)."""
-        with open(f"/proc/{self.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return procs.cpu_seconds(self.pid)
 
     def stop(self, timeout_s: float = 15.0) -> int:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-        return self.popen.returncode
+        return procs.stop_process(self.popen, timeout_s=timeout_s)
 
 
 def router_argv(

@@ -29,21 +29,29 @@ class Proc:
         return self.popen.pid
 
     def cpu_seconds(self) -> float:
-        """User + system CPU time of the process so far (from /proc), for CPU-per-request figures."""
-        with open(f"/proc/{self.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        ticks = os.sysconf("SC_CLK_TCK")
-        return (int(fields[11]) + int(fields[12])) / ticks
+        return cpu_seconds(self.pid)
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
-        if self.popen.poll() is None:
-            self.popen.send_signal(sig)
-            try:
-                self.popen.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-        return self.popen.returncode
+        return stop_process(self.popen, sig, timeout_s)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (from /proc), for CPU-per-request figures."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stop_process(popen: subprocess.Popen[str], sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+    """Signal, wait up to `timeout_s`, then kill; returns the exit code."""
+    if popen.poll() is None:
+        popen.send_signal(sig)
+        try:
+            popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait()
+    return popen.returncode
 
 
 def start(name: str, args: Sequence[str], timeout_s: float = 60.0, env: dict[str, str] | None = None) -> Proc:

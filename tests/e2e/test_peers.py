@@ -8,12 +8,9 @@ failure (tests/conftest.py), so CI must either install the peers env or deselect
 from __future__ import annotations
 
 import json
-import os
 import re
-import selectors
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +18,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from switchyard.bench import peers
+from switchyard.bench import peers, procs
 from switchyard.workers.zmq_kv_publisher import END_SEQ
 
 aiohttp = pytest.importorskip("aiohttp")
@@ -52,23 +49,9 @@ class Worker:
 
 
 def start_worker(timings: Path, timeout_s: float = 30.0) -> Worker:
-    popen = subprocess.Popen(
-        [sys.executable, "-m", "switchyard.workers.sim_worker", "--port", "0", *WORKER_ARGS,
-         "--timings-log", str(timings)],
-        stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
-    assert popen.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(popen.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and popen.poll() is None:
-            if sel.select(timeout=deadline - time.monotonic()):
-                line = popen.stdout.readline()
-                if line.startswith("READY "):
-                    extra = dict(p.split("=", 1) for p in line.split()[2:] if "=" in p)
-                    return Worker(popen, extra, timings)
-    popen.kill()
-    raise RuntimeError(f"worker did not print READY (exit code {popen.poll()})")
+    args = ["worker", "sim", "--port", "0", *WORKER_ARGS, "--timings-log", str(timings)]
+    p = procs.start("worker", args, timeout_s=timeout_s)
+    return Worker(p.popen, p.extra, timings)
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
-import selectors
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +21,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from switchyard.bench import procs
 from switchyard.ext.blockhash import block_digests, to_event_hash
 from switchyard.workers.engine import kv_events as kv
 from switchyard.workers.tokenizer import ChatMessage, load_tokenizer
@@ -57,23 +55,9 @@ class Worker:
 
 
 def start_worker(timings: Path, timeout_s: float = 30.0) -> Worker:
-    popen = subprocess.Popen(
-        [sys.executable, "-m", "switchyard.workers.sim_worker", "--port", "0", *WORKER_ARGS,
-         "--timings-log", str(timings)],
-        stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
-    assert popen.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(popen.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and popen.poll() is None:
-            if sel.select(timeout=deadline - time.monotonic()):
-                line = popen.stdout.readline()
-                if line.startswith("READY "):
-                    extra = dict(p.split("=", 1) for p in line.split()[2:] if "=" in p)
-                    return Worker(popen, extra, timings)
-    popen.kill()
-    raise RuntimeError(f"worker did not print READY (exit code {popen.poll()})")
+    args = ["worker", "sim", "--port", "0", *WORKER_ARGS, "--timings-log", str(timings)]
+    p = procs.start("worker", args, timeout_s=timeout_s)
+    return Worker(p.popen, p.extra, timings)
 
 
 @pytest.fixture(scope="module")

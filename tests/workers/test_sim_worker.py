@@ -7,11 +7,8 @@ Each worker is a real subprocess started with --port 0 and a small --time-scale;
 from __future__ import annotations
 
 import asyncio
-import os
-import selectors
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -19,6 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from switchyard.bench import procs
 from switchyard.ext.blockhash import block_digests, to_event_hash
 from switchyard.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from switchyard.workers.engine import kv_events as kv
@@ -62,25 +60,9 @@ class WorkerProc:
 
 
 def start_worker(*extra: str, timeout_s: float = 30.0) -> WorkerProc:
-    """Start `python -m switchyard.workers.sim_worker --port 0 ...` and wait for its READY line."""
-    popen = subprocess.Popen(
-        [sys.executable, "-m", "switchyard.workers.sim_worker", "--port", "0", *WORKER_ARGS, *extra],
-        stdout=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert popen.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(popen.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and popen.poll() is None:
-            if sel.select(timeout=deadline - time.monotonic()):
-                line = popen.stdout.readline()
-                if line.startswith("READY "):
-                    return WorkerProc(popen, line.split()[1])
-    popen.kill()
-    raise RuntimeError(f"worker did not print READY (exit code {popen.poll()})")
+    """Start `switchyard worker sim --port 0 ...` and wait for its READY line (bench.procs)."""
+    p = procs.start("worker", ["worker", "sim", "--port", "0", *WORKER_ARGS, *extra], timeout_s=timeout_s)
+    return WorkerProc(p.popen, p.address)
 
 
 @pytest.fixture(scope="module")
