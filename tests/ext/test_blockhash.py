@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import pickle
 
 import pytest
+from ext_testlib import NO_EXTENSIONS, impl_params
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,21 +17,9 @@ try:
 except ImportError:  # pragma: no cover - test_c_extension_loaded reports it
     _blockhash_c = None
 
-NO_EXTENSIONS = bool(os.environ.get("SWITCHYARD_NO_EXTENSIONS"))
 
 
-@pytest.fixture(
-    params=[
-        pytest.param("py"),
-        pytest.param(
-            "c",
-            marks=[
-                pytest.mark.c_extension,
-                pytest.mark.skipif(_blockhash_c is None, reason="Cython extension not built"),
-            ],
-        ),
-    ]
-)
+@pytest.fixture(params=impl_params(_blockhash_c))
 def impl(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     return blockhash_py.block_digests if request.param == "py" else _blockhash_c.block_digests
 

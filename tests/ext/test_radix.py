@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
+from ext_testlib import NO_EXTENSIONS, impl_params
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -16,21 +15,9 @@ try:
 except ImportError:  # pragma: no cover - test_c_extension_loaded reports it
     _radix_c = None
 
-NO_EXTENSIONS = bool(os.environ.get("SWITCHYARD_NO_EXTENSIONS"))
 
 
-@pytest.fixture(
-    params=[
-        pytest.param("py"),
-        pytest.param(
-            "c",
-            marks=[
-                pytest.mark.c_extension,
-                pytest.mark.skipif(_radix_c is None, reason="Cython extension not built"),
-            ],
-        ),
-    ]
-)
+@pytest.fixture(params=impl_params(_radix_c))
 def impl(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     return radix_py if request.param == "py" else _radix_c
 
