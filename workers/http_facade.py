@@ -427,9 +427,7 @@ class HttpFacade:
             raise BadRequest(str(e)) from e
         try:
             while True:
-                items = [await stream.queue.get()]
-                while not stream.queue.empty():
-                    items.append(stream.queue.get_nowait())
+                items = await stream.take()
                 chunk = stream.consume(items)  # RuntimeError if the engine loop failed
                 if chunk is not None:
                     yield chunk

@@ -101,6 +101,29 @@ class _Failed:
     """Queued to a stream when the engine loop raised."""
 
 
+class TokenRateMeter:
+    """Prompt/generation tokens per second over the last RATE_WINDOW_S, from cumulative counters (for Stats)."""
+
+    def __init__(self) -> None:
+        self._samples: collections.deque[tuple[float, int, int]] = collections.deque()
+
+    def sample(self, t: float, prompt_total: int, generation_total: int) -> None:
+        """Record the counters at most every 0.25 s, keeping one sample older than the window."""
+        samples = self._samples
+        if samples and t - samples[-1][0] < 0.25:
+            return
+        samples.append((t, prompt_total, generation_total))
+        while len(samples) > 2 and t - samples[1][0] > RATE_WINDOW_S:
+            samples.popleft()
+
+    def rates(self, t: float, prompt_total: int, generation_total: int) -> tuple[float, float]:
+        self.sample(t, prompt_total, generation_total)
+        t0, p0, g0 = self._samples[0]
+        if t - t0 <= 1e-3:
+            return 0.0, 0.0
+        return (prompt_total - p0) / (t - t0), (generation_total - g0) / (t - t0)
+
+
 class _Stream:
     """One Generate call's state: outputs queued by the engine loop, consumed by the RPC handler."""
 
@@ -136,6 +159,13 @@ class _Stream:
         self.num_emitted_chars = 0
         self.is_finished = False  # the final chunk was built
         self.is_engine_done = False  # the engine finished or aborted the request itself
+
+    async def take(self) -> list[RequestOutput | _Aborted | _Failed]:
+        """Wait for the next output, then take everything queued behind it (one chunk per wake-up)."""
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        return items
 
     def consume(
         self, items: list[RequestOutput | _Aborted | _Failed]
@@ -301,7 +331,7 @@ class SimWorker:
         self._wake = asyncio.Event()
         self._epoch = time.time()
         self._last_arrival_s = 0.0
-        self._rate_samples: collections.deque[tuple[float, int, int]] = collections.deque()
+        self.rates = TokenRateMeter()
         self._task: asyncio.Task[None] | None = None
 
     # ---------------------------------------------------------------- clock
@@ -358,7 +388,8 @@ class SimWorker:
                 await asyncio.sleep(delay)
             self._deliver(result.outputs)
             self._flush_kv_events()
-            self._maybe_sample_rates(time.time())
+            st = core.stats()
+            self.rates.sample(time.time(), st.prompt_tokens_total, st.generation_tokens_total)
 
     def _deliver(self, outputs: Sequence[RequestOutput]) -> None:
         t = time.time()
@@ -461,25 +492,10 @@ class SimWorker:
             max_num_batched_tokens=cfg.max_num_batched_tokens,
         )
 
-    def _maybe_sample_rates(self, t: float) -> None:
-        samples = self._rate_samples
-        if samples and t - samples[-1][0] < 0.25:
-            return
-        s = self.core.stats()
-        samples.append((t, s.prompt_tokens_total, s.generation_tokens_total))
-        while len(samples) > 2 and t - samples[1][0] > RATE_WINDOW_S:
-            samples.popleft()
-
     def stats(self) -> worker_pb2.WorkerStats:
         t = time.time()
         s = self.core.stats()
-        prompt_rate = gen_rate = 0.0
-        self._maybe_sample_rates(t)
-        if self._rate_samples:
-            t0, p0, g0 = self._rate_samples[0]
-            if t - t0 > 1e-3:
-                prompt_rate = (s.prompt_tokens_total - p0) / (t - t0)
-                gen_rate = (s.generation_tokens_total - g0) / (t - t0)
+        prompt_rate, gen_rate = self.rates.rates(t, s.prompt_tokens_total, s.generation_tokens_total)
         return worker_pb2.WorkerStats(
             num_running=s.num_running,
             num_waiting=s.num_waiting,
@@ -538,9 +554,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         )
         try:
             while True:
-                items = [await stream.queue.get()]
-                while not stream.queue.empty():
-                    items.append(stream.queue.get_nowait())
+                items = await stream.take()
                 try:
                     chunk = stream.consume(items)
                 except RuntimeError as e:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import contextlib
 import json
 import logging
@@ -45,7 +44,6 @@ from switchyard.workers.sim_worker import (
     EXIT_BIND_FAILED,
     EXIT_OK,
     EXIT_USAGE,
-    RATE_WINDOW_S,
     SERVICE_NAME,
     IncrementalDetokenizer,
     KvEventHub,
@@ -227,7 +225,7 @@ class VllmWorker:
         self.idle = asyncio.Event()
         self.idle.set()
         self.engine_dead = asyncio.Event()
-        self._rate_samples: collections.deque[tuple[float, int, int]] = collections.deque()
+        self.rates = sim_worker.TokenRateMeter()
 
     # ---------------------------------------------------------------- requests
 
@@ -377,16 +375,7 @@ class VllmWorker:
     def stats(self) -> worker_pb2.WorkerStats:
         t = time.time()
         c = self.counters
-        samples = self._rate_samples
-        if not samples or t - samples[-1][0] >= 0.25:
-            samples.append((t, c.prompt_tokens, c.generation_tokens))
-            while len(samples) > 2 and t - samples[1][0] > RATE_WINDOW_S:
-                samples.popleft()
-        prompt_rate = gen_rate = 0.0
-        t0, p0, g0 = samples[0]
-        if t - t0 > 1e-3:
-            prompt_rate = (c.prompt_tokens - p0) / (t - t0)
-            gen_rate = (c.generation_tokens - g0) / (t - t0)
+        prompt_rate, gen_rate = self.rates.rates(t, c.prompt_tokens, c.generation_tokens)
         # vLLM reports its scheduler only when it steps: once the last request left (an abort does not step)
         # its last snapshot is stale, so with no request open here the engine is idle by construction.
         busy = any(not s.is_finished for s in self.streams.values())
@@ -437,9 +426,7 @@ class VllmServicer(sim_worker.WorkerServicer):
         )
         try:
             while True:
-                items = [await stream.queue.get()]
-                while not stream.queue.empty():
-                    items.append(stream.queue.get_nowait())
+                items = await stream.take()
                 err = next((i for i in items if isinstance(i, _Error)), None)
                 if err is not None:
                     await context.abort(err.code, err.message)
