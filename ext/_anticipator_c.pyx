@@ -1,0 +1,337 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Fast per-worker load anticipator: the same API and results as `anticipator_py` (see its docstring).
+
+Layout, chosen for the per-decision queries (peak, virtual_peak over 100 slots) and the per-request updates:
+
+    _ring  int64_t[_size]   U in tokens; absolute iteration a lives at slot a & _mask (_size = a power of two
+                            > max_len, so every record's end fits and no head index is needed)
+    _recs  Rec[_n]          live records, dense: finish swaps the last record into the hole
+    _index dict             rid -> position in _recs;  _rids list: position -> rid (to fix _index on a swap)
+    _min_end int64_t        <= the end of every record that can still be extended: advance_to scans the
+                            records only when it reaches this bound (an overrun, or a stale bound after a finish)
+
+All loops over the ring and the records run in C without the GIL.
+"""
+
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.number cimport PyNumber_Index
+from libc.math cimport ceil, isfinite
+from libc.stdint cimport INT64_MAX, int64_t
+from libc.string cimport memset
+
+from switchyard.ext.anticipator_py import MAX_CAPACITY, MAX_ITERATION, MAX_LEN, MAX_TOKENS
+
+
+cdef extern from "Python.h":
+    long long PyLong_AsLongLongAndOverflow(object o, int* overflow) except? -1
+
+
+ctypedef struct Rec:
+    int64_t prompt      # P
+    int64_t start       # absolute iteration of the add
+    int64_t predicted   # D
+    int64_t end         # absolute effective end (grows with overrun extensions, <= start + max_len)
+    int64_t ext         # tokens per extension: max(1, ceil(ext_frac * D)), at most max_len
+
+
+cdef int64_t _C_MAX_TOKENS = MAX_TOKENS
+cdef int64_t _C_MAX_ITERATION = MAX_ITERATION
+
+
+cdef int64_t _count(object value, str name, int64_t upper) except -1:
+    """An int in [0, upper] as int64 (TypeError for non-ints, ValueError outside; same messages as the twin)."""
+    cdef int overflow = 0
+    v = PyNumber_Index(value)
+    cdef long long x = PyLong_AsLongLongAndOverflow(v, &overflow)
+    if overflow != 0 or x < 0 or x > upper:
+        raise ValueError(f"{name} must be in [0, {upper}], got {v}")
+    return x
+
+
+cdef inline void _add_range(int64_t* ring, int64_t mask, int64_t lo, int64_t hi, int64_t first,
+                            int64_t sign) noexcept nogil:
+    """Slots of absolute iterations [lo, hi) += sign * (first, first + 1, ...)."""
+    cdef int64_t n = hi - lo
+    cdef int64_t s, head, i
+    if n <= 0:
+        return
+    s = lo & mask
+    head = mask + 1 - s
+    if head > n:
+        head = n
+    for i in range(head):
+        ring[s + i] += sign * (first + i)
+    first += head
+    for i in range(n - head):  # wrapped to slot 0
+        ring[i] += sign * (first + i)
+
+
+cdef class Anticipator:
+    """One worker's load-look-ahead map over future decode iterations; see `anticipator_py`."""
+
+    cdef int64_t* _ring
+    cdef int64_t _size
+    cdef int64_t _mask
+    cdef int64_t _it
+    cdef int64_t _capacity
+    cdef int64_t _max_len
+    cdef double _ext_frac
+    cdef Rec* _recs
+    cdef Py_ssize_t _n
+    cdef Py_ssize_t _recs_cap
+    cdef dict _index
+    cdef list _rids
+    cdef int64_t _min_end
+
+    def __cinit__(self, capacity_tokens, max_len=4096, ext_frac=0.2):
+        self._ring = NULL
+        self._recs = NULL
+
+    def __init__(self, capacity_tokens, max_len=4096, ext_frac=0.2):
+        capacity = PyNumber_Index(capacity_tokens)
+        if not 1 <= capacity <= MAX_CAPACITY:
+            raise ValueError(f"capacity_tokens must be in [1, {MAX_CAPACITY}], got {capacity}")
+        length = PyNumber_Index(max_len)
+        if not 1 <= length <= MAX_LEN:
+            raise ValueError(f"max_len must be in [1, {MAX_LEN}], got {length}")
+        cdef double frac = float(ext_frac)
+        if not (isfinite(frac) and frac >= 0.0):
+            raise ValueError(f"ext_frac must be finite and >= 0, got {ext_frac!r}")
+        self._capacity = capacity
+        self._max_len = length
+        self._ext_frac = frac
+        cdef int64_t size = 1
+        while size <= self._max_len:
+            size <<= 1
+        PyMem_Free(self._ring)  # __init__ called again on a live object
+        self._ring = <int64_t*>PyMem_Malloc(size * sizeof(int64_t))
+        if self._ring == NULL:
+            raise MemoryError()
+        memset(self._ring, 0, size * sizeof(int64_t))
+        self._size = size
+        self._mask = size - 1
+        self._it = 0
+        PyMem_Free(self._recs)
+        self._recs = NULL
+        self._n = 0
+        self._recs_cap = 0
+        self._index = {}
+        self._rids = []
+        self._min_end = INT64_MAX
+
+    def __dealloc__(self):
+        PyMem_Free(self._ring)
+        PyMem_Free(self._recs)
+
+    # ---- properties --------------------------------------------------------------------------------------
+
+    @property
+    def iteration(self):
+        return self._it
+
+    @property
+    def capacity_tokens(self):
+        return self._capacity
+
+    @property
+    def max_len(self):
+        return self._max_len
+
+    @property
+    def ext_frac(self):
+        return self._ext_frac
+
+    def __contains__(self, rid):
+        return rid in self._index
+
+    def __len__(self):
+        return self._n
+
+    # ---- updates -----------------------------------------------------------------------------------------
+
+    def add(self, rid, prompt_tokens, predicted_tokens):
+        cdef int64_t p = _count(prompt_tokens, "prompt_tokens", _C_MAX_TOKENS)
+        cdef int64_t d = _count(predicted_tokens, "predicted_tokens", _C_MAX_TOKENS)
+        if rid in self._index:
+            raise ValueError(f"request {rid!r} is already in the map")
+        cdef Rec* grown
+        cdef Py_ssize_t new_cap
+        if self._n == self._recs_cap:
+            new_cap = 64 if self._recs_cap == 0 else 2 * self._recs_cap
+            grown = <Rec*>PyMem_Realloc(self._recs, new_cap * sizeof(Rec))
+            if grown == NULL:
+                raise MemoryError()
+            self._recs = grown
+            self._recs_cap = new_cap
+        cdef double x = self._ext_frac * <double>d
+        cdef int64_t ext
+        if x >= <double>self._max_len:  # longer would be capped anyway; also keeps the cast in range
+            ext = self._max_len
+        else:
+            ext = <int64_t>ceil(x)
+            if ext < 1:
+                ext = 1
+        cdef Rec* r = &self._recs[self._n]
+        r.prompt = p
+        r.start = self._it
+        r.predicted = d
+        r.end = self._it + (d if d < self._max_len else self._max_len)
+        r.ext = ext
+        self._index[rid] = self._n
+        self._rids.append(rid)
+        self._n += 1
+        with nogil:
+            _add_range(self._ring, self._mask, r.start, r.end, p, 1)
+        if r.end < r.start + self._max_len and r.end < self._min_end:
+            self._min_end = r.end
+
+    def finish(self, rid):
+        pos = self._index.pop(rid, None)
+        if pos is None:
+            return False
+        cdef Py_ssize_t i = pos
+        cdef Py_ssize_t last = self._n - 1
+        cdef Rec* r = &self._recs[i]
+        with nogil:  # its value at absolute iteration a is P + (a - start); only [iteration, end) remains
+            _add_range(self._ring, self._mask, self._it, r.end, r.prompt + (self._it - r.start), -1)
+        if i != last:
+            self._recs[i] = self._recs[last]
+            moved = self._rids[last]
+            self._rids[i] = moved
+            self._index[moved] = i
+        self._rids.pop()
+        self._n = last
+        return True
+
+    def advance_to(self, iteration):
+        cdef int64_t it = _count(iteration, "iteration", _C_MAX_ITERATION)
+        if it < self._it:
+            raise ValueError(f"iteration {it} is before the map's origin {self._it}")
+        cdef int64_t a
+        with nogil:
+            if it - self._it >= self._size:
+                memset(self._ring, 0, self._size * sizeof(int64_t))
+            else:  # the slots of [old, it) become those of [old + size, it + size): the new far future, empty
+                a = self._it
+                while a < it:
+                    self._ring[a & self._mask] = 0
+                    a += 1
+            self._it = it
+            if self._min_end <= it:
+                self._extend_overruns()
+
+    cdef void _extend_overruns(self) noexcept nogil:
+        """Extend every live record with end <= iteration; recompute the earliest-end bound."""
+        cdef int64_t it = self._it
+        cdef int64_t min_end = INT64_MAX
+        cdef int64_t cap, k, new_end
+        cdef Py_ssize_t i
+        cdef Rec* r
+        for i in range(self._n):
+            r = &self._recs[i]
+            cap = r.start + self._max_len
+            if r.end >= cap:
+                continue  # at the cap: never extended again
+            if r.end <= it:
+                # repeated extensions of r.ext until end > it; those over past iterations left no trace
+                k = (it - r.end) // r.ext + 1
+                new_end = r.end + k * r.ext
+                if new_end > cap:
+                    new_end = cap
+                _add_range(self._ring, self._mask, it, new_end, r.prompt + (it - r.start), 1)
+                r.end = new_end
+            if r.end < cap and r.end < min_end:
+                min_end = r.end
+        self._min_end = min_end
+
+    # ---- queries -----------------------------------------------------------------------------------------
+
+    cdef int64_t _horizon(self, object horizon) except -1:
+        cdef int overflow = 0
+        v = PyNumber_Index(horizon)
+        cdef long long h = PyLong_AsLongLongAndOverflow(v, &overflow)
+        if overflow < 0 or (overflow == 0 and h < 0):
+            raise ValueError(f"horizon must be >= 0, got {v}")
+        if overflow > 0 or h > self._max_len:
+            return self._max_len
+        return h
+
+    cdef Rec* _get(self, rid) except NULL:
+        cdef Py_ssize_t i = self._index[rid]  # KeyError for an unknown rid
+        return &self._recs[i]
+
+    def generated(self, rid):
+        return self._it - self._get(rid).start
+
+    def record(self, rid):
+        cdef Rec* r = self._get(rid)
+        return (r.prompt, r.start, r.predicted, r.end)
+
+    def load_tokens(self, horizon):
+        cdef int64_t h = self._horizon(horizon)
+        cdef int64_t j
+        return [self._ring[(self._it + j) & self._mask] for j in range(h)]
+
+    def occupancy(self, offset):
+        cdef int overflow = 0
+        v = PyNumber_Index(offset)
+        cdef long long j = PyLong_AsLongLongAndOverflow(v, &overflow)
+        if overflow < 0 or (overflow == 0 and j < 0):
+            raise ValueError(f"offset must be >= 0, got {v}")
+        if overflow > 0 or j >= self._max_len:
+            return 0.0
+        return <double>self._ring[(self._it + j) & self._mask] / <double>self._capacity
+
+    def peak(self, horizon=100):
+        cdef int64_t h = self._horizon(horizon)
+        cdef int64_t best = 0
+        cdef int64_t j, u
+        with nogil:
+            for j in range(h):
+                u = self._ring[(self._it + j) & self._mask]
+                if u > best:
+                    best = u
+        return <double>best / <double>self._capacity
+
+    def virtual_peak(self, prompt_tokens, predicted_tokens, horizon=100):
+        cdef int64_t p = _count(prompt_tokens, "prompt_tokens", _C_MAX_TOKENS)
+        cdef int64_t d = _count(predicted_tokens, "predicted_tokens", _C_MAX_TOKENS)
+        cdef int64_t h = self._horizon(horizon)
+        cdef int64_t best = 0
+        cdef int64_t j, u
+        cdef int64_t m = d if d < h else h
+        with nogil:
+            for j in range(m):  # offsets the virtual request occupies: + (P + j)
+                u = self._ring[(self._it + j) & self._mask] + p + j
+                if u > best:
+                    best = u
+            for j in range(m, h):
+                u = self._ring[(self._it + j) & self._mask]
+                if u > best:
+                    best = u
+        return <double>best / <double>self._capacity
+
+    def overload_fraction(self, horizon=100, threshold=0.95):
+        cdef int64_t h = self._horizon(horizon)
+        cdef double thr = float(threshold)
+        cdef double cap = <double>self._capacity
+        cdef int64_t j, over = 0
+        if h == 0:
+            return 0.0
+        with nogil:
+            for j in range(h):
+                if <double>self._ring[(self._it + j) & self._mask] / cap > thr:
+                    over += 1
+        return <double>over / <double>h
+
+    def remaining_decode_tokens(self):
+        cdef int64_t total = 0
+        cdef Py_ssize_t i
+        with nogil:
+            for i in range(self._n):
+                if self._recs[i].end > self._it:
+                    total += self._recs[i].end - self._it
+        return total
+
+    def resident_tokens(self):
+        return self._ring[self._it & self._mask]

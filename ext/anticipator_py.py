@@ -1,0 +1,253 @@
+"""Per-worker load anticipator (PreServe §4.3.1, specs/preserve.md §5): pure-Python reference.
+
+CONTRACT (fixed; the anticipation tracker and the Cython twin `_anticipator_c.pyx` code against it):
+
+The load-look-ahead map U[0..max_len) holds, per future decode iteration, the KV tokens the worker is expected
+to hold. Offset 0 is absolute iteration `iteration` (the next decode iteration); the map moves forward with
+`advance_to`. Everything inside is an exact integer token count: adding then removing a request restores the
+map bit for bit (no float drift, claim 5); only the queries divide by `capacity_tokens`.
+
+    a = Anticipator(capacity_tokens, max_len=4096, ext_frac=0.2)
+    a.add(rid, prompt_tokens, predicted_tokens)  # after prefill: record {P, start=iteration, predicted=D,
+                                                 # end=start+min(D, max_len)}; offset i in [0, end-start) gets
+                                                 # += P + i. Duplicate rid -> ValueError
+    a.advance_to(iteration)                      # offset 0 moves forward (never back: ValueError); moved-over
+                                                 # slots are dropped. A live record with end <= iteration has
+                                                 # overrun its prediction: it gets extensions of
+                                                 # ext = max(1, ceil(ext_frac * predicted)) (values P + (a -
+                                                 # start) at absolute iteration a) until end > iteration, its
+                                                 # total length capped at max_len (a record at the cap then
+                                                 # holds nothing in the future until finished)
+    a.finish(rid) -> bool                        # done or aborted: subtract its contribution over
+                                                 # [iteration, end), i.e. the over-estimated tail of an early
+                                                 # finish, nothing if it ran to its end; False if unknown
+    rid in a; len(a)
+    a.iteration -> int                           # absolute index of offset 0
+    a.generated(rid) -> int                      # iteration - start: tokens decoded as the map assumes
+    a.record(rid) -> (prompt_tokens, start, predicted_tokens, end)   # end = effective end (absolute)
+    a.load_tokens(horizon) -> list[int]          # U[0..h) in tokens (exact)
+    a.occupancy(offset) -> float                 # U[offset] / capacity (0.0 beyond the map)
+    a.peak(horizon=100) -> float                 # max_{j<h} U[j] / capacity (0.0 for h = 0)
+    a.virtual_peak(P, D, horizon=100) -> float   # max_{j<h} (U[j] + (P + j)*[j < D]) / capacity; no mutation:
+                                                 # equals add, peak, finish (routing's "virtual add")
+    a.overload_fraction(horizon=100, threshold=0.95) -> float   # |{j<h : U[j]/capacity > threshold}| / h
+    a.remaining_decode_tokens() -> int           # sum over records of max(0, end - iteration)
+    a.resident_tokens() -> int                   # U[0] in tokens
+
+Validation (both builds): token counts and iterations are ints (operator.index: floats raise TypeError);
+tokens in [0, MAX_TOKENS], iterations in [0, MAX_ITERATION], 1 <= capacity_tokens <= MAX_CAPACITY,
+1 <= max_len <= MAX_LEN, ext_frac finite and >= 0, horizon and offset >= 0; otherwise ValueError. A horizon is
+clamped to max_len: no record reaches past offset max_len - 1, and `overload_fraction` divides by the clamped
+horizon. An unknown rid in generated/record -> KeyError. `predicted_tokens = 0` is allowed: such a record holds
+nothing and, like any record at its end, is extended by the next advance_to (also advance_to(iteration) with
+the current iteration; it runs the overrun check).
+
+Cost (R records, h horizon, D predicted): add O(min(D, max_len)); finish O(end - iteration); advance_to O(1)
+when no record reached its end (a lower bound on the earliest end is kept), else O(R + extension lengths),
+plus O(moved slots) capped at the ring size; peak / virtual_peak / overload_fraction O(h);
+remaining_decode_tokens O(R).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Hashable
+
+MAX_TOKENS = (1 << 31) - 1  # per request: prompt_tokens and predicted_tokens (keeps the C sums in int64)
+MAX_LEN = 1 << 20  # ring slots per worker (8 MiB of int64 in the C build)
+MAX_ITERATION = 1 << 62
+MAX_CAPACITY = 1 << 53  # token sums and capacity stay exact as doubles, so both builds divide alike
+_NO_END = 1 << 63  # "no extendable record" for the earliest-end bound
+
+
+def _count(value: object, name: str, upper: int = MAX_TOKENS) -> int:
+    v = operator.index(value)  # type: ignore[arg-type]
+    if v < 0 or v > upper:
+        raise ValueError(f"{name} must be in [0, {upper}], got {v}")
+    return v
+
+
+class _Record:
+    """One request past prefill. `end` is absolute and grows with each overrun extension."""
+
+    __slots__ = ("prompt", "start", "predicted", "end", "ext")
+
+    def __init__(self, prompt: int, start: int, predicted: int, end: int, ext: int) -> None:
+        self.prompt = prompt
+        self.start = start
+        self.predicted = predicted
+        self.end = end
+        self.ext = ext  # tokens per overrun extension: max(1, ceil(ext_frac * predicted)), at most max_len
+
+
+class Anticipator:
+    """One worker's load-look-ahead map over future decode iterations; see the module docstring."""
+
+    def __init__(self, capacity_tokens: int, max_len: int = 4096, ext_frac: float = 0.2) -> None:
+        capacity = operator.index(capacity_tokens)
+        if not 1 <= capacity <= MAX_CAPACITY:
+            raise ValueError(f"capacity_tokens must be in [1, {MAX_CAPACITY}], got {capacity}")
+        length = operator.index(max_len)
+        if not 1 <= length <= MAX_LEN:
+            raise ValueError(f"max_len must be in [1, {MAX_LEN}], got {length}")
+        frac = float(ext_frac)
+        if not (math.isfinite(frac) and frac >= 0.0):
+            raise ValueError(f"ext_frac must be finite and >= 0, got {ext_frac!r}")
+        self._capacity = capacity
+        self._max_len = length
+        self._ext_frac = frac
+        self._size = length + 1  # ring slots: any end (<= start + max_len <= iteration + max_len) fits
+        self._ring = [0] * self._size  # absolute iteration a lives at slot a % size
+        self._it = 0
+        self._records: dict[Hashable, _Record] = {}
+        self._min_end = _NO_END  # <= the end of every record that can still be extended
+
+    # ---- properties --------------------------------------------------------------------------------------
+
+    @property
+    def iteration(self) -> int:
+        return self._it
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self._capacity
+
+    @property
+    def max_len(self) -> int:
+        return self._max_len
+
+    @property
+    def ext_frac(self) -> float:
+        return self._ext_frac
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._records
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    # ---- ring helpers ------------------------------------------------------------------------------------
+
+    def _add_range(self, lo: int, hi: int, first: int, sign: int) -> None:
+        """Slots of absolute iterations [lo, hi) += sign * (first, first + 1, ...)."""
+        n = hi - lo
+        if n <= 0:
+            return
+        ring, size = self._ring, self._size
+        s = lo % size
+        head = min(n, size - s)  # up to the end of the list, then wrap to slot 0
+        ring[s : s + head] = [u + sign * (first + i) for i, u in enumerate(ring[s : s + head])]
+        if head < n:
+            first += head
+            ring[: n - head] = [u + sign * (first + i) for i, u in enumerate(ring[: n - head])]
+
+    def _window(self, horizon: int) -> list[int]:
+        h = operator.index(horizon)
+        if h < 0:
+            raise ValueError(f"horizon must be >= 0, got {h}")
+        h = min(h, self._max_len)
+        s = self._it % self._size
+        out = self._ring[s : s + h]
+        if len(out) < h:
+            out += self._ring[: h - len(out)]
+        return out
+
+    # ---- updates -----------------------------------------------------------------------------------------
+
+    def add(self, rid: Hashable, prompt_tokens: int, predicted_tokens: int) -> None:
+        p = _count(prompt_tokens, "prompt_tokens")
+        d = _count(predicted_tokens, "predicted_tokens")
+        if rid in self._records:
+            raise ValueError(f"request {rid!r} is already in the map")
+        start = self._it
+        end = start + min(d, self._max_len)
+        x = self._ext_frac * d
+        # an extension longer than max_len would be capped anyway (and this keeps C's cast in range)
+        ext = self._max_len if x >= self._max_len else max(1, math.ceil(x))
+        self._records[rid] = _Record(p, start, d, end, ext)
+        self._add_range(start, end, p, +1)
+        if end < start + self._max_len:
+            self._min_end = min(self._min_end, end)
+
+    def finish(self, rid: Hashable) -> bool:
+        r = self._records.pop(rid, None)
+        if r is None:
+            return False
+        # its value at absolute iteration a is P + (a - start); only [iteration, end) is still in the map
+        self._add_range(self._it, r.end, r.prompt + (self._it - r.start), -1)
+        return True
+
+    def advance_to(self, iteration: int) -> None:
+        it = _count(iteration, "iteration", MAX_ITERATION)
+        if it < self._it:
+            raise ValueError(f"iteration {it} is before the map's origin {self._it}")
+        moved = it - self._it
+        if moved >= self._size:
+            self._ring = [0] * self._size
+        else:  # the slots of [old, it) become those of [old + size, it + size): the new far future, empty
+            for a in range(self._it, it):
+                self._ring[a % self._size] = 0
+        self._it = it
+        if self._min_end <= it:
+            self._extend_overruns()
+
+    def _extend_overruns(self) -> None:
+        """Extend every live record with end <= iteration; recompute the earliest-end bound."""
+        it, max_len = self._it, self._max_len
+        min_end = _NO_END
+        for r in self._records.values():
+            cap = r.start + max_len
+            if r.end >= cap:
+                continue  # at the cap: never extended again
+            if r.end <= it:
+                # repeated extensions of r.ext until end > it; those over past iterations left no trace
+                k = (it - r.end) // r.ext + 1
+                new_end = min(r.end + k * r.ext, cap)
+                self._add_range(it, new_end, r.prompt + (it - r.start), +1)
+                r.end = new_end
+            if r.end < cap:
+                min_end = min(min_end, r.end)
+        self._min_end = min_end
+
+    # ---- queries -----------------------------------------------------------------------------------------
+
+    def generated(self, rid: Hashable) -> int:
+        return self._it - self._records[rid].start
+
+    def record(self, rid: Hashable) -> tuple[int, int, int, int]:
+        r = self._records[rid]
+        return (r.prompt, r.start, r.predicted, r.end)
+
+    def load_tokens(self, horizon: int) -> list[int]:
+        return self._window(horizon)
+
+    def occupancy(self, offset: int) -> float:
+        j = operator.index(offset)
+        if j < 0:
+            raise ValueError(f"offset must be >= 0, got {j}")
+        if j >= self._max_len:
+            return 0.0
+        return self._ring[(self._it + j) % self._size] / self._capacity
+
+    def peak(self, horizon: int = 100) -> float:
+        return max(self._window(horizon), default=0) / self._capacity
+
+    def virtual_peak(self, prompt_tokens: int, predicted_tokens: int, horizon: int = 100) -> float:
+        p = _count(prompt_tokens, "prompt_tokens")
+        d = _count(predicted_tokens, "predicted_tokens")
+        window = self._window(horizon)
+        return max((u + (p + j if j < d else 0) for j, u in enumerate(window)), default=0) / self._capacity
+
+    def overload_fraction(self, horizon: int = 100, threshold: float = 0.95) -> float:
+        window = self._window(horizon)
+        if not window:
+            return 0.0
+        thr = float(threshold)
+        return sum(1 for u in window if u / self._capacity > thr) / len(window)
+
+    def remaining_decode_tokens(self) -> int:
+        return sum(max(0, r.end - self._it) for r in self._records.values())
+
+    def resident_tokens(self) -> int:
+        return self._ring[self._it % self._size]
