@@ -114,6 +114,10 @@ class WorkerRecord:
         return self.stats.num_waiting_uncached_tokens
 
     @property
+    def num_iterations(self) -> int:
+        return self.stats.num_iterations
+
+    @property
     def stats_age_s(self) -> float:
         return self._now - self.stats_at
 

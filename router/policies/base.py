@@ -79,6 +79,8 @@ class WorkerView(Protocol):
     def stats_age_s(self) -> float: ...
     @property
     def dispatched_since_stats(self) -> int: ...  # dispatches after the last Stats sample (incast guard)
+    @property
+    def num_iterations(self) -> int: ...  # engine iterations so far, from the last Stats (anticipator clock)
 
 
 class FleetView(Protocol):

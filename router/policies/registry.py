@@ -11,6 +11,7 @@ from switchyard.router.policies.least_request import LeastRequest
 from switchyard.router.policies.llmd_scorer import LlmdScorer
 from switchyard.router.policies.power_of_two import PowerOfTwo
 from switchyard.router.policies.preble_e2 import PrebleE2, PrebleE2Base, PrebleE2Rebal
+from switchyard.router.policies.preserve import MinUsage, Preserve
 from switchyard.router.policies.round_robin import RoundRobin
 from switchyard.router.policies.smg_cache_aware import SmgCacheAware
 from switchyard.router.policies.smg_least_load import SmgLeastLoad
@@ -30,6 +31,9 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "preble_e2": PrebleE2,
     "e2_base": PrebleE2Base,
     "e2_rebal": PrebleE2Rebal,
+    # PreServe (specs/preserve.md §6): anticipation-aware routing and its MU baseline (both in preserve.py)
+    "preserve": Preserve,
+    "min_usage": MinUsage,
 }
 
 DEFAULT_POLICY = "least_request"

@@ -1,0 +1,264 @@
+"""Per-worker anticipation state for policies: PreServe's load anticipator plus the prefills still queued ahead.
+
+Shared by `preserve` and the default policy (specs/preserve.md §5-6). Fed only by the policy hooks, so it runs the
+same in the daemon and in `bench/sim.py`:
+
+    dispatch ──> pending (queued_prefill_tokens += P) ──first token──> Anticipator.add(rid, P, D)
+                     │                                                   │
+                     └──────────── finish / abort ───────────────────────┴──> dropped (Anticipator.finish)
+
+A request enters the map once its prefill completes (the paper's rule, §5.5: queued requests are the router's
+L_p term, not the map's), and leaves it at finish or abort (an early finish drops its unused tail, §5.2).
+
+Iteration clock (§5.3 [inferred]; the paper does not say how the map moves): the map's offset 0 must track the
+worker's next decode iteration. The router sees the worker's iteration counter only in Stats (every ~0.2 s), so
+between samples it extrapolates:
+
+    iteration(now) = base + Stats.num_iterations + ∫_{sample}^{now} rate(batch) dt
+
+- rate = 1 / PerfProfile.iteration_time_s(P=0, A=0, D=n, C=c) for a worker with a profile (simulated workers;
+  an unknown profile name falls back to the default profile, as `preble_cost.profile_cost` does), where n is the
+  number of requests in the map and c their resident tokens: the decode iteration time at the current batch.
+- Workers with no profile (real vLLM, `perf_profile == ""`): the iterations per second observed between the last
+  two Stats samples that showed progress [inferred]; the default profile until two such samples exist. NOTE: a
+  worker idle for part of that interval is under-rated; the next sample corrects the clock.
+- rate = 0 while the map is empty [inferred]: then the worker runs no decode iterations the map could count (it
+  may run prefill-only iterations; the next Stats sample accounts for them).
+- The integral is taken piecewise: every hook advances the clock before it changes the batch.
+- The clock never runs backwards: a sample behind the extrapolation holds the map until the count catches up.
+  A counter that goes down (the worker restarted) re-bases `base` so the clock continues from where it was.
+- A worker with no Stats yet counts from 0 at the first time the tracker saw it.
+
+Predicted lengths are the caller's (`predicted_tokens`): the router's predictor, a client hint, or the policy's
+fallback when neither is known. They are clamped to [1, max_len].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from switchyard.ext.anticipator import Anticipator
+from switchyard.router.policies.base import RoutingContext, WorkerId, WorkerView
+from switchyard.router.policies.preble_cost import profile_cost
+from switchyard.workers.engine.perf_model import PerfProfile
+from switchyard.workers.engine.profiles import DEFAULT_PROFILE
+
+
+@dataclass(slots=True)
+class _Request:
+    worker_id: WorkerId
+    prompt_tokens: int
+    predicted_tokens: int
+    running: bool = False  # past its first token: in the anticipator (or deferred until the worker is synced)
+
+
+@dataclass(slots=True)
+class _Worker:
+    """One worker's map, its pending prefills, and its iteration clock."""
+
+    anticipator: Anticipator | None = None  # created at the first sync (its capacity comes from the view)
+    profile: PerfProfile | None = None  # None: real vLLM, rate from observed Stats
+    queued_prefill_tokens: int = 0
+    pending_decode_tokens: int = 0
+    num_pending: int = 0
+    deferred: dict[str, _Request] = field(default_factory=dict)  # first token before the anticipator existed
+    # clock: iteration(now) = base + sample_iterations + since_sample
+    base: int = 0
+    sample_iterations: int = 0
+    sample_at: float = -math.inf  # Stats time of `sample_iterations` (first sight until a sample arrives)
+    has_sample: bool = False  # a real Stats sample anchors the clock
+    since_sample: float = 0.0  # iterations extrapolated from the sample up to `last_t`
+    last_t: float = -math.inf
+    observed_rate: float = 0.0  # iterations/s between the last two progressing samples (no-profile workers)
+
+
+class AnticipationTracker:
+    """Per-worker `Anticipator` + pending prefills + iteration clock, fed by a policy's hooks.
+
+    Args:
+        horizon: `l`, the look-ahead in iterations policies query (spec §5.1: 100).
+        max_len: `L`, the max output tokens a record may reach with extensions (spec §5.1: 4096).
+        ext_frac: overrun extension as a fraction of the prediction (spec §5.2: 0.2).
+    """
+
+    def __init__(self, horizon: int = 100, max_len: int = 4096, ext_frac: float = 0.2) -> None:
+        if horizon < 1 or max_len < 1:
+            raise ValueError("horizon and max_len must be >= 1")
+        self.horizon = horizon
+        self.max_len = max_len
+        self.ext_frac = ext_frac
+        self._workers: dict[WorkerId, _Worker] = {}
+        self._requests: dict[str, _Request] = {}
+        self._default_profile = profile_cost(DEFAULT_PROFILE).profile
+
+    # ------------------------------------------------------------------------------------------ hooks
+    def on_dispatch(
+        self, ctx: RoutingContext, worker_id: WorkerId, predicted_tokens: int, now: float
+    ) -> None:
+        """The request was sent to `worker_id`: its prompt is queued there until its first token."""
+        if ctx.request_id in self._requests:  # a retry whose earlier attempt was never closed
+            old = self._requests[ctx.request_id]
+            self.on_abort(ctx.request_id, old.worker_id, now)
+        d = max(1, min(int(predicted_tokens), self.max_len))
+        req = _Request(worker_id, ctx.num_prompt_tokens, d)
+        self._requests[ctx.request_id] = req
+        st = self._worker(worker_id)
+        st.queued_prefill_tokens += req.prompt_tokens
+        st.pending_decode_tokens += d
+        st.num_pending += 1
+
+    def on_first_token(self, request_id: str, worker_id: WorkerId, now: float) -> None:
+        """Prefill done: the request moves from the pending prefills into the map, starting at offset 0."""
+        req = self._requests.get(request_id)
+        if req is None or req.worker_id != worker_id or req.running:
+            return
+        st = self._worker(worker_id)
+        self._unqueue(st, req)
+        req.running = True
+        ant = st.anticipator
+        if ant is None:
+            st.deferred[request_id] = req
+            return
+        self._advance(st, now)  # the batch is about to change: integrate the clock up to now first
+        ant.add(request_id, req.prompt_tokens, req.predicted_tokens)
+
+    def on_finish(self, request_id: str, worker_id: WorkerId, now: float) -> None:
+        """Done (early, on time or after extensions): its future contribution leaves the map."""
+        req = self._requests.get(request_id)
+        if req is None or req.worker_id != worker_id:
+            return  # unknown, or a stale attempt on another worker
+        del self._requests[request_id]
+        st = self._worker(worker_id)
+        if not req.running:
+            self._unqueue(st, req)
+            return
+        if st.deferred.pop(request_id, None) is not None:
+            return
+        assert st.anticipator is not None
+        self._advance(st, now)
+        st.anticipator.finish(request_id)
+
+    def on_abort(self, request_id: str, worker_id: WorkerId, now: float) -> None:
+        """Cancelled or failed, pending or running: forgotten the same way as a finish."""
+        self.on_finish(request_id, worker_id, now)
+
+    def forget_worker(self, worker_id: WorkerId) -> None:
+        """Drop a removed worker's state and its requests."""
+        self._workers.pop(worker_id, None)
+        for rid in [r for r, req in self._requests.items() if req.worker_id == worker_id]:
+            del self._requests[rid]
+
+    # ------------------------------------------------------------------------------------------ queries
+    def sync(self, worker: WorkerView, now: float) -> Anticipator:
+        """The worker's map advanced to its estimated iteration at `now` (created on first sight)."""
+        st = self._worker(worker.worker_id)
+        ant = st.anticipator
+        if ant is None:
+            ant = self._create(st, worker, now)
+        self._observe_stats(st, worker, now)
+        self._advance(st, now)
+        return ant
+
+    def queued_prefill_tokens(self, worker_id: WorkerId) -> int:
+        """L_p's queued_p_i: prompt tokens dispatched to the worker whose prefill has not completed."""
+        st = self._workers.get(worker_id)
+        return st.queued_prefill_tokens if st is not None else 0
+
+    def remaining_decode_tokens(self, worker_id: WorkerId) -> int:
+        """L_d's current_d_i: Σ max(0, eff_r - g_r) over the requests past prefill (as of the last sync)."""
+        st = self._workers.get(worker_id)
+        if st is None:
+            return 0
+        deferred = sum(r.predicted_tokens for r in st.deferred.values())
+        return deferred + (st.anticipator.remaining_decode_tokens() if st.anticipator is not None else 0)
+
+    def pending_decode_tokens(self, worker_id: WorkerId) -> int:
+        """Predicted decode tokens of the requests still waiting for their prefill (not in PreServe's L_d)."""
+        st = self._workers.get(worker_id)
+        return st.pending_decode_tokens if st is not None else 0
+
+    def num_pending(self, worker_id: WorkerId) -> int:
+        st = self._workers.get(worker_id)
+        return st.num_pending if st is not None else 0
+
+    def predicted_tokens(self, request_id: str) -> int | None:
+        """The (clamped) prediction a tracked request was dispatched with; None if unknown or done."""
+        req = self._requests.get(request_id)
+        return req.predicted_tokens if req is not None else None
+
+    def anticipator(self, worker_id: WorkerId) -> Anticipator | None:
+        """The worker's map as of its last sync, without advancing it (None before the first sync)."""
+        st = self._workers.get(worker_id)
+        return st.anticipator if st is not None else None
+
+    # ------------------------------------------------------------------------------------------ internals
+    def _worker(self, worker_id: WorkerId) -> _Worker:
+        st = self._workers.get(worker_id)
+        if st is None:
+            st = self._workers[worker_id] = _Worker()
+        return st
+
+    @staticmethod
+    def _unqueue(st: _Worker, req: _Request) -> None:
+        st.queued_prefill_tokens -= req.prompt_tokens
+        st.pending_decode_tokens -= req.predicted_tokens
+        st.num_pending -= 1
+
+    def _create(self, st: _Worker, worker: WorkerView, now: float) -> Anticipator:
+        capacity = max(1, worker.kv_capacity_blocks * worker.block_size)
+        ant = Anticipator(capacity, max_len=self.max_len, ext_frac=self.ext_frac)
+        st.anticipator = ant
+        info = getattr(worker, "info", None)  # NOTE: WorkerView has no profile; the fleet's record carries it
+        name = getattr(info, "perf_profile", "") or ""
+        st.profile = profile_cost(name).profile if name else None
+        st.sample_at = st.last_t = now  # no Stats yet: count from 0 at first sight
+        for rid, req in st.deferred.items():
+            ant.add(rid, req.prompt_tokens, req.predicted_tokens)
+        st.deferred.clear()
+        return ant
+
+    def _observe_stats(self, st: _Worker, worker: WorkerView, now: float) -> None:
+        """Re-anchor the clock on a new Stats sample."""
+        age = worker.stats_age_s
+        if not math.isfinite(age):
+            return  # no sample yet
+        at = getattr(worker, "stats_at", None)  # exact sample time on the fleet's record
+        at = float(at) if isinstance(at, (int, float)) else now - age
+        n = worker.num_iterations
+        if st.has_sample and at == st.sample_at and n == st.sample_iterations:
+            return
+        assert st.anticipator is not None
+        self._advance(st, now)  # integrate at the old anchor first, so the clock stays monotonic below
+        if n < st.sample_iterations:  # the worker restarted: continue from where the clock is
+            st.base = st.anticipator.iteration - n
+        elif st.has_sample and n > st.sample_iterations and at > st.sample_at:
+            st.observed_rate = (n - st.sample_iterations) / (at - st.sample_at)
+        st.has_sample = True
+        st.sample_iterations = n
+        st.sample_at = at
+        st.since_sample = max(0.0, now - at) * self._rate(st)
+        st.last_t = now
+
+    def _rate(self, st: _Worker) -> float:
+        """Decode iterations per second at the map's current batch; 0 when the map is empty."""
+        ant = st.anticipator
+        if ant is None or len(ant) == 0:
+            return 0.0
+        if st.profile is None and st.observed_rate > 0:
+            return st.observed_rate
+        profile = st.profile or self._default_profile
+        t = profile.iteration_time_s(0, 0, len(ant), ant.resident_tokens())
+        return 1.0 / t if t > 0 else 0.0
+
+    def _advance(self, st: _Worker, now: float) -> None:
+        ant = st.anticipator
+        if ant is None:
+            return
+        dt = now - st.last_t
+        if dt > 0:
+            st.since_sample += dt * self._rate(st)
+            st.last_t = now
+        target = st.base + st.sample_iterations + int(st.since_sample)
+        if target > ant.iteration:
+            ant.advance_to(target)
