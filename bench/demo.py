@@ -2,7 +2,8 @@
 
 Starts the router and 4 simulated worker processes, replays a time-compressed slice of the Mooncake conversation
 trace (real arrivals, real prefix sharing) through round_robin and through the best policy available, and prints
-a results table. Time compression is applied to arrivals AND to the workers' iteration times alike, so the fleet
+a results table. The router's default length predictor applies (the trained one when present, else the fallback);
+the header says which one it loaded and who answered: the trace has token ids, no text, so the fallback does. Time compression is applied to arrivals AND to the workers' iteration times alike, so the fleet
 sees the same load as at real speed; latencies are reported back in model seconds (x the compression).
 """
 
@@ -11,9 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+import urllib.request
 from typing import Any
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from switchyard.bench import procs
 from switchyard.bench.metrics import dist
@@ -52,7 +55,7 @@ async def run_policy(policy: str, args: argparse.Namespace, requests: list[Any],
                                    "--log-level", "WARNING"])
         for i in range(args.workers)
     ]
-    router_args = ["serve", "--port", "0", "--admin-port", "0", "--no-metrics", "--policy", policy,
+    router_args = ["serve", "--port", "0", "--admin-port", "0", "--metrics-port", "0", "--policy", policy,
                    "--log-level", "WARNING"]
     for w in workers:
         router_args += ["--worker", w.address]
@@ -70,6 +73,7 @@ async def run_policy(policy: str, args: argparse.Namespace, requests: list[Any],
                 tasks.append(asyncio.create_task(_one(client, req, tokens, out)))
             await asyncio.gather(*tasks)
             wall = time.perf_counter() - start
+        answers = prediction_sources(router.extra["metrics"])
     s = args.speedup
     return {
         "policy": policy,
@@ -82,7 +86,32 @@ async def run_policy(policy: str, args: argparse.Namespace, requests: list[Any],
         "hit_ratio": out["cached"] / out["prompt"] if out["prompt"] else 0.0,
         "throughput_tok_s": out["output"] / (wall * s),
         "wall_s": wall,
+        "predictor": router.extra.get("predictor", "fallback"),
+        "predictor_providers": router.extra.get("predictor_providers", ""),
+        "prediction_sources": answers,
     }
+
+
+def prediction_sources(metrics_address: str) -> dict[str, int]:
+    """Who answered the router's length predictions (model / hint / fallback), from its metrics."""
+    body = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5).read().decode()
+    return {
+        s.labels["source"]: int(s.value)
+        for family in text_string_to_metric_families(body)
+        for s in family.samples
+        if s.name == "switchyard_predictions_total"
+    }
+
+
+def predictor_line(results: list[dict[str, Any]]) -> str:
+    r = results[0]
+    loaded = r["predictor"] + (f" on {r['predictor_providers']}" if r["predictor_providers"] else "")
+    counts: dict[str, int] = {}
+    for res in results:
+        for source, n in res["prediction_sources"].items():
+            counts[source] = counts.get(source, 0) + n
+    answered = ", ".join(f"{source} {n}" for source, n in sorted(counts.items())) or "none"
+    return f"length predictor: {loaded}; predictions answered by: {answered}"
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -142,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         for e in r["errors"][:5]:
             print(f"    error: {e}")
     print()
+    print(predictor_line(results))
     print(table(results))
     print("\nLatencies in model seconds (wall x compression); prefix hit ratio = cached / prompt tokens "
           "(as the workers reported them).")

@@ -2,7 +2,8 @@
 
 Runs before the queue, so every error a client can fix (or that no waiting will fix) is reported at once with an
 explicit status. Plain data in (`GenerateParams`, a `ModelCatalog`), plain data out (`AdmittedRequest`), so it is
-tested without sockets.
+tested without sockets. Once the prompt is known to fit, it starts the output-length prediction (an enqueue), so
+inference overlaps hashing and the queue wait.
 """
 
 from __future__ import annotations
@@ -12,13 +13,16 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
 from switchyard.ext.blockhash import block_digests, to_event_hash
 from switchyard.router.policies.base import RoutingContext, WorkerId
 from switchyard.workers.tokenizer import ChatMessage, Tokenizer
+
+if TYPE_CHECKING:
+    from switchyard.router.predictor.service import Prediction
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +82,12 @@ class ModelCatalog(Protocol):
     def spec(self, model: str) -> ModelSpec | None: ...
 
 
+class PredictionStarter(Protocol):
+    """`PredictorService.start`: enqueue a prediction, never block."""
+
+    def start(self, model: str, text: str | None, prompt_tokens: int, hint: int = 0, max_tokens: int = 0) -> Prediction: ...
+
+
 @dataclass(frozen=True, slots=True)
 class AdmittedRequest:
     request_id: str
@@ -93,8 +103,17 @@ class AdmittedRequest:
     app_id: str = ""
     predicted_output_tokens: int | None = None  # the client's hint; None = unknown
     tokenize_s: float = 0.0  # tokenization + hashing time
+    prediction: Prediction | None = None  # the length prediction started at admission; None = no predictor
 
-    def routing_context(self, attempt: int = 0, excluded: frozenset[WorkerId] = frozenset()) -> RoutingContext:
+    def routing_context(
+        self,
+        attempt: int = 0,
+        excluded: frozenset[WorkerId] = frozenset(),
+        predicted_output_tokens: int | None = None,
+    ) -> RoutingContext:
+        """`predicted_output_tokens`: the settled prediction; None = the client's hint (or unknown)."""
+        if predicted_output_tokens is None:
+            predicted_output_tokens = self.predicted_output_tokens
         return RoutingContext(
             request_id=self.request_id,
             model=self.model,
@@ -103,7 +122,7 @@ class AdmittedRequest:
             max_tokens=self.sampling.max_tokens,
             arrival_s=self.arrival_s,
             priority=self.priority,
-            predicted_output_tokens=self.predicted_output_tokens,
+            predicted_output_tokens=predicted_output_tokens,
             lora_name=self.lora_name or None,
             cache_salt=self.cache_salt or None,
             session_id=self.session_id or None,
@@ -148,6 +167,15 @@ def tokenize(params: GenerateParams, tokenizer: Tokenizer) -> list[int]:
     raise _invalid("request has no input: set one of chat, prompt or tokens")
 
 
+def prediction_text(params: GenerateParams) -> str | None:
+    """What the length predictor reads: a completion's prompt; for chat, the last user message's content alone
+    (PreServe trained on the user turn, without a template, system prompt or earlier turns; contract A's samples
+    are the same); None for token ids (no text: the fallback answers)."""
+    if params.chat is not None:
+        return next((m.content for m in reversed(params.chat) if m.role == "user"), None)
+    return params.prompt
+
+
 def block_hashes(token_ids: list[int], spec: ModelSpec, lora_name: str, cache_salt: str) -> tuple[int, ...]:
     """The uint64 event ids of the prompt's full blocks, with the model's workers' recipe."""
     digests = block_digests(
@@ -167,8 +195,10 @@ def admit(
     tokenizer_for: Callable[[str], Tokenizer],
     max_tokens_cap: int,
     arrival_s: float,
+    predictor: PredictionStarter | None = None,
 ) -> AdmittedRequest:
-    """Validate, tokenize and hash; raises ApiError with the status the client should see."""
+    """Validate, tokenize, start the length prediction and hash; raises ApiError with the status the client
+    should see (always before a prediction is started)."""
     if not params.model:
         raise _invalid("model is required")
     validate_sampling(params.sampling, max_tokens_cap)
@@ -184,6 +214,12 @@ def admit(
     if len(token_ids) > spec.max_model_len:
         raise _invalid(
             f"prompt has {len(token_ids)} tokens, more than model {params.model!r}'s max length {spec.max_model_len}"
+        )
+    prediction = None
+    if predictor is not None:
+        prediction = predictor.start(
+            params.model, prediction_text(params), len(token_ids), params.predicted_output_tokens_hint,
+            params.sampling.max_tokens,
         )
     hashes = block_hashes(token_ids, spec, params.lora_name, params.cache_salt)
     tokenize_s = time.perf_counter() - t0
@@ -201,4 +237,5 @@ def admit(
         app_id=params.app_id,
         predicted_output_tokens=params.predicted_output_tokens_hint or None,
         tokenize_s=tokenize_s,
+        prediction=prediction,
     )

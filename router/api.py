@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from switchyard.router.clock import Clock
     from switchyard.router.dispatch import Dispatcher
     from switchyard.router.metrics import RouterMetrics
+    from switchyard.router.predictor.service import PredictorService
     from switchyard.router.registry import WorkerRegistry
     from switchyard.workers.tokenizer import Tokenizer
 
@@ -79,9 +80,11 @@ def params_from_proto(req: router_pb2.GenerateRequest) -> GenerateParams:
 
 
 # ---------------------------------------------------------------------- worker protocol
-def worker_request(req: AdmittedRequest, decision: Decision) -> worker_pb2.WorkerGenerateRequest:
-    """Token ids only, so the worker caches exactly the blocks the router hashed; the policy's hints win over
-    the client's."""
+def worker_request(
+    req: AdmittedRequest, decision: Decision, predicted_output_tokens: int | None = None
+) -> worker_pb2.WorkerGenerateRequest:
+    """Token ids only, so the worker caches exactly the blocks the router hashed. Hints: the policy's win, then
+    the router's settled prediction (`predicted_output_tokens`), then the client's."""
     return worker_pb2.WorkerGenerateRequest(
         request_id=req.request_id,
         prompt_token_ids=req.prompt_token_ids,
@@ -89,7 +92,9 @@ def worker_request(req: AdmittedRequest, decision: Decision) -> worker_pb2.Worke
         lora_name=req.lora_name,
         cache_salt=req.cache_salt,
         priority=decision.priority or req.priority,
-        predicted_output_tokens=decision.predicted_output_tokens or req.predicted_output_tokens or 0,
+        predicted_output_tokens=(
+            decision.predicted_output_tokens or predicted_output_tokens or req.predicted_output_tokens or 0
+        ),
     )
 
 
@@ -178,8 +183,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         max_tokens_cap: int,
         clock: Clock,
         metrics: RouterMetrics,
+        predictor: PredictorService | None = None,
     ) -> None:
         self._registry = registry
+        self._predictor = predictor
         self._dispatcher = dispatcher
         self._tokenizer_for = tokenizer_for
         self._max_tokens_cap = max_tokens_cap
@@ -189,7 +196,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
     def _admit(self, request: router_pb2.GenerateRequest):  # type: ignore[no-untyped-def]
         params = params_from_proto(request)
         try:
-            admitted = admit(params, self._registry, self._tokenizer_for, self._max_tokens_cap, self._clock.now())
+            admitted = admit(
+                params, self._registry, self._tokenizer_for, self._max_tokens_cap, self._clock.now(), self._predictor
+            )
         except ApiError as e:
             log.info("request %s rejected: %s %s", params.request_id, e.code.name, e.message)
             self._metrics.requests.labels(request.model, "", e.code.name.lower()).inc()

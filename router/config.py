@@ -81,6 +81,19 @@ class RetriesConfig(_Section):
     max_attempts: int = Field(default=3, ge=1)  # dispatch attempts per request (1 = never retry)
 
 
+class PredictorConfig(_Section):
+    """Output-length prediction (router/predictor/). A model answers within `timeout_ms` of admission, else the
+    running-mean fallback does, so routing never waits longer."""
+
+    model: str = "auto"  # a predictor name under the data dir, a path, "auto" (the default one if trained) or "none"
+    threads: int = Field(default=1, ge=1)  # ONNX Runtime intra-op threads of the one predictor thread
+    max_batch: int = Field(default=16, ge=1)  # requests per inference call
+    max_wait_ms: float = Field(default=0.0, ge=0)  # 0: a batch is what queued while the previous one ran
+    timeout_ms: float = Field(default=50.0, gt=0)  # from admission; past it the fallback answers
+    prefer_client_hint: bool = True  # a request's predicted_output_tokens_hint beats the model (old behaviour)
+    providers: tuple[str, ...] = ()  # ONNX Runtime providers in order; () = CUDA when listed, then CPU
+
+
 class RouterConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -91,6 +104,7 @@ class RouterConfig(BaseModel):
     limits: LimitsConfig = LimitsConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
     retries: RetriesConfig = RetriesConfig()
+    predictor: PredictorConfig = PredictorConfig()
 
     @field_validator("routing")
     @classmethod

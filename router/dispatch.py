@@ -3,6 +3,8 @@
 The only module that sends requests to workers (policies only return a `Decision`). It owns the request's life
 after admission: fast path or queue -> `policy.select` (timed) -> `Fleet.note_dispatch` + `on_dispatch` ->
 worker Generate stream -> chunks with text deltas -> final chunk with usage and timings -> `on_finish`.
+The output-length prediction started at admission is settled at the first bind: the fast path waits for it up to
+its deadline; a request released from the queue takes what is there (the wait already overlapped inference).
 Failures before the first token are retried on another worker; cancellations and deadlines remove the request
 from the queue or abort it on its worker. Every exit path ends the attempt exactly once (`_end_attempt`).
 """
@@ -15,6 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -27,6 +30,9 @@ from switchyard.router.policies.base import Decision, Policy, WorkerId, WorkerVi
 from switchyard.router.queue import QueueEntry, QueueFull, RequestQueue, should_hold
 from switchyard.router.registry import WorkerRegistry
 from switchyard.v1 import common_pb2, router_pb2, worker_pb2
+
+if TYPE_CHECKING:
+    from switchyard.router.predictor.service import PredictorService
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +73,7 @@ class _Flight:
     call: grpc.aio.UnaryStreamCall | None = None  # the current attempt's worker stream
     queue_s: float = 0.0
     route_s: float = 0.0  # summed over attempts
+    predicted_output_tokens: int | None = None  # settled at the first bind; None = no predictor (client hint)
     first_token_at: float | None = None
     num_tokens_sent: int = 0
     finished: bool = False
@@ -90,8 +97,10 @@ class Dispatcher:
         max_attempts: int = 3,
         retry_after_ms: int = 500,
         rpc_timeout_s: float = 2.0,
+        predictor: PredictorService | None = None,
     ) -> None:
         self._fleet = fleet
+        self._predictor = predictor
         self._registry = registry
         self._policy = policy
         self._policy_name = policy_name
@@ -113,12 +122,19 @@ class Dispatcher:
     def _hold(self, eligible: Sequence[WorkerView]) -> bool:
         return should_hold(eligible, self._kv_hold)
 
+    def _has_room(self, model: str) -> bool:
+        """The fast path is open: nothing of this model waits and its workers are not all saturated."""
+        return not self.queue.size(model) and not self._hold(self._fleet.routable(model))
+
     # ------------------------------------------------------------------ binding
     def _bind(self, fl: _Flight) -> Decision:
         """policy.select for the flight's current attempt, then count the dispatch. UNAVAILABLE if none."""
         now = self._clock.now()
         self._fleet.set_time(now)
-        ctx = fl.req.routing_context(fl.attempt, fl.excluded)
+        p = fl.req.prediction
+        if fl.predicted_output_tokens is None and self._predictor is not None and p is not None:
+            fl.predicted_output_tokens = self._predictor.result_nowait(p)[0]
+        ctx = fl.req.routing_context(fl.attempt, fl.excluded, fl.predicted_output_tokens)
         t0 = time.perf_counter()
         decision = self._policy.select(ctx, self._fleet, now)
         route_s = time.perf_counter() - t0
@@ -136,16 +152,21 @@ class Dispatcher:
         self._metrics.worker_in_flight.labels(decision.worker_id).set(rec.in_flight)
         fl.decision = decision
         log.debug(
-            "route %s attempt=%d -> %s (%s) policy=%s in %.1f us",
-            ctx.request_id, fl.attempt, decision.worker_id, decision.reason, self._policy_name, route_s * 1e6,
+            "route %s attempt=%d -> %s (%s) policy=%s predicted=%s in %.1f us",
+            ctx.request_id, fl.attempt, decision.worker_id, decision.reason, self._policy_name,
+            ctx.predicted_output_tokens, route_s * 1e6,
         )
         return decision
 
     async def _acquire(self, fl: _Flight) -> Decision:
         """Fast path when nothing waits and the model's workers have room; otherwise wait in the queue."""
         model = fl.req.model
-        if not self.queue.size(model) and not self._hold(self._fleet.routable(model)):
-            return self._bind(fl)
+        if self._has_room(model):
+            p = fl.req.prediction
+            if self._predictor is not None and p is not None and p.future is not None and not p.future.done():
+                await self._predictor.result(p, fl.remaining_s(self._clock.now()))  # bounded by its deadline
+            if self._has_room(model):  # re-checked: others may have bound while this one waited
+                return self._bind(fl)
         fut: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
         entry = QueueEntry(fl.req.request_id, model, fl.req.arrival_s, fl.req.priority, payload=fl)
         try:
@@ -251,7 +272,7 @@ class Dispatcher:
         timeout = fl.remaining_s(self._clock.now())
         if timeout is not None and timeout <= 0:
             raise ApiError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before dispatch")
-        call = stub.Generate(api.worker_request(fl.req, decision), timeout=timeout)
+        call = stub.Generate(api.worker_request(fl.req, decision, fl.predicted_output_tokens), timeout=timeout)
         fl.call = call
         try:
             async for wc in call:
@@ -309,6 +330,8 @@ class Dispatcher:
         fl.call = None
         self._end_attempt(fl, send_abort=False, finished_tokens=num_output)
         model = fl.req.model
+        if self._predictor is not None:
+            self._predictor.observe(model, len(fl.req.prompt_token_ids), num_output, fl.req.prediction)
         self._metrics.ttft.labels(model).observe(ttft_s)
         self._metrics.e2e.labels(model).observe(e2e_s)
         if num_output > 1:

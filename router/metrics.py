@@ -24,6 +24,11 @@ TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15,
 CPU_BUCKETS_S = (
     1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1,
 )
+# 0.5 ms .. 1 s: length prediction (queue to the predictor thread + one batched inference)
+PREDICT_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# output tokens, and |predicted - observed| output tokens
+TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 class RouterMetrics:
@@ -92,6 +97,34 @@ class RouterMetrics:
         self.prefix_hit_ratio = Gauge(
             "switchyard_worker_prefix_cache_hit_ratio",
             "Cumulative prefix-cache hits / queries (tokens) from the worker's Stats", ["worker"], registry=r,
+        )
+        self.predictions = Counter(
+            "switchyard_predictions", "Settled output-length predictions by who answered: model, hint or fallback",
+            ["source"], registry=r,
+        )
+        self.predictor_misses = Counter(
+            "switchyard_predictor_misses",
+            "Predictions the model did not answer in time for routing: error, timeout, early_bind (queue released "
+            "the request first)", ["reason"], registry=r,
+        )
+        self.predicted_tokens = Histogram(
+            "switchyard_predicted_output_tokens", "Predicted output tokens handed to the policy", ["source"],
+            buckets=TOKEN_BUCKETS, registry=r,
+        )
+        self.predictor_abs_error = Histogram(
+            "switchyard_predictor_abs_error_tokens", "|predicted - actual| output tokens of finished requests",
+            ["source"], buckets=TOKEN_BUCKETS, registry=r,
+        )
+        self.predictor_latency = Histogram(
+            "switchyard_predictor_latency_seconds", "Admission to the model's answer (hand-off, batching, inference)",
+            buckets=PREDICT_BUCKETS_S, registry=r,
+        )
+        self.predictor_inference_time = Histogram(
+            "switchyard_predictor_inference_seconds", "One batched predictor call (tokenize + ONNX Runtime)",
+            buckets=PREDICT_BUCKETS_S, registry=r,
+        )
+        self.predictor_batch_size = Histogram(
+            "switchyard_predictor_batch_size", "Requests per predictor call", buckets=BATCH_SIZE_BUCKETS, registry=r,
         )
         self._http: Any = None
 

@@ -1,10 +1,11 @@
 """The router daemon's lifecycle (uvicorn-style): startup -> serve -> graceful shutdown.
 
-Startup: config, logging, metrics exporter, worker registry (waits for each static worker's first connect),
-public gRPC server (Router + health + reflection) and loopback Admin server; then prints
-`READY <host>:<port> admin=<host>:<port> metrics=<host>:<port>` on stdout. Shutdown on SIGTERM/SIGINT (the
-handler only sets an event): health NOT_SERVING -> stop accepting and drain in-flight up to `grace_s` -> close
-worker channels -> stop the exporter. A second SIGINT forces an immediate stop.
+Startup: config, logging, length predictor (ONNX model or fallback), metrics exporter, worker registry (waits for
+each static worker's first connect), public gRPC server (Router + health + reflection) and loopback Admin server;
+then prints `READY <host>:<port> admin=<host>:<port> metrics=<host>:<port> predictor=<name>|fallback
+[predictor_providers=<list>]` on stdout. Shutdown on SIGTERM/SIGINT (the handler only sets an event): health
+NOT_SERVING -> stop accepting and drain in-flight up to `grace_s` -> close worker channels -> stop the predictor
+thread -> stop the exporter. A second SIGINT forces an immediate stop.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from switchyard.router.dispatch import Dispatcher
 from switchyard.router.fleet import Fleet
 from switchyard.router.metrics import RouterMetrics
 from switchyard.router.policies.registry import make_policy
+from switchyard.router.predictor.onnx_predictor import PredictorLoadError
+from switchyard.router.predictor.service import load_predictor, make_service
 from switchyard.router.queue import RequestQueue
 from switchyard.router.registry import WorkerRegistry
 from switchyard.v1 import router_pb2, router_pb2_grpc
@@ -56,7 +59,10 @@ class StartupError(Exception):
 # ---------------------------------------------------------------------- command line
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="switchyard serve", description="Run the Switchyard router daemon.")
-    p.add_argument("--config", help="TOML config file (sections: server, workers, routing, queue, limits, tokenizer, retries)")
+    p.add_argument(
+        "--config",
+        help="TOML config file (sections: server, workers, routing, queue, limits, tokenizer, retries, predictor)",
+    )
     p.add_argument("--host", help="server.host")
     p.add_argument("--port", type=int, help="server.port (0 = any free port)")
     p.add_argument("--admin-host", help="server.admin_host")
@@ -70,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-max-size", type=int, help="queue.max_size")
     p.add_argument("--max-tokens", type=int, help="limits.max_tokens")
     p.add_argument("--tokenizer", help="tokenizer.default (a SentencePiece .model path)")
+    p.add_argument(
+        "--predictor", metavar="NAME|PATH|auto|none",
+        help="predictor.model: an exported length predictor (auto = the default one when trained; none = fallback)",
+    )
+    p.add_argument("--predictor-threads", type=int, help="predictor.threads (ONNX Runtime intra-op threads)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="any config key")
     p.add_argument("--print-config", action="store_true", help="print the effective configuration as TOML and exit")
     return p
@@ -87,6 +98,8 @@ _FLAG_TO_KEY = {
     "queue_max_size": ("queue", "max_size"),
     "max_tokens": ("limits", "max_tokens"),
     "tokenizer": ("tokenizer", "default"),
+    "predictor": ("predictor", "model"),
+    "predictor_threads": ("predictor", "threads"),
 }
 
 
@@ -137,9 +150,14 @@ class Bound:
     port: int
     admin: str
     metrics: str
+    predictor: str = "fallback"  # the length predictor's name, or "fallback"
+    predictor_providers: tuple[str, ...] = ()  # ONNX Runtime's, as the session reports them
 
     def ready_line(self) -> str:
-        return f"READY {self.host}:{self.port} admin={self.admin} metrics={self.metrics}"
+        line = f"READY {self.host}:{self.port} admin={self.admin} metrics={self.metrics} predictor={self.predictor}"
+        if self.predictor_providers:
+            line += f" predictor_providers={','.join(self.predictor_providers)}"
+        return line
 
 
 class RouterDaemon:
@@ -157,12 +175,15 @@ class RouterDaemon:
             channel_close_grace_s=config.server.grace_s,
         )
         self.queue = RequestQueue(config.queue.max_size)
+        # Fallback-only until start() attaches the model (a load failure is a startup error, reported there).
+        self.predictor = make_service(config.predictor, self.metrics)
         self.dispatcher = Dispatcher(
             self.fleet, self.registry, self.policy, config.routing.policy, self.queue, self.metrics, self.clock,
             kv_usage_hold_frac=config.queue.kv_usage_hold_frac,
             max_attempts=config.retries.max_attempts,
             retry_after_ms=config.queue.retry_after_ms,
             rpc_timeout_s=config.workers.rpc_timeout_s,
+            predictor=self.predictor,
         )
         self.registry.add_listener(self.dispatcher.schedule_pump)
         self.health = health.aio.HealthServicer()
@@ -177,6 +198,7 @@ class RouterDaemon:
                 load_tokenizer(path or None)
             except (OSError, RuntimeError) as e:
                 raise StartupError(f"cannot load tokenizer {path!r} for {model}: {e}", EXIT_CONFIG) from None
+        self._start_predictor()
         metrics_addr = "disabled"
         if cfg.metrics_enabled:
             try:
@@ -187,7 +209,7 @@ class RouterDaemon:
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         router_pb2_grpc.add_RouterServicer_to_server(
             RouterService(self.registry, self.dispatcher, self.tokenizer_for, self.config.limits.max_tokens,
-                          self.clock, self.metrics),
+                          self.clock, self.metrics, self.predictor),
             self.server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -211,12 +233,27 @@ class RouterDaemon:
         await self.admin_server.start()
         for name in ("", names[0]):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        bound = Bound(cfg.host, port, f"{cfg.admin_host}:{admin_port}", metrics_addr)
+        model = self.predictor.predictor
+        bound = Bound(
+            cfg.host, port, f"{cfg.admin_host}:{admin_port}", metrics_addr,
+            predictor=model.name if model is not None else "fallback",
+            predictor_providers=tuple(model.providers) if model is not None else (),
+        )
         log.info(
-            "serving on %s:%d (admin %s, metrics %s) policy=%s workers=%d",
+            "serving on %s:%d (admin %s, metrics %s) policy=%s workers=%d predictor=%s",
             cfg.host, port, bound.admin, metrics_addr, self.config.routing.policy, len(self.fleet.all_workers()),
+            self.predictor.describe(),
         )
         return bound
+
+    def _start_predictor(self) -> None:
+        """Load the configured length predictor into the service the dispatcher already holds."""
+        try:
+            model = load_predictor(self.config.predictor)
+        except PredictorLoadError as e:
+            raise StartupError(str(e), EXIT_CONFIG) from None
+        if model is not None:
+            self.predictor.attach(model)
 
     @staticmethod
     def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
@@ -239,6 +276,7 @@ class RouterDaemon:
         if self.admin_server is not None:
             await self.admin_server.stop(0)
         await self.registry.close()
+        self.predictor.close()
         self.metrics.close()
         log.info("stopped")
 
@@ -279,6 +317,7 @@ async def serve(config: RouterConfig, ready: Callable[[Bound], None] | None = No
         if daemon.server is not None:
             await daemon.server.stop(0)
         await daemon.registry.close()
+        daemon.predictor.close()
         daemon.metrics.close()
         return EXIT_FORCED
     forced.cancel()
