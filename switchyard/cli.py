@@ -18,6 +18,12 @@ commands:
   bench radix        micro-benchmark of the global prefix radix tree (match, insert; Cython vs Python)
   bench decisions    routing decisions/s and select latency of each policy alone, vs Preble's 634/245/2931
   bench suite        the simulator campaign: Preble workloads x policies x 2 loads, ablation, no-sharing, scaling
+  bench anticipator  micro-benchmark of the per-worker load anticipator (add, finish, peak query; Cython vs Python)
+  bench predictor    output-length predictor latency: teacher/student, fp32/int8, batch 1 and batched, 1 thread
+  bench routing      PreServe RQ3: ShareGPT Poisson load on 4 simulated workers, policies x predictors
+  predictor train    train the output-length predictor on ShareGPT (teacher, then the distilled student)
+  predictor export   export a trained predictor to ONNX (fp32 and int8)
+  predictor eval     accuracy on the held-out 30% split vs mean / prompt-length / bucket-classifier baselines
 
 Run `switchyard <command> --help` for a command's options.
 """
@@ -33,6 +39,12 @@ COMMANDS: dict[tuple[str, ...], str] = {
     ("bench", "radix"): "switchyard.bench.micro.radix",
     ("bench", "decisions"): "switchyard.bench.micro.decisions",
     ("bench", "suite"): "switchyard.bench.suite",
+    ("bench", "anticipator"): "switchyard.bench.micro.anticipator",
+    ("bench", "predictor"): "switchyard.bench.predictor_latency",
+    ("bench", "routing"): "switchyard.bench.routing",
+    ("predictor", "train"): "switchyard.router.predictor.train",
+    ("predictor", "export"): "switchyard.router.predictor.export",
+    ("predictor", "eval"): "switchyard.router.predictor.evaluate",
 }
 
 
