@@ -3,7 +3,7 @@ throughput, cache hit ratio, balance, SLO attainment). Plain data in, a JSON-rea
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +41,11 @@ class RequestRecord:
         return self.finish_s - self.arrival_s
 
     @property
+    def norm_latency_s(self) -> float:
+        """E2E per output token (PreServe's "normalized latency"), seconds per token."""
+        return self.e2e_s / max(1, self.num_output_tokens)
+
+    @property
     def tpot_s(self) -> float:
         """Mean time per output token after the first; 0 for single-token outputs."""
         if self.num_output_tokens <= 1:
@@ -55,6 +60,21 @@ def dist(values: Sequence[float] | np.ndarray) -> dict[str, float]:
         return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
     p50, p90, p99 = np.percentile(a, [50, 90, 99])
     return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def norm_latency_slo(
+    records: Sequence[RequestRecord], slo_s_per_token: Mapping[str, float] | float
+) -> dict[str, float]:
+    """Normalized-latency SLO attainment: the fraction of all requests that completed with E2E / output tokens
+    <= their SLO (one value, or a per-request-id map). A request that did not complete is a miss."""
+    met = 0
+    for r in records:
+        if r.status != OK or r.finish_s < 0:
+            continue
+        slo = slo_s_per_token if isinstance(slo_s_per_token, (int, float)) else slo_s_per_token[r.request_id]
+        met += r.norm_latency_s <= slo
+    n = len(records)
+    return {"attainment": met / n if n else 0.0, "num_met": met, "num_violations": n - met, "num_requests": n}
 
 
 def summarize(
@@ -75,7 +95,7 @@ def summarize(
     e2e = np.array([r.e2e_s for r in done])
     multi = [r for r in done if r.num_output_tokens > 1]
     tpot = np.array([r.tpot_s for r in multi])
-    norm = np.array([r.e2e_s / max(1, r.num_output_tokens) for r in done])
+    norm = np.array([r.norm_latency_s for r in done])
     out_tokens = sum(r.num_output_tokens for r in done)
     t_first = min((r.arrival_s for r in records), default=0.0)
     t_last = max((r.finish_s for r in done), default=t_first)

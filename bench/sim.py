@@ -19,7 +19,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,7 @@ from switchyard.router.clock import VirtualClock
 from switchyard.router.fleet import Fleet, StatsSample, WorkerInfo
 from switchyard.router.policies.base import Policy, RoutingContext, WorkerId
 from switchyard.router.policies.registry import POLICIES, make_policy
+from switchyard.router.predictor.fallback import LengthFallback
 from switchyard.router.queue import QueueEntry, QueueFull, RequestQueue, should_hold
 from switchyard.workers.engine.kv_events import KvEventBatch
 from switchyard.workers.engine.types import EngineRequest, StepResult
@@ -58,6 +59,8 @@ log = logging.getLogger(__name__)
 INF = math.inf
 DEFAULT_PROFILE = "llama3-8b-a100"
 MODEL = "sim-model"
+
+PREDICTORS = ("none", "oracle", "fallback", "table")
 
 # Heap event kinds; the number is also the tie-break order at equal times.
 _STEP_DONE = 0
@@ -80,6 +83,80 @@ class SimConfig:
     kv_usage_hold_frac: float = 0.95  # QueueConfig.kv_usage_hold_frac default
     seed: int = 0  # prompt tokens and engine output tokens
     engine_overrides: dict[str, Any] = field(default_factory=dict)  # extra EngineConfig fields
+    # Where RoutingContext.predicted_output_tokens comes from (see `LengthSource`): "none" (None, the default),
+    # "oracle" (the true length), "fallback" (router/predictor/fallback.py, learning from finishes) or "table"
+    # (request id -> tokens, precomputed offline; passed to the Simulator as `predictions`).
+    predictor: str = "none"
+
+
+# ---------------------------------------------------------------------------------------------------- predictors
+class LengthSource:
+    """Output-length predictions as the daemon makes them: at arrival (tokenized), learning at each finish."""
+
+    name = "none"
+
+    def predict(self, request_id: str, num_prompt_tokens: int, true_output_tokens: int) -> int | None:
+        """The prediction for a request that will generate `true_output_tokens` (only the oracle looks)."""
+        return None
+
+    def observe(self, request_id: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        """The request finished with `num_output_tokens`."""
+
+
+class OracleLengths(LengthSource):
+    """The true output length: the upper bound any predictor can reach."""
+
+    name = "oracle"
+
+    def predict(self, request_id: str, num_prompt_tokens: int, true_output_tokens: int) -> int | None:
+        return true_output_tokens
+
+
+class FallbackLengths(LengthSource):
+    """The daemon's fallback: a running mean per prompt-length bucket, observed on every finish."""
+
+    name = "fallback"
+
+    def __init__(self, fallback: LengthFallback | None = None) -> None:
+        self.fallback = fallback or LengthFallback()
+
+    def predict(self, request_id: str, num_prompt_tokens: int, true_output_tokens: int) -> int | None:
+        return self.fallback.predict(MODEL, num_prompt_tokens)
+
+    def observe(self, request_id: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        self.fallback.observe(MODEL, num_prompt_tokens, num_output_tokens)
+
+
+class TableLengths(LengthSource):
+    """Predictions computed offline (e.g. the trained ONNX predictor over the workload's prompt texts)."""
+
+    name = "table"
+
+    def __init__(self, table: Mapping[str, int]) -> None:
+        self.table = table
+
+    def predict(self, request_id: str, num_prompt_tokens: int, true_output_tokens: int) -> int | None:
+        try:
+            return int(self.table[request_id])
+        except KeyError:
+            raise KeyError(f"no precomputed prediction for request {request_id!r}") from None
+
+
+def make_length_source(name: str, predictions: Mapping[str, int] | None = None) -> LengthSource:
+    """A fresh source per run (the fallback's state must not leak between runs)."""
+    if name == "table":
+        if predictions is None:
+            raise ValueError("predictor 'table' needs a predictions table (request id -> tokens)")
+        return TableLengths(predictions)
+    if predictions is not None:
+        raise ValueError(f"a predictions table only goes with predictor 'table', not {name!r}")
+    if name == "none":
+        return LengthSource()
+    if name == "oracle":
+        return OracleLengths()
+    if name == "fallback":
+        return FallbackLengths()
+    raise ValueError(f"unknown predictor {name!r}; known: {', '.join(PREDICTORS)}")
 
 
 @dataclass(slots=True)
@@ -132,7 +209,9 @@ def _stats_sample(s: Any, prev_gen_tokens: int, interval_s: float) -> StatsSampl
         num_waiting_uncached_tokens=s.num_waiting_uncached_tokens,
         num_iterations=s.num_iterations,
         num_preemptions=s.num_preemptions,
-        generation_tokens_per_s=(s.generation_tokens_total - prev_gen_tokens) / interval_s if interval_s else 0.0,
+        generation_tokens_per_s=(s.generation_tokens_total - prev_gen_tokens) / interval_s
+        if interval_s
+        else 0.0,
     )
 
 
@@ -141,13 +220,20 @@ class Simulator:
     """One run: a trace, a fleet of engines, one policy. `run()` once."""
 
     def __init__(
-        self, trace: Trace, cfg: SimConfig, prompts: PromptFactory | None = None, policy: Policy | None = None
+        self,
+        trace: Trace,
+        cfg: SimConfig,
+        prompts: PromptFactory | None = None,
+        policy: Policy | None = None,
+        predictions: Mapping[str, int] | None = None,
     ) -> None:
-        """`policy` overrides `cfg.policy` (tests pass a spy); `prompts` may be shared between runs (its memo)."""
+        """`policy` overrides `cfg.policy` (tests pass a spy); `prompts` may be shared between runs (its memo);
+        `predictions` (request id -> predicted output tokens) is the table of `cfg.predictor == "table"`."""
         self.trace = trace
         self.cfg = cfg
         self.prompts = prompts or PromptFactory(cfg.block_size, seed=cfg.seed)
         self.policy: Policy = policy if policy is not None else make_policy(cfg.policy)
+        self.lengths = make_length_source(cfg.predictor, predictions)
         self.clock = VirtualClock()  # the router's clock; advanced by the event loop
         self.fleet = Fleet()
         self.queue = RequestQueue(cfg.queue_max_size)
@@ -175,7 +261,9 @@ class Simulator:
             self.worker_ids.append(wid)
         c0 = self.cores[0]
         if (self.prompts.block_size, self.prompts.hash_algo, self.prompts.hash_seed) != (
-            cfg.block_size, c0.block_hash_algo, c0.block_hash_seed
+            cfg.block_size,
+            c0.block_hash_algo,
+            c0.block_hash_seed,
         ):
             raise ValueError("the PromptFactory's block size / hash recipe differs from the engines'")
         self.max_model_len = self.cores[0].config.max_model_len
@@ -338,6 +426,7 @@ class Simulator:
                 if rec.first_token_s < 0:
                     rec.first_token_s = now
                 finished = True
+                self.lengths.observe(out.request_id, rec.num_prompt_tokens, out.num_output_tokens)
                 self.fleet.set_time(now)
                 self.fleet.note_done(wid)  # the daemon's order (dispatch._end_attempt): note_done, on_finish
                 policy.on_finish(out.request_id, wid, now, out.num_output_tokens)
@@ -377,9 +466,13 @@ class Simulator:
             block_hashes=self.prompts.block_hashes(req, tokens),
             max_tokens=rec.max_tokens,
             arrival_s=now,
+            # predicted as soon as the request is tokenized (before any queue wait), as in the daemon
+            predicted_output_tokens=self.lengths.predict(req.request_id, len(tokens), rec.max_tokens),
         )
         self.fleet.set_time(now)
-        if self.cfg.use_queue and (len(self.queue) or should_hold(self.fleet.routable(MODEL), self.cfg.kv_usage_hold_frac)):
+        if self.cfg.use_queue and (
+            len(self.queue) or should_hold(self.fleet.routable(MODEL), self.cfg.kv_usage_hold_frac)
+        ):
             try:
                 # it waits for the next pump (a Stats poll, a finish, a tick), as in the daemon
                 self.queue.push(QueueEntry(req.request_id, MODEL, now, payload=(ctx, rec)))
@@ -455,54 +548,85 @@ SYNTHETIC = (*ARRIVALS, *preble.GENERATORS)  # generated at --rate, so --rate is
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="switchyard bench sim", description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", default="mooncake-conversation",
-                   help="mooncake-conversation | azure-code | azure-conv | poisson | gamma | "
-                        f"{' | '.join(preble.TRACE_NAMES)} | PATH (.jsonl/.csv)")
+    p.add_argument(
+        "--trace",
+        default="mooncake-conversation",
+        help="mooncake-conversation | azure-code | azure-conv | poisson | gamma | "
+        f"{' | '.join(preble.TRACE_NAMES)} | PATH (.jsonl/.csv)",
+    )
     p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--policies", default="round_robin,least_request,power_of_two",
-                   help=f"comma-separated, the first is the baseline; known: {','.join(sorted(POLICIES))}")
+    p.add_argument(
+        "--policies",
+        default="round_robin,least_request,power_of_two",
+        help=f"comma-separated, the first is the baseline; known: {','.join(sorted(POLICIES))}",
+    )
     p.add_argument("--profile", default=DEFAULT_PROFILE, help="engine performance profile")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("load and slice")
-    g.add_argument("--time-scale", type=float, default=None, help="multiply inter-arrival times (<1 = more load)")
+    g.add_argument(
+        "--time-scale", type=float, default=None, help="multiply inter-arrival times (<1 = more load)"
+    )
     g.add_argument("--rate", type=float, default=None, help="rescale arrivals to this mean req/s")
     g.add_argument("--rates", default=None, help="comma-separated req/s values to sweep")
     g.add_argument("--start", type=float, default=0.0, help="slice start, trace seconds")
-    g.add_argument("--duration", type=float, default=None,
-                   help="slice length in trace seconds before rescaling (default per trace: mooncake 600, "
-                        "azure-code 600, azure-conv 300, also for a path to their files; other files, or with --max-requests: no time limit)")
+    g.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="slice length in trace seconds before rescaling (default per trace: mooncake 600, "
+        "azure-code 600, azure-conv 300, also for a path to their files; other files, or with --max-requests: no time limit)",
+    )
     g.add_argument("--max-requests", type=int, default=None)
     g = p.add_argument_group("router model")
     g.add_argument("--stats-interval", type=float, default=0.2, help="Stats poll period, s")
     g.add_argument("--event-lag", type=float, default=0.005, help="KV event delivery lag, s")
     g.add_argument("--tick-interval", type=float, default=0.1, help="policy on_tick period, s")
     g.add_argument("--no-queue", action="store_true", help="route at arrival; never hold in the router queue")
+    g.add_argument(
+        "--predictor",
+        choices=("none", "oracle", "fallback"),
+        default="none",
+        help="RoutingContext.predicted_output_tokens: none, the true length, or the running-mean fallback",
+    )
     g.add_argument("--max-num-seqs", type=int, default=None, help="override the engine's max_num_seqs")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="override the profile's KV capacity")
-    g.add_argument("--engine-scheduling", choices=("fcfs", "priority", "preble_groups"), default=None,
-                   help="engine admission order (default fcfs); preble_groups = Preble's local priority groups")
+    g.add_argument(
+        "--engine-scheduling",
+        choices=("fcfs", "priority", "preble_groups"),
+        default=None,
+        help="engine admission order (default fcfs); preble_groups = Preble's local priority groups",
+    )
     g.add_argument("--num-priority-groups", type=int, default=None, help="preble_groups: P (default 10)")
     g.add_argument("--priority-group-quota", type=int, default=None, help="preble_groups: k (default 10)")
     g = p.add_argument_group("synthetic workloads (--trace poisson|gamma|preble-*)")
-    g.add_argument("--num-requests", type=int, default=None,
-                   help="requests to generate (default 200; preble-*: 2000)")
+    g.add_argument(
+        "--num-requests", type=int, default=None, help="requests to generate (default 200; preble-*: 2000)"
+    )
     g.add_argument("--cv", type=float, default=2.0, help="gamma inter-arrival CV")
     g.add_argument("--prompt-len", default="lognormal:1024:0.6")
     g.add_argument("--output-len", default="lognormal:128:0.8")
     g.add_argument("--prefix-groups", type=int, default=0)
     g.add_argument("--prefix-len", type=int, default=512)
     g = p.add_argument_group("Preble workloads (--trace preble-*, specs/preble.md §7)")
-    g.add_argument("--num-tools", type=int, default=200, help="preble-toolbench / azure-mix: tools (paper: 200, 1500)")
-    g.add_argument("--zipf", type=float, default=None,
-                   help="preble-toolbench / azure-mix: Zipf exponent of tool popularity (paper: 1.1); default uniform")
+    g.add_argument(
+        "--num-tools", type=int, default=200, help="preble-toolbench / azure-mix: tools (paper: 200, 1500)"
+    )
+    g.add_argument(
+        "--zipf",
+        type=float,
+        default=None,
+        help="preble-toolbench / azure-mix: Zipf exponent of tool popularity (paper: 1.1); default uniform",
+    )
     g = p.add_argument_group("report")
     g.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO, s")
     g.add_argument("--slo-tpot", type=float, default=0.1, help="TPOT SLO, s")
     g.add_argument("--out", default=None, help="output folder (default results/sim-<trace>/)")
     g.add_argument("--no-plots", action="store_true")
     g.add_argument("--jobs", type=int, default=1, help="run the (policy, load) pairs in this many processes")
-    g.add_argument("--profile-cpu", action="store_true", help="run under cProfile and print the top functions")
+    g.add_argument(
+        "--profile-cpu", action="store_true", help="run under cProfile and print the top functions"
+    )
     return p
 
 
@@ -512,7 +636,9 @@ def _preble_spec(args: argparse.Namespace) -> preble.PrebleSpec:
     return preble.PrebleSpec(
         num_requests=args.max_requests or args.num_requests or 2000,
         rate=args.rate or 4.0,
-        max_model_len=get_profile(args.profile).max_model_len,  # prompt + output never exceed the engines' limit
+        max_model_len=get_profile(
+            args.profile
+        ).max_model_len,  # prompt + output never exceed the engines' limit
         num_tools=args.num_tools,
         zipf=args.zipf,
     )
@@ -580,11 +706,16 @@ def _sim_config(args: argparse.Namespace, policy: str) -> SimConfig:
         use_queue=not args.no_queue,
         seed=args.seed,
         engine_overrides=overrides,
+        predictor=args.predictor,
     )
 
 
 def run_one(
-    args: argparse.Namespace, trace: Trace, policy: str, load: tuple[str, float], prompts: PromptFactory | None
+    args: argparse.Namespace,
+    trace: Trace,
+    policy: str,
+    load: tuple[str, float],
+    prompts: PromptFactory | None,
 ) -> dict[str, Any]:
     """One (policy, load) run -> its report entry (module-level so a process pool can call it)."""
     res = Simulator(trace, _sim_config(args, policy), prompts).run()
@@ -604,6 +735,23 @@ def run_one(
     }
 
 
+def parallel_map(fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]], jobs: int) -> list[Any]:
+    """`[fn(*c) for c in calls]`, one forked process per call, `jobs` at a time, results in call order.
+
+    Results equal the serial ones (each run is deterministic on its own). Forked, so module state set up before
+    the call (a workload, a token table) reaches the children without pickling.
+    """
+    if jobs <= 1 or len(calls) <= 1:
+        return [fn(*c) for c in calls]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        futures = [pool.submit(fn, *c) for c in calls]
+        return [f.result() for f in futures]
+
+
 def run_sweep(args: argparse.Namespace, base: Trace) -> dict[str, Any]:
     """Every (load, policy) pair on the same trace slice; returns the report's data."""
     policies = parse_policies(args.policies)
@@ -621,14 +769,7 @@ def run_sweep(args: argparse.Namespace, base: Trace) -> dict[str, Any]:
         for policy in policies
     ]
     if args.jobs > 1 and len(jobs) > 1:
-        # one process per run (results are identical: each run is deterministic on its own)
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        ctx = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
-            futures = [pool.submit(run_one, args, t, p, load, None) for t, p, load in jobs]
-            runs = [f.result() for f in futures]
+        runs = parallel_map(run_one, [(args, t, p, load, None) for t, p, load in jobs], args.jobs)
     else:
         prompts = PromptFactory(args.block_size, seed=args.seed)  # shared: its hash memo carries over
         runs = [run_one(args, t, p, load, prompts) for t, p, load in jobs]
@@ -649,6 +790,7 @@ def run_sweep(args: argparse.Namespace, base: Trace) -> dict[str, Any]:
             "event_lag_s": args.event_lag,
             "tick_interval_s": args.tick_interval,
             "use_queue": not args.no_queue,
+            "predictor": args.predictor,
             "engine_scheduling": args.engine_scheduling or "fcfs",
             "policies": policies,
             "slo_ttft_s": args.slo_ttft,

@@ -18,8 +18,12 @@ PROFILE = "llama2-70b-h100-tp4"  # 4k context
 def _workload(n: int = 50, groups: int = 2):
     # 50 requests at 8 req/s, prompts 300..1500 tokens of which 512 are one of 2 shared system prompts
     spec = WorkloadSpec(
-        rate=8.0, num_requests=n, prompt_len="uniform:300:1500", output_len="uniform:2:40",
-        prefix_groups=groups, prefix_len=512,
+        rate=8.0,
+        num_requests=n,
+        prompt_len="uniform:300:1500",
+        output_len="uniform:2:40",
+        prefix_groups=groups,
+        prefix_len=512,
     )
     return make_workload(spec, seed=11)
 
@@ -56,10 +60,30 @@ def test_unique_prompts_have_no_prefix_hits():
 def _run_cli(tmp_path, name, *extra):
     out = tmp_path / name
     argv = [
-        "--trace", "poisson", "--rate", "6", "--num-requests", "30", "--prefix-groups", "3",
-        "--prompt-len", "uniform:200:1200", "--output-len", "uniform:1:30",
-        "--workers", "2", "--profile", PROFILE, "--policies", "round_robin,power_of_two",
-        "--seed", "5", "--out", str(out), "--no-plots", *extra,
+        "--trace",
+        "poisson",
+        "--rate",
+        "6",
+        "--num-requests",
+        "30",
+        "--prefix-groups",
+        "3",
+        "--prompt-len",
+        "uniform:200:1200",
+        "--output-len",
+        "uniform:1:30",
+        "--workers",
+        "2",
+        "--profile",
+        PROFILE,
+        "--policies",
+        "round_robin,power_of_two",
+        "--seed",
+        "5",
+        "--out",
+        str(out),
+        "--no-plots",
+        *extra,
     ]
     assert sim.main(argv) == 0
     data = json.loads((out / "results.json").read_text())
