@@ -15,6 +15,8 @@ from switchyard.router.policies.preserve import MinUsage, Preserve
 from switchyard.router.policies.round_robin import RoundRobin
 from switchyard.router.policies.smg_cache_aware import SmgCacheAware
 from switchyard.router.policies.smg_least_load import SmgLeastLoad
+from switchyard.router.policies.switchyard_policy import ABLATIONS as SWITCHYARD_ABLATIONS
+from switchyard.router.policies.switchyard_policy import Switchyard
 
 POLICIES: dict[str, Callable[[], Policy]] = {
     "round_robin": RoundRobin,
@@ -34,6 +36,9 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     # PreServe (specs/preserve.md §6): anticipation-aware routing and its MU baseline (both in preserve.py)
     "preserve": Preserve,
     "min_usage": MinUsage,
+    # Switchyard's own cost (switchyard_policy.py) and its ablations, one term dropped each: switchyard-no_<term>
+    "switchyard": Switchyard,
+    **SWITCHYARD_ABLATIONS,
 }
 
 DEFAULT_POLICY = "least_request"

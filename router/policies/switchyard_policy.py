@@ -1,0 +1,519 @@
+"""switchyard: the router's default policy. One cost in seconds per worker, the latency placing request r there
+adds: r's own wait, prefill and decode on that worker, plus (weighted) the delay it imposes on other requests.
+
+Specs: specs/preble.md §5.1-5.2, §11 (E2's Q/R/M, the radix tree, eviction); specs/preserve.md §5-6 (the load
+anticipator, predicted lengths, T_mem). Every term is seconds priced with the worker's own iteration-time model
+(`preble_cost`: its named `PerfProfile`, or the online TTFT/TPOT fit of a real vLLM worker), so terms add
+without exchange rates. Own-latency terms weigh 1; terms that are other requests' latency weigh λ (the
+externality weight, an exchange rate between a second of someone else's decode and a second of r's own), except
+M and O, kept at E2's and PreServe's weight 1. For r (P prompt tokens, D predicted output tokens) on worker w:
+
+    cost_w = Q + R + M + (D_self + D_in + λ·D_out) + λ·I + β·O + W                               [seconds]
+
+  own latency (TTFT and decode of r)
+    Q_w      wait for r's first token beyond its own prefill. The T missed tokens queued on w (this router's
+             dispatches without a first token, E2's `Outstanding`: no Stats lag) run in k = ceil(T / B) chunked
+             iterations (B = max_num_batched_tokens), and every iteration until r's first token carries w's n
+             decoders (running + queued ahead, mean context c̄): half the one in flight, then r's own:
+                 Q_w = k × PREFILLTIME(T/k, 0) + (k + 1.5) × decode_marginal_s(n, c̄)
+             (`queue_pricing="sum"`: E2's Σ single-request PT; it over-prices bursts of short prefills that the
+             engine batches into one iteration.)
+    R_w      E2's R: PREFILLTIME(P − cached_w, cached_w), r's prefill of the tokens w does not hold (KV events,
+             or this router's dispatches until events disagree; errata E4). The prefix term.
+    D_self_w DECODETIME(D, P + D/2): r's D iterations alone; equal on workers of one profile, ranks others.
+    D_in_w   r slowed by w's anticipated batch: each co-runner x (running: the anticipator's record, remaining
+             rem_x with overrun extensions, context c_x; queued ahead: rem_x = its prediction, c_x = its prompt)
+             shares m_x = min(D, rem_x) iterations with r and adds its marginal sequence cost to each
+             (`decode_marginal_s`: iteration(D=2) − iteration(D=1) at that context):
+                 D_in_w = Σ_x decode_marginal_s(m_x, c_x + (m_x − 1)/2)
+             The marginal is linear in context, so the sum is one call at the m-weighted mean context. This is
+             what predicted lengths buy: a batch that will live long costs a long request more than one draining.
+    W_w      KV wait: when r's private prompt does not fit beside U'[0] (below), the iterations j* until
+             U'[j*] + P_priv ≤ M_kv, times w's iteration at its batch: r waits for memory, not compute (FCFS
+             admission blocks behind a full cache, which Q cannot see).
+  others' latency
+    M_w      E2's eviction cost: when r's missed blocks exceed w's free blocks, the blocks w's LRU would evict,
+             each PT_j × N_j (recompute of node j's evicted tokens × requests through j on w in W; errata E3).
+    D_out_w  w's batch slowed by r: Σ_x decode_marginal_s(m_x, P + (m_x − 1)/2), the other half of the sharing.
+    I_w      prefill-decode interference: r's prefill rides in iterations that carry w's n decoders (chunked
+             prefill) and delays each by what it adds to the step: I_w = n × max(0, R_w − PREFILLTIME(0, 0)).
+             A miss is dear on a busy worker, a hit cheap anywhere: Preble's P/D balancing (§5.3) as a price.
+    O_w      overflow risk: U_k = max_{j<l} (U'[j] + (P_priv + j)·[j < D]) / M_kv, the virtual peak over the next
+             l iterations of the anticipated occupancy U' = the anticipator's map + the requests queued ahead
+             (P_x + j for j < D_x from offset 0: PreServe leaves them out, but they will be admitted before r);
+             tokens above T_mem would be preempted and recomputed, priced as requests of the running mean
+             context c̄ re-prefilled: O_w = (max(0, U_k − T_mem) × M_kv / c̄) × PREFILLTIME(c̄, 0). β = 1 is
+             PreServe's (one overflow token = one prefill token).
+    P_priv   r's prompt minus the prefix w already holds: with `discount_shared_prefix` (PreServe §5.5's
+             [project] flag) the map holds each request's private KV, so 100 requests sharing a 4k-token system
+             prompt do not count 400k tokens.
+
+Weights: λ = 0.1, measured (bench/sim.py, 4 workers, mean of 3 seeds; λ ∈ {0.05, 0.1, 0.25}). At λ = 1 the
+cost is the marginal total latency (the social optimum), but I and D_out then outweigh r's own queueing: misses
+pile onto the worker with the fewest decoders and a burst of one prefix serialises on its holder, costing TTFT
+(preble-programming at 48 req/s: TTFT mean 1.11 vs 0.93 s at λ = 0.1); without I nothing but R holds a
+prefix's traffic together (switchyard-no_interference, preble-toolbench at 34 req/s: hit ratio 0.817 → 0.771, TTFT
+mean 0.133 → 0.246 s). λ = 0.05 favours programming's TTFT, 0.25 toolbench's.
+Placement (`placement`): "argmin" (default) over every routable worker: R and I hold a prefix's traffic on its
+holders, Q/D_in/W push back when they are loaded, so a hot prefix spills to a second worker when waiting costs more
+than recomputing. "e2" keeps E2's exploit/explore split (exploit the key-portion holders when cached_len >
+missed_len, with E2's rebalancing redirects and replicas) with this cost inside: better in the first seconds of a
+cold toolbench trace (every request a miss at 34 req/s: TTFT p99 0.72 vs 0.91 s), worse on the programming trace,
+whose bursts of one problem it serialises on the holder (TTFT mean 1.14 vs 0.93 s at 40 req/s). E2's P/D
+balancing is off (I prices it), its history L is off (`load_signal="outstanding"`): Q, D and W are the current
+load L approximated. M, O and W only act under KV pressure (they are inert on the 70B profile's 496k-token cache).
+
+Predicted lengths: `RoutingContext.predicted_output_tokens` (the router's predictor or a client hint); when None,
+this policy's `LengthFallback` (running mean per (model, prompt-length bucket), learning from every `on_finish`).
+Clamped to [1, max_len], not to `max_tokens` (in the simulator that is the true length: it would leak the
+oracle). Returned in `Decision.predicted_output_tokens` and fed to the anticipator at dispatch.
+
+Missing signals: no Stats → the anticipator's clock counts from first sight; no KV events → R uses this router's
+dispatches; no profile → the online fit (the default profile until it has samples); no max_num_batched_tokens →
+`default_batched_tokens`. Ties: lowest cost, then E2's rotation (candidate index − dispatches) mod n; no RNG.
+Cost per decision: O(workers × (requests on the worker + l)) Python; ~0.3-0.5 ms at 4 workers × 150 requests.
+
+Ablation keys, one term dropped each: switchyard-no_queue, switchyard-no_prefix (R and M: no prefix awareness),
+switchyard-no_evict, switchyard-no_decode (D_self + D_in + λ·D_out), switchyard-no_interference,
+switchyard-no_overflow, switchyard-no_kv_wait; and switchyard-e2_split (placement "e2").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from operator import add
+from typing import Any, Literal
+
+from pydantic import Field
+
+from switchyard.router.policies.anticipation import AnticipationTracker
+from switchyard.router.policies.base import (
+    Decision,
+    FleetView,
+    Policy,
+    RoutingContext,
+    WorkerId,
+    WorkerView,
+    candidates,
+)
+from switchyard.router.policies.preble_cost import CostModel
+from switchyard.router.policies.preble_e2 import E2Config, PrebleE2
+from switchyard.router.predictor.fallback import LengthFallback
+
+log = logging.getLogger(__name__)
+
+
+class SwitchyardConfig(E2Config):
+    """E2's knobs (tree windows, eviction pricing, profiles, online fit) plus the cost's weights and the
+    anticipator's. Defaults differ from E2 where the cost replaces an E2 mechanism (see the module docstring)."""
+
+    placement: Literal["argmin", "e2"] = "argmin"
+    queue_weight: float = Field(default=1.0, ge=0)  # q: weight of Q_w
+    prefix_weight: float = Field(default=1.0, ge=0)  # p: weight of R_w
+    eviction_weight: float = Field(default=1.0, ge=0)  # e: weight of M_w
+    decode_weight: float = Field(default=1.0, ge=0)  # d: weight of D_self + D_in + λ·D_out
+    interference_weight: float = Field(default=1.0, ge=0)  # i: weight of I_w on top of λ (0 drops it)
+    # λ: what a second of other requests' latency (D_out, I) is worth against a second of r's own
+    externality_weight: float = Field(default=0.1, ge=0)
+    overflow_weight: float = Field(default=1.0, ge=0)  # β: weight of O_w (PreServe β = 1)
+    kv_wait_weight: float = Field(default=1.0, ge=0)  # weight of W_w
+    queue_pricing: Literal["sum", "batched"] = "batched"  # Q: E2's Σ single-request PT, or batched (Q_w)
+    default_batched_tokens: int = Field(default=8192, ge=1)  # B when a worker does not report it (vLLM's)
+    # the map holds prompt − the prefix the worker already caches (PreServe §5.5 [project] flag)
+    discount_shared_prefix: bool = True
+    t_mem: float = Field(default=0.8, gt=0, le=1)  # T_mem: KV fraction where overflow starts (PreServe §6)
+    horizon: int = Field(default=100, ge=1)  # l: iterations of the virtual peak (PreServe §5.1)
+    max_len: int = Field(default=4096, ge=1)  # L: longest record the anticipator keeps (PreServe §5.1)
+    ext_frac: float = Field(default=0.2, ge=0)  # overrun extension / prediction (PreServe §5.2)
+    fallback_prior_tokens: float = Field(default=256.0, gt=0)  # LengthFallback's prior before any finish
+    # E2 defaults changed: Q only (no 3-minute history L), no P/D balancing (I_w prices it); rebalancing and
+    # replication stay on but only act in placement "e2"
+    load_signal: Literal["history", "outstanding", "both"] = "outstanding"
+    enable_pd_balancing: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Terms:
+    """One worker's cost for one request, term by term (seconds, unweighted) and the weighted total."""
+
+    queue_s: float  # Q
+    prefill_s: float  # R
+    evict_s: float  # M
+    decode_self_s: float  # D_self
+    decode_in_s: float  # D_in: r slowed by w's batch
+    decode_out_s: float  # D_out: w's batch slowed by r
+    interference_s: float  # I
+    overflow_s: float  # O
+    kv_wait_s: float  # W
+    history_s: float  # E2's L (0 unless load_signal includes "history")
+    peak_frac: float  # U_k
+    total_s: float
+
+    @property
+    def decode_co_s(self) -> float:
+        """D_co = D_in + D_out, unweighted."""
+        return self.decode_in_s + self.decode_out_s
+
+
+@dataclass(slots=True)
+class _Req:
+    worker: WorkerId
+    prompt_tokens: int
+    predicted_tokens: int
+    model: str
+    kv_prompt_tokens: int  # prompt tokens not shared with w's cache at dispatch (what the map holds for it)
+    running: bool = False
+
+
+class Switchyard(PrebleE2):
+    name = "switchyard"
+
+    def __init__(self, config: SwitchyardConfig | None = None) -> None:
+        self.sy = cfg = config or SwitchyardConfig()
+        super().__init__(cfg)
+        self.tracker = AnticipationTracker(cfg.horizon, cfg.max_len, cfg.ext_frac)
+        self.fallback = LengthFallback(prior=cfg.fallback_prior_tokens)
+        self.reqs: dict[str, _Req] = {}
+        self.by_worker: dict[WorkerId, dict[str, _Req]] = {}
+
+    # ------------------------------------------------------------------------------------------ cost
+    def predicted_tokens(self, ctx: RoutingContext) -> int:
+        """D: the router's prediction, else the fallback's running mean; in [1, max_len]."""
+        d = ctx.predicted_output_tokens
+        if d is None:
+            d = self.fallback.predict(ctx.model, ctx.num_prompt_tokens)
+        return max(1, min(int(d), self.sy.max_len))
+
+    def shared_tokens(self, w: WorkerId, ctx: RoutingContext) -> int:
+        """Prompt tokens whose KV blocks w already holds (resident or assigned), so r's KV shares them."""
+        hashes = ctx.block_hashes
+        if not hashes:
+            return 0
+        m = self.tree.match(hashes)
+        facts = self._facts.get(w)
+        bs = facts.block_size if facts else 16
+        return min(self._cached_blocks(w, m, hashes) * bs, max(0, ctx.num_prompt_tokens - 1))
+
+    def batch(self, w: WorkerId, ant: Any) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
+        """w's anticipated batch: running [(remaining predicted tokens, context)] and queued [(prompt, private
+        prompt, D)].
+
+        Running = in the anticipator (its record, overrun extensions included); queued = dispatched without a
+        first token yet (not in the map, PreServe §5.5), assumed to start decoding before r, its prompt as context.
+        Contexts are whole prompts (decode attention reads shared blocks too); the map's are private ones.
+        """
+        running: list[tuple[int, int]] = []
+        queued: list[tuple[int, int, int]] = []
+        reqs = self.by_worker.get(w)
+        if not reqs:
+            return running, queued
+        it = ant.iteration
+        record = ant.record
+        for rid, rq in reqs.items():
+            if rq.running and rid in ant:
+                _, start, _, end = record(rid)
+                if end > it:
+                    running.append((end - it, rq.prompt_tokens + it - start))
+            else:
+                queued.append((rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens))
+        return running, queued
+
+    @staticmethod
+    def co_residency_s(
+        batch: list[tuple[int, int]], prompt_tokens: int, d: int, cost: CostModel
+    ) -> tuple[float, float]:
+        """D_co over (remaining, context) co-runners: m_x = min(D, remaining_x) shared iterations, in each of which
+        r pays x's marginal sequence cost and x pays r's. The marginal is linear in context, so each side is one
+        `decode_marginal_s` call at the m-weighted mean context."""
+        m_sum = 0
+        own_ctx = pair_ctx = 0.0
+        for rem, c in batch:
+            m = rem if rem < d else d
+            half = (m - 1) / 2
+            m_sum += m
+            own_ctx += m * (c + half)
+            pair_ctx += m * (prompt_tokens + half)
+        if not m_sum:
+            return 0.0, 0.0
+        return cost.decode_marginal_s(m_sum, own_ctx / m_sum), cost.decode_marginal_s(m_sum, pair_ctx / m_sum)
+
+    @staticmethod
+    def occupancy(ant: Any, queued: list[tuple[int, int]], horizon: int) -> list[int]:
+        """U'[j], j < horizon, in tokens: the map plus each queued x holding P_x + j for j < D_x from offset 0."""
+        u = ant.load_tokens(horizon)
+        if queued:
+            h = len(u)
+            const = [0] * (h + 1)  # difference arrays over offsets: Σ P_x and the number of live x
+            count = [0] * (h + 1)
+            for p, d in queued:
+                e = min(d, h)
+                const[0] += p
+                const[e] -= p
+                count[0] += 1
+                count[e] -= 1
+            c = k = 0
+            for j in range(h):
+                c += const[j]
+                k += count[j]
+                if k:
+                    u[j] += c + k * j
+        return u
+
+    def memory_s(
+        self, ant: Any, queued: list[tuple[int, int]], prompt_tokens: int, d: int, cost: CostModel
+    ) -> tuple[float, float, float]:
+        """(O_w s, W_w s, U_k): overflow risk and KV wait over the anticipated occupancy U' (module docstring)."""
+        cfg = self.sy
+        cap = ant.capacity_tokens
+        u = self.occupancy(ant, queued, cfg.horizon)
+        p = prompt_tokens
+        e = min(d, len(u))  # r holds p + j at offsets j < D: one C-level pass over each part of the window
+        peak = max(max(map(add, u[:e], range(p, p + e)), default=0), max(u[e:], default=0))
+        k = len(ant)
+        mean_ctx = max(1, ant.resident_tokens() // k if k else p)
+        over = 0.0
+        excess = peak - cfg.t_mem * cap
+        if excess > 0:
+            over = excess / mean_ctx * cost.prefill_s(mean_ctx, 0)
+        wait = 0.0
+        if u and u[0] + p > cap:  # no room for r's prompt now: it waits until the batch frees enough KV
+            j = next((i for i, x in enumerate(u) if x + p <= cap), -1)
+            if j < 0 and cfg.max_len > len(u):
+                j = next(
+                    (i for i, x in enumerate(self.occupancy(ant, queued, cfg.max_len)) if x + p <= cap), -1
+                )
+            if j < 0:
+                j = cfg.max_len
+            wait = j * (cost.decode_s(1, mean_ctx) + cost.decode_marginal_s(max(0, k - 1), mean_ctx))
+        return over, wait, peak / cap
+
+    def batched_queue_s(
+        self,
+        w: WorkerView,
+        running: list[tuple[int, int]],
+        queued: list[tuple[int, int, int]],
+        cost: CostModel,
+    ) -> float:
+        """Q_w: r's wait for its first token beyond its own prefill, as the engine batches it.
+
+        The T missed tokens queued on w run in k = ceil(T / B) iterations of B = max_num_batched_tokens, and
+        every iteration until r's first token also carries w's n decoders (running + queued ahead, mean
+        context c̄): r waits half an iteration on average for the one in flight, then runs its own:
+            Q_w = k × PREFILLTIME(T/k, 0) + (k + 1.5) × decode_marginal_s(n, c̄)."""
+        o = self.outstanding.get(w.worker_id)
+        t = max(0, o.queued_tokens) if o is not None else 0
+        q = 0.0
+        k = 0
+        if t:
+            info = getattr(w, "info", None)
+            b = max(1, int(getattr(info, "max_num_batched_tokens", 0) or self.sy.default_batched_tokens))
+            k = -(-t // b)
+            q = k * cost.prefill_s(-(-t // k), 0)
+        n = len(running) + len(queued)
+        if n:
+            ctx = sum(c for _, c in running) + sum(p for p, _, _ in queued)
+            q += (k + 1.5) * cost.decode_marginal_s(n, ctx / n)
+        return q
+
+    def terms(
+        self, w: WorkerView, ctx: RoutingContext, cached_blocks: int, path: list[Any], d: int, now: float
+    ) -> Terms:
+        cfg = self.sy
+        lam = cfg.externality_weight
+        wid = w.worker_id
+        cost = self.cost_model(wid)
+        e2 = self.loadcost(w, ctx, cached_blocks, path, now)  # Q, R, M (and L when load_signal asks for it)
+        p = ctx.num_prompt_tokens
+        ant = self.tracker.sync(w, now)
+        running, queued = self.batch(wid, ant)
+        queue = e2.queue_s if cfg.queue_pricing == "sum" else self.batched_queue_s(w, running, queued, cost)
+        d_self = cost.decode_s(d, p + (d - 1) / 2)
+        in_run, out_run = self.co_residency_s(running, p, d, cost)
+        in_q, out_q = self.co_residency_s([(dx, px) for px, _, dx in queued], p, d, cost)
+        d_in, d_out = in_run + in_q, out_run + out_q
+        interference = (len(running) + len(queued)) * max(0.0, e2.prefill_s - cost.prefill_s(0, 0))
+        kv_p = p - min(cached_blocks * w.block_size, max(0, p - 1)) if cfg.discount_shared_prefix else p
+        over, wait, peak = self.memory_s(ant, [(kx, dx) for _, kx, dx in queued], kv_p, d, cost)
+        total = (
+            e2.load_s
+            + cfg.queue_weight * queue
+            + cfg.prefix_weight * e2.prefill_s
+            + cfg.eviction_weight * e2.evict_s
+            + cfg.decode_weight * (d_self + d_in + lam * d_out)
+            + cfg.interference_weight * lam * interference
+            + cfg.overflow_weight * over
+            + cfg.kv_wait_weight * wait
+        )
+        return Terms(
+            queue,
+            e2.prefill_s,
+            e2.evict_s,
+            d_self,
+            d_in,
+            d_out,
+            interference,
+            over,
+            wait,
+            e2.load_s,
+            peak,
+            total,
+        )
+
+    # ------------------------------------------------------------------------------------------ select
+    def select(self, ctx: RoutingContext, fleet: FleetView, now: float) -> Decision | None:
+        pool = candidates(ctx, fleet)
+        if not pool:
+            return None
+        self._remember(fleet, pool, ctx.model)
+        hashes = ctx.block_hashes
+        m = self.tree.match(hashes) if hashes else None
+        cached = {w.worker_id: self._cached_blocks(w.worker_id, m, hashes) if m else 0 for w in pool}
+        path = m.path if m else []
+        why = "argmin"
+        if self.sy.placement == "e2":
+            best_blocks = max(cached.values())
+            cached_len = min(best_blocks * pool[0].block_size, ctx.num_prompt_tokens)
+            if cached_len > ctx.num_prompt_tokens - cached_len:
+                key, key_end = self._key_end(path, best_blocks)
+                ks = self._exploit_set(key, key_end, pool, cached, now)
+                if ks:
+                    pool, why = ks, "exploit"
+                else:
+                    why = "explore"
+            else:
+                why = "explore"
+        d = self.predicted_tokens(ctx)
+        terms = {w.worker_id: self.terms(w, ctx, cached[w.worker_id], path, d, now) for w in pool}
+        n = len(pool)
+        pick = min(
+            ((w, i) for i, w in enumerate(pool)),
+            key=lambda wi: (terms[wi[0].worker_id].total_s, (wi[1] - self._turn) % n),
+        )[0]
+        t = terms[pick.worker_id]
+        if log.isEnabledFor(logging.DEBUG):
+            cfg = self.sy
+            lam = cfg.externality_weight
+            log.debug(
+                "request=%s switchyard %s -> %s: cost = %g·Q %.4f + %g·R %.4f + %g·M %.4f + %g·(D_self %.4f + D_in %.4f"
+                " + %g·D_out %.4f) + %g·I %.4f + %g·O %.4f (peak %.3f) + %g·W %.4f%s = %.4f s; P=%d D=%d%s; all=%s",
+                ctx.request_id,
+                why,
+                pick.worker_id,
+                cfg.queue_weight,
+                t.queue_s,
+                cfg.prefix_weight,
+                t.prefill_s,
+                cfg.eviction_weight,
+                t.evict_s,
+                cfg.decode_weight,
+                t.decode_self_s,
+                t.decode_in_s,
+                lam,
+                t.decode_out_s,
+                cfg.interference_weight * lam,
+                t.interference_s,
+                cfg.overflow_weight,
+                t.overflow_s,
+                t.peak_frac,
+                cfg.kv_wait_weight,
+                t.kv_wait_s,
+                f" + L {t.history_s:.4f}" if t.history_s else "",
+                t.total_s,
+                ctx.num_prompt_tokens,
+                d,
+                "" if ctx.predicted_output_tokens is not None else " (fallback)",
+                {k: round(v.total_s, 4) for k, v in terms.items()},
+            )
+        return Decision(
+            worker_id=pick.worker_id,
+            predicted_output_tokens=d,
+            reason=f"{why} cost={t.total_s:.3f}s R={t.prefill_s:.3f} D_co={t.decode_co_s:.3f} peak={t.peak_frac:.2f}",
+        )
+
+    # ------------------------------------------------------------------------------------------ hooks
+    def on_dispatch(self, ctx: RoutingContext, decision: Decision, now: float) -> None:
+        w = decision.worker_id
+        # before E2 assigns r's path to w (after, the whole prompt would count as cached)
+        shared = self.shared_tokens(w, ctx) if self.sy.discount_shared_prefix else 0
+        super().on_dispatch(ctx, decision, now)
+        d = decision.predicted_output_tokens or self.predicted_tokens(ctx)
+        self._drop(ctx.request_id)  # a retry: the earlier attempt is gone (the tracker does the same)
+        # the map holds r's private KV: its prompt minus the prefix w already holds (PreServe §5.5 [project] flag)
+        kv_ctx = ctx if not shared else replace(ctx, prompt_token_ids=ctx.prompt_token_ids[shared:])
+        self.tracker.on_dispatch(kv_ctx, w, d, now)
+        rq = _Req(
+            w,
+            ctx.num_prompt_tokens,
+            max(1, min(d, self.sy.max_len)),
+            ctx.model,
+            ctx.num_prompt_tokens - shared,
+        )
+        self.reqs[ctx.request_id] = rq
+        self.by_worker.setdefault(w, {})[ctx.request_id] = rq
+
+    def on_first_token(self, request_id: str, worker_id: WorkerId, now: float) -> None:
+        super().on_first_token(request_id, worker_id, now)
+        self.tracker.on_first_token(request_id, worker_id, now)
+        rq = self.reqs.get(request_id)
+        if rq is not None and rq.worker == worker_id:
+            rq.running = True
+
+    def on_finish(self, request_id: str, worker_id: WorkerId, now: float, num_output_tokens: int) -> None:
+        super().on_finish(request_id, worker_id, now, num_output_tokens)
+        self.tracker.on_finish(request_id, worker_id, now)
+        rq = self.reqs.get(request_id)
+        if rq is not None and rq.worker == worker_id:
+            self.fallback.observe(rq.model, rq.prompt_tokens, num_output_tokens)
+            self._drop(request_id)
+
+    def on_abort(self, request_id: str, worker_id: WorkerId, now: float) -> None:
+        super().on_abort(request_id, worker_id, now)
+        self.tracker.on_abort(request_id, worker_id, now)
+        rq = self.reqs.get(request_id)
+        if rq is not None and rq.worker == worker_id:
+            self._drop(request_id)
+
+    def on_worker_change(self, worker_id: WorkerId, now: float) -> None:
+        rec = self._fleet.get(worker_id) if self._fleet is not None else None
+        super().on_worker_change(worker_id, now)
+        if rec is None or not getattr(rec, "healthy", rec.is_routable):  # gone or unhealthy, as E2 decides
+            self.tracker.forget_worker(worker_id)
+            for rid in list(self.by_worker.pop(worker_id, {})):
+                self.reqs.pop(rid, None)
+
+    def _drop(self, request_id: str) -> None:
+        rq = self.reqs.pop(request_id, None)
+        if rq is not None:
+            self.by_worker.get(rq.worker, {}).pop(request_id, None)
+
+
+def _variant(key: str, doc: str, **overrides: Any) -> Callable[[], Policy]:
+    """A registry constructor: the default config with `overrides` (one ablated term)."""
+
+    def make() -> Policy:
+        p = Switchyard(SwitchyardConfig(**overrides))
+        p.name = key
+        return p
+
+    make.__doc__ = doc
+    return make
+
+
+ABLATIONS: dict[str, Callable[[], Policy]] = {
+    "switchyard-no_queue": _variant("switchyard-no_queue", "without Q", queue_weight=0.0),
+    "switchyard-no_prefix": _variant(
+        "switchyard-no_prefix", "without R and M", prefix_weight=0.0, eviction_weight=0.0
+    ),
+    "switchyard-no_evict": _variant("switchyard-no_evict", "without M", eviction_weight=0.0),
+    "switchyard-no_decode": _variant("switchyard-no_decode", "without D", decode_weight=0.0),
+    "switchyard-no_interference": _variant(
+        "switchyard-no_interference", "without I", interference_weight=0.0
+    ),
+    "switchyard-no_overflow": _variant("switchyard-no_overflow", "without O", overflow_weight=0.0),
+    "switchyard-no_kv_wait": _variant("switchyard-no_kv_wait", "without W", kv_wait_weight=0.0),
+    "switchyard-e2_split": _variant("switchyard-e2_split", "E2's exploit/explore split", placement="e2"),
+}
+
+__all__ = ["ABLATIONS", "Switchyard", "SwitchyardConfig", "Terms"]

@@ -1,0 +1,407 @@
+"""The default policy `switchyard` in virtual time: each cost term on a hand-built fleet, the ablations, and the
+decisions the terms exist for. Workers come from `make_fleet` (perf_profile "" and no timing samples, so the
+default profile llama3-8b-a100 prices everything); block size 16; the clock stays at `NOW`, so the anticipator's
+iteration stays 0 and every record's remaining length is its prediction.
+
+Reference costs of that profile (PerfProfile.iteration_time_s, seconds):
+    PT(0, 0)        = 0.0082374   the bare step (R − PT(0, 0) is what a prefill adds to a decode iteration)
+    PT(512, 0)      = 0.0311979   above the 400-token knee: 0.058 ms per extra token
+    PT(64, 1984)    = 0.0246766   a short tail after a long cached prefix
+    PT(2048, 0)     = 0.1243109
+    marginal(c)     = 0.16575 ms + 0.14055 ms × c / 1000   one more decoding sequence at context c
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import pytest
+from factories import make_fleet, make_requests
+
+from switchyard.bench.sim import SimConfig, Simulator
+from switchyard.bench.workloads import WorkloadSpec, make_workload
+from switchyard.router.fleet import Fleet
+from switchyard.router.policies.base import Decision, RoutingContext, WorkerId
+from switchyard.router.policies.preble_cost import profile_cost
+from switchyard.router.policies.registry import POLICIES, make_policy
+from switchyard.router.policies.switchyard_policy import ABLATIONS, Switchyard, SwitchyardConfig, Terms
+from switchyard.workers.engine.profiles import DEFAULT_PROFILE
+
+COST = profile_cost(DEFAULT_PROFILE)
+NOW = 0.0
+W0, W1 = WorkerId("w0"), WorkerId("w1")
+
+
+def req(rid: str, prompt_len: int = 512, shared: int = 0, predicted: int | None = 50) -> RoutingContext:
+    """`shared` leading tokens common to every request of a test, then tokens unique to `rid`."""
+    base = make_requests(1, prompt_len=prompt_len, shared_prefix=shared)[0]
+    uniq = tuple(
+        10_000_000 + zlib.crc32(rid.encode()) % 1_000_000 * 8192 + k for k in range(prompt_len - shared)
+    )
+    tokens = tuple(range(shared)) + uniq
+    hashes, prev = [], 0
+    for b in range(len(tokens) // 16):
+        prev = hash((prev, tokens[b * 16 : (b + 1) * 16])) & (2**64 - 1)
+        hashes.append(prev)
+    return dataclasses.replace(
+        base,
+        request_id=rid,
+        prompt_token_ids=tokens,
+        block_hashes=tuple(hashes),
+        predicted_output_tokens=predicted,
+    )
+
+
+def dispatch(
+    p: Switchyard,
+    fleet: Fleet,
+    ctx: RoutingContext,
+    worker: WorkerId,
+    running: bool = False,
+    now: float = NOW,
+) -> None:
+    """Send `ctx` to `worker` (as if chosen), optionally past its prefill (then it is in the anticipator)."""
+    p.select(ctx, fleet, now)  # memoises the fleet and worker facts, as the daemon's first select would
+    fleet.note_dispatch(worker)
+    d = ctx.predicted_output_tokens or p.predicted_tokens(ctx)
+    p.on_dispatch(ctx, Decision(worker_id=worker, predicted_output_tokens=d), now)
+    if running:
+        p.on_first_token(ctx.request_id, worker, now)
+
+
+def holder(p: Switchyard, fleet: Fleet, ctx: RoutingContext, worker: WorkerId) -> None:
+    """`worker` served `ctx` to completion one second ago: it holds the prompt's blocks (least recently used
+    first) and carries no load (the anticipator's map is empty, so its clock does not move until NOW)."""
+    dispatch(p, fleet, ctx, worker, running=True, now=NOW - 1.0)
+    fleet.note_done(worker)
+    p.on_finish(ctx.request_id, worker, NOW - 1.0, 10)
+
+
+def terms(p: Switchyard, fleet: Fleet, ctx: RoutingContext) -> dict[str, Terms]:
+    m = p.tree.match(ctx.block_hashes)
+    d = p.predicted_tokens(ctx)
+    return {
+        w.worker_id: p.terms(w, ctx, p._cached_blocks(w.worker_id, m, ctx.block_hashes), m.path, d, NOW)
+        for w in fleet.routable(ctx.model)
+    }
+
+
+def policy(n: int = 2, kv_capacity_blocks: int = 1000, **cfg: object) -> tuple[Switchyard, Fleet]:
+    return Switchyard(SwitchyardConfig(**cfg)), make_fleet(n, kv_capacity_blocks=kv_capacity_blocks)
+
+
+# ---------------------------------------------------------------------------------------------- each term
+def test_idle_fleet_costs_are_prefill_plus_own_decode() -> None:
+    p, fleet = policy()
+    t = terms(p, fleet, req("r", 512, predicted=50))[W0]
+    assert t.queue_s == t.evict_s == t.decode_co_s == t.interference_s == t.overflow_s == t.kv_wait_s == 0.0
+    assert t.prefill_s == pytest.approx(0.0311979, abs=1e-7)  # PT(512, 0)
+    # 50 decode iterations alone at mean context 512 + 49/2: 50 × 8.478 ms
+    assert t.decode_self_s == pytest.approx(COST.decode_s(50, 536.5)) == pytest.approx(0.42392, abs=1e-5)
+    assert t.total_s == pytest.approx(t.prefill_s + t.decode_self_s)
+
+
+def test_queue_term_is_the_prefill_queued_ahead() -> None:
+    p, fleet = policy()
+    dispatch(p, fleet, req("a", 512), W0)  # no first token yet: its 512 missed tokens are queued on w0
+    t = terms(p, fleet, req("r", 512))
+    # one batch (512 <= 8192 tokens): PT(512, 0) = 31.20 ms; then a decodes in the k + 1.5 = 2.5 iterations until
+    # r's first token: 2.5 × marginal(512) = 2.5 × 0.2377 ms
+    assert t[W0].queue_s == pytest.approx(0.0311979 + 2.5 * COST.decode_marginal_s(1, 512))
+    assert t[W0].queue_s == pytest.approx(0.0317922, abs=1e-7)
+    assert t[W1].queue_s == 0.0
+    # E2's pricing (Σ single-request PT) agrees for one queued request
+    p2, fleet2 = policy(queue_pricing="sum")
+    dispatch(p2, fleet2, req("a", 512), W0)
+    assert terms(p2, fleet2, req("r", 512))[W0].queue_s == pytest.approx(0.0311979, abs=1e-7)
+    assert p.select(req("r", 512), fleet, NOW).worker_id == W1
+
+
+def test_batched_queue_shares_the_iteration_overhead() -> None:
+    p, fleet = policy(n=1)
+    for i in range(4):
+        dispatch(p, fleet, req(f"a{i}", 128), W0)
+    # 4 × 128 = 512 queued tokens run as one 512-token batch: PT(512, 0), not 4 × PT(128, 0) = 4 × 24.4 ms;
+    # plus the 4 decoders' drag on the 2.5 iterations until r's first token
+    q = terms(p, fleet, req("r", 128))[W0].queue_s
+    assert q == pytest.approx(COST.prefill_s(512, 0) + 2.5 * COST.decode_marginal_s(4, 128))
+    assert COST.prefill_s(512, 0) < 4 * COST.prefill_s(128, 0)
+
+
+def test_prefix_term_prices_only_the_missed_tokens() -> None:
+    p, fleet = policy()
+    holder(p, fleet, req("a", 2048, shared=1984), W0)
+    t = terms(p, fleet, req("r", 2048, shared=1984))
+    assert t[W0].prefill_s == pytest.approx(0.0246766, abs=1e-7)  # PT(64, 1984): 124 blocks cached on w0
+    assert t[W1].prefill_s == pytest.approx(0.1243109, abs=1e-7)  # PT(2048, 0)
+
+
+def test_eviction_term_prices_the_blocks_lru_would_evict() -> None:
+    # w0: 40 blocks (640 tokens); a 512-token request left 32 resident blocks, used by 1 request within W
+    p, fleet = policy(kv_capacity_blocks=40)
+    a = req("a", 512)
+    holder(p, fleet, a, W0)
+    n = len(a.block_hashes)
+    p.on_kv_events(W0, _stored(a))
+    assert p.resident_count[W0] == n == 32
+    t = terms(p, fleet, req("r", 512))
+    # r misses 32 blocks, 8 are free: LRU evicts a's last 24 blocks (384 tokens after 128 kept) × N_j = 1
+    assert t[W0].evict_s == pytest.approx(COST.prefill_s(384, 128)) == pytest.approx(0.0246652, abs=1e-7)
+    assert t[W1].evict_s == 0.0  # nothing resident on w1
+
+
+def test_co_residency_prices_both_directions_of_the_shared_iterations() -> None:
+    p, fleet = policy()
+    dispatch(p, fleet, req("x", 512, predicted=100), W0, running=True)  # in the map: 100 tokens remaining
+    t = terms(p, fleet, req("r", 512, predicted=50))
+    # m = min(50, 100) = 50 shared iterations; x's context 512 + j, r's 512 + j, mean over j < 50: 536.5
+    one_side = COST.decode_marginal_s(50, 536.5)  # 50 × (0.16575 + 0.14055 × 0.5365) ms = 12.05 ms
+    assert one_side == pytest.approx(0.0120542, abs=1e-6)
+    assert t[W0].decode_in_s == t[W0].decode_out_s == pytest.approx(one_side)  # r slowed by x, x slowed by r
+    assert t[W1].decode_co_s == 0.0
+    # interference: r's prefill stalls 1 decoder by PT(512, 0) − PT(0, 0) = 22.96 ms
+    assert t[W0].interference_s == pytest.approx(0.0311979 - 0.0082374, abs=1e-7)
+    assert t[W1].interference_s == 0.0
+
+
+def test_queued_requests_count_as_co_runners_with_their_prediction() -> None:
+    p, fleet = policy()
+    dispatch(p, fleet, req("x", 512, predicted=20), W0)  # queued, not in the map: 20 iterations, context 512
+    t = terms(p, fleet, req("r", 512, predicted=50))
+    # m = 20: x's context 512 + 9.5, r's 512 + 9.5
+    assert t[W0].decode_co_s == pytest.approx(2 * COST.decode_marginal_s(20, 521.5))
+
+
+def test_overflow_term_prices_the_tokens_above_t_mem() -> None:
+    # 100 blocks = 1600 tokens; T_mem × capacity = 1280
+    p, fleet = policy(kv_capacity_blocks=100)
+    dispatch(p, fleet, req("x", 1024, predicted=200), W0, running=True)
+    t = terms(p, fleet, req("r", 256, predicted=50))
+    # peak over j < 100 of (1024 + j) + (256 + j)[j < 50]: j = 49 → 1073 + 305 = 1378 → U_k = 0.86125
+    assert t[W0].peak_frac == pytest.approx(1378 / 1600)
+    # (1378 − 1280) = 98 tokens over, priced as 98 / 1024 requests of the mean context 1024 re-prefilled
+    assert t[W0].overflow_s == pytest.approx(98 / 1024 * COST.prefill_s(1024, 0))
+    assert t[W1].overflow_s == 0.0 and t[W1].peak_frac == pytest.approx(305 / 1600)
+
+
+def test_kv_wait_term_counts_iterations_until_the_prompt_fits() -> None:
+    p, fleet = policy(kv_capacity_blocks=100)
+    dispatch(p, fleet, req("x", 1500, predicted=30), W0, running=True)
+    t = terms(p, fleet, req("r", 256, predicted=50))
+    # 1500 + j + 256 > 1600 while x runs (j < 30); x is done at j = 30: 30 iterations of x's batch
+    assert t[W0].kv_wait_s == pytest.approx(30 * COST.decode_s(1, 1500))
+    assert t[W1].kv_wait_s == 0.0
+
+
+def test_shared_prefix_is_not_counted_twice_in_the_map() -> None:
+    # two 1024-token prompts sharing 992 tokens on a 1600-token worker: without the discount the map would hold
+    # 2 × 1024 > capacity; with it, r's private KV is 1024 − 992 = 32 tokens
+    p, fleet = policy(kv_capacity_blocks=100)
+    dispatch(p, fleet, req("x", 1024, shared=992, predicted=200), W0, running=True)
+    t = terms(p, fleet, req("r", 1024, shared=992, predicted=50))
+    assert t[W0].peak_frac == pytest.approx((1024 + 49 + 32 + 49) / 1600)
+    p2, fleet2 = policy(kv_capacity_blocks=100, discount_shared_prefix=False)
+    dispatch(p2, fleet2, req("x", 1024, shared=992, predicted=200), W0, running=True)
+    t2 = terms(p2, fleet2, req("r", 1024, shared=992, predicted=50))
+    assert t2[W0].peak_frac == pytest.approx((1024 + 49 + 1024 + 49) / 1600)
+    assert t2[W0].kv_wait_s > 0.0 == t[W0].kv_wait_s
+
+
+# ---------------------------------------------------------------------------------------------- ablations
+LAM = SwitchyardConfig().externality_weight  # λ: others' seconds are worth λ of r's own
+DROPPED = {
+    "switchyard-no_queue": lambda t: t.queue_s,
+    "switchyard-no_prefix": lambda t: t.prefill_s + t.evict_s,
+    "switchyard-no_evict": lambda t: t.evict_s,
+    "switchyard-no_decode": lambda t: t.decode_self_s + t.decode_in_s + LAM * t.decode_out_s,
+    "switchyard-no_interference": lambda t: LAM * t.interference_s,
+    "switchyard-no_overflow": lambda t: t.overflow_s,
+    "switchyard-no_kv_wait": lambda t: t.kv_wait_s,
+}
+
+
+def _loaded(p: Switchyard, fleet: Fleet) -> RoutingContext:
+    """A 100-block fleet where every term is live on w0: a's 32 blocks cached (LRU's first victims), x running
+    with 62 blocks resident (94 of 100 used: r's 32 missed blocks evict 26), q queued, r's prompt does not fit
+    beside x (1000 + 512 > 1600 - 96 ... x frees its KV after 40 iterations)."""
+    a, x = req("a", 512), req("x", 1000, predicted=40)
+    holder(p, fleet, a, W0)
+    p.on_kv_events(W0, _stored(a))
+    dispatch(p, fleet, x, W0, running=True)
+    p.on_kv_events(W0, _stored(x, 2))
+    dispatch(p, fleet, req("q", 256, predicted=40), W0)
+    return req("r", 512, predicted=50)
+
+
+@pytest.mark.parametrize("name", sorted(DROPPED))
+def test_each_ablation_drops_exactly_its_term(name: str) -> None:
+    base, fleet = policy(kv_capacity_blocks=100)
+    ctx = _loaded(base, fleet)
+    full = terms(base, fleet, ctx)[W0]
+    assert (
+        min(
+            full.queue_s,
+            full.prefill_s,
+            full.evict_s,
+            full.decode_co_s,
+            full.interference_s,
+            full.overflow_s,
+            full.kv_wait_s,
+        )
+        > 0
+    )  # every term is live in this fleet
+    variant = POLICIES[name]()
+    assert isinstance(variant, Switchyard) and variant.name == name
+    fleet_v = make_fleet(2, kv_capacity_blocks=100)
+    _loaded(variant, fleet_v)
+    cut = terms(variant, fleet_v, ctx)[W0]
+    assert dataclasses.replace(cut, total_s=0.0) == dataclasses.replace(full, total_s=0.0)  # same terms
+    assert cut.total_s == pytest.approx(full.total_s - DROPPED[name](full))
+
+
+def test_total_is_own_latency_plus_weighted_externalities() -> None:
+    p, fleet = policy(kv_capacity_blocks=100)
+    t = terms(p, fleet, _loaded(p, fleet))[W0]
+    own = t.queue_s + t.prefill_s + t.decode_self_s + t.decode_in_s + t.kv_wait_s
+    others = t.evict_s + LAM * (t.decode_out_s + t.interference_s) + t.overflow_s
+    assert t.total_s == pytest.approx(own + others)
+    assert LAM == 0.1
+
+
+def test_ablation_registry() -> None:
+    assert set(ABLATIONS) == set(DROPPED) | {"switchyard-e2_split"}
+    assert all(POLICIES[k] is v for k, v in ABLATIONS.items())
+    assert make_policy("switchyard").name == "switchyard"
+    split = make_policy("switchyard-e2_split")
+    assert isinstance(split, Switchyard) and split.sy.placement == "e2"
+
+
+# ---------------------------------------------------------------------------------------------- decisions
+@pytest.mark.parametrize("placement", ["argmin", "e2"])
+def test_cache_holder_wins_when_load_is_equal(placement: str) -> None:
+    p, fleet = policy(placement=placement)
+    holder(p, fleet, req("a", 512, shared=448), W1)
+    d = p.select(req("r", 512, shared=448), fleet, NOW)
+    assert d is not None and d.worker_id == W1  # R: PT(64, 448) vs PT(512, 0) on w0
+
+
+def test_large_anticipated_decode_load_loses_a_long_request() -> None:
+    # w0 holds 1984 of r's 2048 tokens but has 4 long decodes ahead; w1 is idle and holds nothing
+    p, fleet = policy(interference_weight=0.0)
+    holder(p, fleet, req("a", 2048, shared=1984), W0)
+    for i in range(4):
+        dispatch(p, fleet, req(f"x{i}", 512, predicted=2000), W0, running=True)
+    long_req = req("r", 2048, shared=1984, predicted=1000)
+    t = terms(p, fleet, long_req)
+    # w1 pays 0.124 − 0.025 = 0.1 s more prefill; w0's co-residency: 4 × 1000 shared iterations both ways
+    assert t[W1].prefill_s - t[W0].prefill_s == pytest.approx(0.1243109 - 0.0246766, abs=1e-6)
+    assert t[W0].decode_co_s > 1.0 > t[W1].decode_co_s == 0.0
+    assert p.select(long_req, fleet, NOW).worker_id == W1
+    # without the decode term the prefix wins
+    p2, fleet2 = policy(interference_weight=0.0, decode_weight=0.0)
+    holder(p2, fleet2, req("a", 2048, shared=1984), W0)
+    for i in range(4):
+        dispatch(p2, fleet2, req(f"x{i}", 512, predicted=2000), W0, running=True)
+    assert p2.select(long_req, fleet2, NOW).worker_id == W0
+
+
+def test_overflow_makes_a_worker_over_t_mem_lose() -> None:
+    # both workers run one request; w0's is large (peak 0.86 > T_mem with r), w1's small; w0 holds 320 of r's
+    # 400 tokens, so without the overflow term w0 is cheaper (PT(80, 320) < PT(400, 0), both below the knee)
+    def setup(**cfg: object) -> tuple[Switchyard, Fleet]:
+        p, fleet = policy(
+            kv_capacity_blocks=100, queue_weight=0.0, decode_weight=0.0, interference_weight=0.0, **cfg
+        )
+        holder(p, fleet, req("a", 400, shared=320), W0)
+        dispatch(p, fleet, req("x", 1200, predicted=200), W0, running=True)
+        dispatch(p, fleet, req("y", 64, predicted=200), W1, running=True)
+        return p, fleet
+
+    ctx = req("r", 400, shared=320, predicted=50)
+    p, fleet = setup()
+    t = terms(p, fleet, ctx)
+    # w0: (1200 + 49) + (80 private + 49) = 1378 tokens at j = 49 → 98 over 1280; w1: 64 + 49 + 400 + 49 = 562
+    assert (t[W0].peak_frac, t[W1].peak_frac) == (pytest.approx(1378 / 1600), pytest.approx(562 / 1600))
+    assert t[W0].overflow_s == pytest.approx(98 / 1200 * COST.prefill_s(1200, 0))
+    assert t[W0].overflow_s > t[W1].prefill_s - t[W0].prefill_s > 0  # the penalty outweighs the cached prefix
+    assert p.select(ctx, fleet, NOW).worker_id == W1
+    p0, fleet0 = setup(overflow_weight=0.0)
+    assert p0.select(ctx, fleet0, NOW).worker_id == W0
+
+
+def test_select_does_not_mutate_state() -> None:
+    p, fleet = policy(kv_capacity_blocks=100)
+    ctx = _loaded(p, fleet)
+    probe = req("probe", 300, predicted=80)
+    before = (
+        terms(p, fleet, probe),
+        {w: p.tracker.anticipator(w).load_tokens(100) for w in (W0, W1)},
+        p.outstanding[W0].queued_s,
+        len(p.reqs),
+        p.tree.match(ctx.block_hashes).matched_blocks,
+        p._turn,
+    )
+    d1 = p.select(ctx, fleet, NOW)
+    d2 = p.select(ctx, fleet, NOW)
+    after = (
+        terms(p, fleet, probe),
+        {w: p.tracker.anticipator(w).load_tokens(100) for w in (W0, W1)},
+        p.outstanding[W0].queued_s,
+        len(p.reqs),
+        p.tree.match(ctx.block_hashes).matched_blocks,
+        p._turn,
+    )
+    assert d1 == d2
+    assert before == after
+
+
+def test_unknown_length_uses_the_fallback_and_returns_it() -> None:
+    p, fleet = policy()
+    d = p.select(req("r0", 512, predicted=None), fleet, NOW)
+    assert d is not None and d.predicted_output_tokens == 256  # LengthFallback's prior
+    p.on_dispatch(req("r0", 512, predicted=None), d, NOW)
+    p.on_first_token("r0", d.worker_id, NOW)
+    p.on_finish("r0", d.worker_id, NOW, 40)
+    # one observation in r0's bucket (weight 1 of 3): round(1/3 × 40 + 2/3 × 256) = 184
+    assert p.select(req("r1", 512, predicted=None), fleet, NOW).predicted_output_tokens == 184
+    assert p.select(req("r2", 512, predicted=77), fleet, NOW).predicted_output_tokens == 77
+
+
+def test_finish_and_abort_release_the_anticipated_load() -> None:
+    p, fleet = policy()
+    dispatch(p, fleet, req("x", 512, predicted=100), W0, running=True)
+    dispatch(p, fleet, req("y", 512, predicted=100), W0)
+    assert terms(p, fleet, req("r"))[W0].decode_co_s > 0
+    p.on_finish("x", W0, NOW, 100)
+    p.on_abort("y", W0, NOW)
+    t = terms(p, fleet, req("r"))[W0]
+    assert t.decode_co_s == t.queue_s == t.interference_s == 0.0
+    assert not p.reqs and p.tracker.remaining_decode_tokens(W0) == 0
+
+
+def test_runs_in_the_simulator() -> None:
+    trace = make_workload(
+        WorkloadSpec(
+            arrival="poisson",
+            rate=20.0,
+            num_requests=60,
+            prompt_len="400",
+            output_len="8",
+            prefix_groups=3,
+            prefix_len=320,
+        ),
+        seed=1,
+    )
+    res = Simulator(trace, SimConfig(policy="switchyard", num_workers=2, predictor="oracle")).run()
+    assert all(r.status == "ok" and r.finish_s > 0 for r in res.records)
+    hits = sum(s.prefix_cache_hits for s in res.engine_stats)
+    queries = sum(s.prefix_cache_queries for s in res.engine_stats)
+    assert hits / queries > 0.6  # 320 of 400 tokens shared by 3 groups: the holders keep their groups
+
+
+def _stored(ctx: RoutingContext, seq: int = 1):  # noqa: ANN202 - KvEventBatch
+    from switchyard.workers.engine.kv_events import BlockStored, KvEventBatch
+
+    n = len(ctx.block_hashes)
+    return KvEventBatch(seq, NOW, (BlockStored(ctx.block_hashes, None, ctx.prompt_token_ids[: n * 16], 16),))
