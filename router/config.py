@@ -17,6 +17,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from switchyard.router.policies.registry import DEFAULT_POLICY
+
 ENV_PREFIX = "SWITCHYARD_"
 
 
@@ -58,7 +60,7 @@ class WorkersConfig(_Section):
 
 
 class RoutingConfig(_Section):
-    policy: str = "least_request"  # a key of router.policies.registry.POLICIES
+    policy: str = DEFAULT_POLICY  # a key of router.policies.registry.POLICIES
     tick_interval_ms: int = Field(default=100, gt=0)  # Policy.on_tick period
 
 

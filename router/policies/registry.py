@@ -41,7 +41,7 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     **SWITCHYARD_ABLATIONS,
 }
 
-DEFAULT_POLICY = "least_request"
+DEFAULT_POLICY = "switchyard"  # README "Switchyard's default policy": measured against e2, smg_cache_aware, least_request
 
 
 def make_policy(name: str) -> Policy:

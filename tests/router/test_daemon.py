@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from switchyard.router.client import AsyncRouterClient
 from switchyard.router.config import load_config
 from switchyard.router.policies.base import WorkerId
+from switchyard.router.policies.registry import DEFAULT_POLICY
 from switchyard.router.server import RouterDaemon
 from switchyard.v1 import common_pb2
 from switchyard.workers.tokenizer import load_tokenizer
@@ -76,7 +77,7 @@ async def test_streaming_generate_end_to_end() -> None:
         assert w.received[0].sampling.max_tokens == 5
         assert sample(daemon, "switchyard_requests_total", model="m", worker="w0", status="ok") == 1
         assert sample(daemon, "switchyard_ttft_seconds_count", model="m") == 1
-        assert sample(daemon, "switchyard_routing_decision_seconds_count", policy="least_request") == 1
+        assert sample(daemon, "switchyard_routing_decision_seconds_count", policy=DEFAULT_POLICY) == 1
         await until(lambda: daemon.fleet.get(WorkerId("w0")).in_flight == 0)  # type: ignore[union-attr]
 
 

@@ -19,7 +19,7 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_defaults() -> None:
     c = load_config(environ={})
     assert (c.server.host, c.server.admin_host) == ("127.0.0.1", "127.0.0.1")
-    assert c.routing.policy == "least_request"
+    assert c.routing.policy == "switchyard"
     assert c.workers.stats_interval_s == 0.2
     assert c.queue.kv_usage_hold_frac == 0.95
     assert c.workers.addresses == ()
