@@ -89,7 +89,7 @@ class PredictorConfig(_Section):
 
     model: str = "auto"  # a predictor name under the data dir, a path, "auto" (the default one if trained) or "none"
     threads: int = Field(default=1, ge=1)  # ONNX Runtime intra-op threads of the one predictor thread
-    max_batch: int = Field(default=16, ge=1)  # requests per inference call
+    max_batch: int = Field(default=0, ge=0)  # requests per inference call; 0 = auto (1 on CPU, 16 on a GPU)
     max_wait_ms: float = Field(default=0.0, ge=0)  # 0: a batch is what queued while the previous one ran
     timeout_ms: float = Field(default=50.0, gt=0)  # from admission; past it the fallback answers
     prefer_client_hint: bool = True  # a request's predicted_output_tokens_hint beats the model (old behaviour)

@@ -342,3 +342,10 @@ async def test_a_named_predictor_that_cannot_load_stops_startup(tmp_path: Path) 
         async with stack(w, model=str(tmp_path / "missing")):
             pass
     await w.stop()
+
+
+def test_auto_max_batch_is_one_on_cpu_and_batches_on_a_gpu() -> None:
+    from switchyard.router.predictor.service import auto_max_batch
+
+    assert auto_max_batch(["CPUExecutionProvider"]) == 1
+    assert auto_max_batch(["CUDAExecutionProvider", "CPUExecutionProvider"]) == 16
