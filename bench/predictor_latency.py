@@ -23,7 +23,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-PREDICTOR_NAMES = ("sharegpt-teacher", "sharegpt-teacher-int8", "sharegpt-student", "sharegpt-student-int8")
+from switchyard.router.predictor.paths import PREDICTOR_NAMES
+
 PRESERVE_MS = 35.9  # spec §4.5, per request, hardware not stated
 GOAL_P50_MS = 5.0
 

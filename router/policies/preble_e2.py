@@ -302,19 +302,23 @@ class PrebleE2(Policy):
             key=lambda wi: (costs[wi[0].worker_id].total_s, (wi[1] - self._turn) % n),
         )[0]
 
+    def match(self, ctx: RoutingContext, pool: list[WorkerView]) -> tuple[Any, dict[WorkerId, int], list[Any]]:
+        """(tree match or None, per-worker cached leading blocks, matched path) of a request's prompt."""
+        hashes = ctx.block_hashes
+        m = self.tree.match(hashes) if hashes else None
+        cached = {w.worker_id: self._cached_blocks(w.worker_id, m, hashes) if m else 0 for w in pool}
+        return m, cached, m.path if m else []
+
     def select(self, ctx: RoutingContext, fleet: FleetView, now: float) -> Decision | None:
         pool = candidates(ctx, fleet)
         if not pool:
             return None
         self._remember(fleet, pool, ctx.model)
-        hashes = ctx.block_hashes
-        m = self.tree.match(hashes) if hashes else None
-        cached = {w.worker_id: self._cached_blocks(w.worker_id, m, hashes) if m else 0 for w in pool}
+        m, cached, path = self.match(ctx, pool)
         best_blocks = max(cached.values())
         bs = pool[0].block_size
         cached_len = min(best_blocks * bs, ctx.num_prompt_tokens)
         missed_len = ctx.num_prompt_tokens - cached_len
-        path = m.path if m else []
         if cached_len > missed_len:
             key, key_end = self._key_end(path, best_blocks)
             ks = self._exploit_set(key, key_end, pool, cached, now)

@@ -367,10 +367,7 @@ class Switchyard(PrebleE2):
         if not pool:
             return None
         self._remember(fleet, pool, ctx.model)
-        hashes = ctx.block_hashes
-        m = self.tree.match(hashes) if hashes else None
-        cached = {w.worker_id: self._cached_blocks(w.worker_id, m, hashes) if m else 0 for w in pool}
-        path = m.path if m else []
+        m, cached, path = self.match(ctx, pool)
         why = "argmin"
         if self.sy.placement == "e2":
             best_blocks = max(cached.values())

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from switchyard.router.predictor.paths import predictor_path, predictors_dir
+from switchyard.router.predictor.paths import PREDICTOR_NAMES, predictor_path, predictors_dir
 
-PREDICTOR_NAMES = ("sharegpt-teacher", "sharegpt-teacher-int8", "sharegpt-student", "sharegpt-student-int8")
 ACC_KS = (25, 50, 100)
 PRESERVE_TABLE2 = {  # spec §4.4, ShareGPT test split, lengths up to 4096: MAE, Acc-25, Acc-50, Acc-100 (%)
     "PreServe (paper)": (78.25, 56.77, 68.79, 77.95),

@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 
 DEFAULT_PREDICTOR = "sharegpt-student-int8"
+# What `switchyard predictor train` exports (teacher and distilled student, fp32 and int8).
+PREDICTOR_NAMES = ("sharegpt-teacher", "sharegpt-teacher-int8", "sharegpt-student", "sharegpt-student-int8")
 
 
 def cache_dir() -> Path:
