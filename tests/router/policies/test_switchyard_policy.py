@@ -405,3 +405,49 @@ def _stored(ctx: RoutingContext, seq: int = 1):  # noqa: ANN202 - KvEventBatch
 
     n = len(ctx.block_hashes)
     return KvEventBatch(seq, NOW, (BlockStored(ctx.block_hashes, None, ctx.prompt_token_ids[: n * 16], 16),))
+
+
+@pytest.mark.parametrize(
+    ("prefix_groups", "predictor", "rate"),
+    [(4, "oracle", 60.0), (0, "oracle", 60.0), (4, "fallback", 60.0), (8, "oracle", 10.0)],
+    ids=["prefix", "no_prefix", "fallback", "tool_calls"],
+)
+def test_pruned_select_picks_what_pricing_every_worker_picks(
+    prefix_groups: int, predictor: str, rate: float
+) -> None:
+    """Branch and bound is exact: a 6-worker run routes every request as the unpruned reference does."""
+    tools = rate < 20  # toolbench-like: long shared prompts, short answers
+    trace = make_workload(
+        WorkloadSpec(
+            arrival="poisson",
+            rate=rate,
+            num_requests=300,
+            prompt_len="lognormal:2000:0.3" if tools else "lognormal:600:0.6",
+            output_len="lognormal:30:0.5" if tools else "lognormal:120:0.8",
+            prefix_groups=prefix_groups,
+            prefix_len=(1600 if tools else 400) if prefix_groups else 0,
+        ),
+        seed=3,
+    )
+    picks = {}
+    priced = {}
+    for prune in (True, False):
+        pol = Switchyard(SwitchyardConfig(prune=prune))
+        calls = 0
+        terms_fn = pol.terms
+
+        def counting(*a, _f=terms_fn, **k):  # noqa: ANN002, ANN003, ANN202
+            nonlocal calls
+            calls += 1
+            return _f(*a, **k)
+
+        pol.terms = counting  # type: ignore[method-assign]
+        cfg = SimConfig(policy="switchyard", num_workers=6, predictor=predictor)
+        res = Simulator(trace, cfg, policy=pol).run()
+        picks[prune] = [(r.request_id, r.worker_id) for r in res.records]
+        priced[prune] = calls
+    assert picks[True] == picks[False]
+    assert priced[False] == 6 * len(trace.requests)
+    assert priced[True] < priced[False]
+    if tools:  # the point of it: where misses are dear, the bounds (R above all) cut most of the pricing
+        assert priced[True] < priced[False] / 2
