@@ -127,4 +127,6 @@ class Policy:
 
 def candidates(ctx: RoutingContext, fleet: FleetView) -> list[WorkerView]:
     """The routable workers for `ctx.model`, minus those that already failed this request."""
+    if not ctx.excluded_workers:  # the common case, a first attempt: nothing to filter (a hot path)
+        return list(fleet.routable(ctx.model))
     return [w for w in fleet.routable(ctx.model) if w.worker_id not in ctx.excluded_workers]

@@ -21,9 +21,9 @@ Two sources, chosen per worker by `preble_e2` from the worker's `WorkerInfo.perf
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
-from typing import Protocol
+from typing import Any, Protocol
 
 from switchyard.workers.engine.perf_model import PerfProfile, pairs_for_prompt
 from switchyard.workers.engine.profiles import DEFAULT_PROFILE, PROFILES, get_profile
@@ -35,21 +35,55 @@ class CostModel(Protocol):
     def decode_marginal_s(self, num_tokens: float, context_tokens: float) -> float: ...
 
 
+MEMO_MAX_ENTRIES = 4096  # per ProfileCost memo; cleared when full
+
+
+def _memo_put(memo: dict[Any, float], key: Any, value: float) -> float:
+    if len(memo) >= MEMO_MAX_ENTRIES:
+        memo.clear()
+    memo[key] = value
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class ProfileCost:
-    """PREFILLTIME / DECODETIME from a fitted iteration-time profile (single-request batches)."""
+    """PREFILLTIME / DECODETIME from a fitted iteration-time profile (single-request batches).
+
+    NOTE: the iteration-time evaluations are memoised (bounded): E2 repeats them with the same arguments across
+    the workers of one select (the same R on every worker with the same cached prefix) and across selects (the
+    same eviction victims, the same H averages until a hook changes them). They are pure functions of their
+    arguments, so the memo is exact.
+    """
 
     profile: PerfProfile
+    # (missed, cached) -> PREFILLTIME; C -> one decode iteration; C -> the marginal decode increment
+    _prefill_memo: dict[tuple[int, int], float] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _step_memo: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _marginal_memo: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def prefill_s(self, missed_tokens: int, cached_tokens: int) -> float:
-        e = max(0, missed_tokens)
-        return self.profile.iteration_time_s(e, pairs_for_prompt(e, max(0, cached_tokens)), 0, 0)
+        key = (missed_tokens, cached_tokens)
+        r = self._prefill_memo.get(key)
+        if r is None:
+            e = max(0, missed_tokens)
+            r = _memo_put(
+                self._prefill_memo,
+                key,
+                self.profile.iteration_time_s(e, pairs_for_prompt(e, max(0, cached_tokens)), 0, 0),
+            )
+        return r
 
     def decode_s(self, num_tokens: float, context_tokens: float) -> float:
         if num_tokens <= 0:
             return 0.0
         # iteration_time is linear in C, so one call at the mean context prices n tokens of growing context
-        return num_tokens * self.profile.iteration_time_s(0, 0, 1, int(context_tokens))
+        c = int(context_tokens)
+        step = self._step_memo.get(c)
+        if step is None:
+            step = _memo_put(self._step_memo, c, self.profile.iteration_time_s(0, 0, 1, c))
+        return num_tokens * step
 
     def decode_marginal_s(self, num_tokens: float, context_tokens: float) -> float:
         """GPU time n decode tokens add to iterations that run anyway (continuous batching): the increment of one
@@ -57,8 +91,11 @@ class ProfileCost:
         if num_tokens <= 0:
             return 0.0
         c = int(context_tokens)
-        it = self.profile.iteration_time_s
-        return num_tokens * max(0.0, it(0, 0, 2, 2 * c) - it(0, 0, 1, c))
+        inc = self._marginal_memo.get(c)
+        if inc is None:
+            it = self.profile.iteration_time_s
+            inc = _memo_put(self._marginal_memo, c, max(0.0, it(0, 0, 2, 2 * c) - it(0, 0, 1, c)))
+        return num_tokens * inc
 
 
 @cache

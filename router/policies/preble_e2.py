@@ -92,6 +92,7 @@ from switchyard.router.policies.preble_load import (
     HistoryEntry,
     HitRatioWindow,
     LruIndex,
+    MovedLoad,
     NodeStats,
     Outstanding,
     WorkerHistory,
@@ -196,7 +197,7 @@ class PrebleE2(Policy):
         self.resident_count: dict[WorkerId, int] = {}  # blocks resident per events
         self.resident_nodes: dict[WorkerId, set[Any]] = {}  # nodes with a resident run (lru_victims' input)
         self.lru: dict[WorkerId, LruIndex] = {}  # per worker: M's eviction order, kept by the hooks (`_touch`)
-        self.transfers: deque[tuple[float, WorkerId, float]] = deque()  # (t, worker, Δload s) from rebalancing
+        self.moved_load = MovedLoad()  # per worker: (t, Δload s) from rebalancing and replication
         self.dirty_ttft: dict[tuple[int, WorkerId], Any] = {}  # (id(key node), worker) -> node: new TTFT samples
         self.in_flight: dict[str, _InFlight] = {}
         self.outstanding: dict[WorkerId, Outstanding] = {}
@@ -212,19 +213,16 @@ class PrebleE2(Policy):
     # ------------------------------------------------------------------------------------------ cost model
     def cost_model(self, w: WorkerId) -> CostModel:
         facts = self._facts.get(w)
-        base = profile_cost(self.cfg.default_profile)
-        if facts is None:
-            return base
-        if facts.perf_profile:
+        if facts is not None and facts.perf_profile:
             return profile_cost(facts.perf_profile)
-        return self.fits.get(w) or base
+        fit = self.fits.get(w) if facts is not None else None
+        return fit or profile_cost(self.cfg.default_profile)
 
     def load_s(self, w: WorkerId, now: float) -> float:
         """L_i: the history sum plus what rebalancing moved within H."""
         h = self.history.get(w)
         base = h.load_s(now, self.cost_model(w), self.cfg.decode_pricing == "marginal") if h is not None else 0.0
-        cutoff = now - self.cfg.history_window_s
-        return base + sum(d for t, x, d in self.transfers if x == w and t >= cutoff)
+        return base + self.moved_load.sum_s(w, now - self.cfg.history_window_s)
 
     def _cached_blocks(self, w: WorkerId, m: Any, hashes: tuple[int, ...]) -> int:
         """max(resident run, assigned run cut at the first block evicted since assignment)."""
@@ -258,6 +256,23 @@ class PrebleE2(Policy):
         return self._key_end(m.path, m.matched_blocks)[0]
 
     def loadcost(self, w: WorkerView, ctx: RoutingContext, cached_blocks: int, path: list[Any], now: float) -> Cost:
+        """LOADCOST(w) = L + M + R (+ Q) of R_k (see the module docstring)."""
+        return self._loadcost(w, ctx, cached_blocks, now, {id(n) for n in path})
+
+    def loadcosts(
+        self, ws: list[WorkerView], ctx: RoutingContext, cached: dict[WorkerId, int], path: list[Any], now: float
+    ) -> dict[WorkerId, Cost]:
+        """`loadcost` of every worker in `ws`, in order (the path's node ids, never victims, are collected once)."""
+        protected = {id(n) for n in path}
+        out: dict[WorkerId, Cost] = {}
+        for w in ws:
+            wid = w.worker_id
+            out[wid] = self._loadcost(w, ctx, cached[wid], now, protected)
+        return out
+
+    def _loadcost(
+        self, w: WorkerView, ctx: RoutingContext, cached_blocks: int, now: float, protected: set[int]
+    ) -> Cost:
         wid = w.worker_id
         cost = self.cost_model(wid)
         bs = w.block_size
@@ -272,7 +287,7 @@ class PrebleE2(Policy):
             evict = need if self.cfg.assume_full else need - max(0, cap - used)
             if evict > 0:
                 idx = self.lru.get(wid)
-                victims = idx.victims(wid, evict, {id(n) for n in path}) if idx is not None else []
+                victims = idx.victims(wid, evict, protected) if idx is not None else []
                 m = eviction_cost_s(victims, wid, now, self.cfg.node_window_s, bs, cost, self.cfg.eviction_cost)
         sig = self.cfg.load_signal
         load = self.load_s(wid, now) if sig != "outstanding" else 0.0
@@ -296,18 +311,38 @@ class PrebleE2(Policy):
                 )
 
     def _argmin(self, pool: list[WorkerView], costs: dict[WorkerId, Cost]) -> WorkerView:
-        n = len(pool)
-        return min(
-            ((w, i) for i, w in enumerate(pool) if w.worker_id in costs),
-            key=lambda wi: (costs[wi[0].worker_id].total_s, (wi[1] - self._turn) % n),
-        )[0]
+        """The first pool worker (in `costs`) with the lowest (cost, rotated index); `min`'s rule, as a loop."""
+        n, turn = len(pool), self._turn
+        best: WorkerView | None = None
+        best_key: tuple[float, int] = (0.0, 0)
+        for i, w in enumerate(pool):
+            c = costs.get(w.worker_id)
+            if c is None:
+                continue
+            key = (c.total_s, (i - turn) % n)
+            if best is None or key < best_key:
+                best, best_key = w, key
+        if best is None:
+            raise ValueError("_argmin: no pool worker has a cost")
+        return best
 
     def match(self, ctx: RoutingContext, pool: list[WorkerView]) -> tuple[Any, dict[WorkerId, int], list[Any]]:
         """(tree match or None, per-worker cached leading blocks, matched path) of a request's prompt."""
         hashes = ctx.block_hashes
-        m = self.tree.match(hashes) if hashes else None
-        cached = {w.worker_id: self._cached_blocks(w.worker_id, m, hashes) if m else 0 for w in pool}
-        return m, cached, m.path if m else []
+        cached: dict[WorkerId, int] = dict.fromkeys((w.worker_id for w in pool), 0)
+        if not hashes:
+            return None, cached, []
+        m = self.tree.match(hashes)
+        # NOTE: exact shortcuts of `_cached_blocks` (= max(r, a cut at an evicted block), r and a 0 when the match
+        # does not name the worker): a worker in neither run map has 0, one whose assigned run a <= r has r; only
+        # the rest need the evicted-block check. `cached` keeps the pool's order either way.
+        for wid, r in m.resident_blocks.items():
+            if wid in cached:
+                cached[wid] = r
+        for wid, a in m.assigned_blocks.items():
+            if wid in cached and a > cached[wid]:
+                cached[wid] = self._cached_blocks(wid, m, hashes)
+        return m, cached, m.path
 
     def select(self, ctx: RoutingContext, fleet: FleetView, now: float) -> Decision | None:
         pool = candidates(ctx, fleet)
@@ -326,7 +361,7 @@ class PrebleE2(Policy):
                 if len(ks) == 1:
                     pick, why, costs = ks[0], "exploit only holder", {}
                 else:
-                    costs = {w.worker_id: self.loadcost(w, ctx, cached[w.worker_id], path, now) for w in ks}
+                    costs = self.loadcosts(ks, ctx, cached, path, now)
                     pick, why = self._argmin(ks, costs), "exploit"
                 if not self.cfg.exploit_overflow:
                     return self._decide(ctx, pick, why, cached_len, missed_len, costs)
@@ -345,12 +380,12 @@ class PrebleE2(Policy):
                     costs = {}
                 else:  # the lightest of the decode-heavy workers
                     sub = [x[2] for x in over_r]
-                    costs = {v.worker_id: self.loadcost(v, ctx, cached[v.worker_id], path, now) for v in sub}
+                    costs = self.loadcosts(sub, ctx, cached, path, now)
                     w = self._argmin(sub, costs)
                     ratio = self._ratio(w.worker_id, now)
                 return self._decide(ctx, w, f"explore P/D ratio={ratio:.2f}>{self.cfg.imbalance_ratio}",
                                     cached_len, missed_len, costs)
-        costs = {w.worker_id: self.loadcost(w, ctx, cached[w.worker_id], path, now) for w in pool}
+        costs = self.loadcosts(pool, ctx, cached, path, now)
         return self._decide(ctx, self._argmin(pool, costs), "explore", cached_len, missed_len, costs)
 
     def _overflow(
@@ -369,7 +404,7 @@ class PrebleE2(Policy):
             return None
         mine = self.loadcost(pick, ctx, cached[pick.worker_id], path, now)
         mine_wait = self.queue_s(pick.worker_id) + mine.evict_s + mine.prefill_s
-        alt_costs = {w.worker_id: self.loadcost(w, ctx, cached[w.worker_id], path, now) for w in others}
+        alt_costs = self.loadcosts(others, ctx, cached, path, now)
         waits = {k: self.queue_s(k) + c.evict_s + c.prefill_s for k, c in alt_costs.items()}
         n = len(pool)
         idx = {w.worker_id: i for i, w in enumerate(pool)}
@@ -389,16 +424,20 @@ class PrebleE2(Policy):
     def _exploit_set(
         self, key: Any, key_end: int, pool: list[WorkerView], cached: dict[WorkerId, int], now: float
     ) -> list[WorkerView]:
+        if key is None:
+            return []
+        st = key.stats
+        if not (isinstance(st, NodeStats) and (st.redirect or st.replicas)):
+            # no redirect or replica to apply: the holders themselves, in pool order (unique ids, no dedupe)
+            return [w for w in pool if cached[w.worker_id] >= key_end]
         by_id = {w.worker_id: w for w in pool}
-        ks = [w.worker_id for w in pool if key is not None and cached[w.worker_id] >= key_end]
-        st = key.stats if key is not None else None
-        if isinstance(st, NodeStats):
-            for i, wid in enumerate(ks):
-                light, until = st.redirect.get(wid, ("", -1.0))
-                if until >= now and light in by_id:
-                    ks[i] = WorkerId(light)  # rebalanced: future exploit traffic of this node goes light
-            if ks:  # replicas only widen an existing holder set
-                ks += [WorkerId(r) for r, until in st.replicas.items() if until >= now and r in by_id]
+        ks = [wid for wid in by_id if cached[wid] >= key_end]
+        for i, wid in enumerate(ks):
+            light, until = st.redirect.get(wid, ("", -1.0))
+            if until >= now and light in by_id:
+                ks[i] = WorkerId(light)  # rebalanced: future exploit traffic of this node goes light
+        if ks:  # replicas only widen an existing holder set
+            ks += [WorkerId(r) for r, until in st.replicas.items() if until >= now and r in by_id]
         return [by_id[w] for w in dict.fromkeys(ks)]
 
     def _decide(
@@ -574,16 +613,14 @@ class PrebleE2(Policy):
         for d in (self.history, self.hit_ratio, self.fits, self.evicted, self.resident_count, self.resident_nodes,
                   self.lru, self._facts, self.outstanding):
             d.pop(worker_id, None)  # type: ignore[attr-defined]
-        self.transfers = deque(x for x in self.transfers if x[1] != worker_id)
+        self.moved_load.drop(worker_id)
 
     def on_tick(self, now: float) -> None:
         for h in self.history.values():
             h.expire(now)
         for hw in self.hit_ratio.values():
             hw.expire(now)
-        cutoff = now - self.cfg.history_window_s
-        while self.transfers and self.transfers[0][0] < cutoff:
-            self.transfers.popleft()
+        self.moved_load.expire(now - self.cfg.history_window_s)
         if self.cfg.enable_replication and self.dirty_ttft:
             maybe_replicate(self, now)
         if self.cfg.enable_rebalancing and now >= self._next_rebalance:

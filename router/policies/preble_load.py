@@ -111,6 +111,38 @@ def load_from_sums(
     return max(0.0, sum_prefill_s) + n * f(sum_decode / n, sum_prompt / n + sum_decode / (2 * n))
 
 
+class MovedLoad:
+    """Load that rebalancing and replication moved within H (§5.4-5.5), per worker: (t, Δ s), + onto the worker,
+    − off it. Kept per worker (not one shared list) so that L_i reads only worker i's moves: every LOADCOST reads
+    it, and a busy fleet holds hundreds of moves in H."""
+
+    __slots__ = ("by_worker",)
+
+    def __init__(self) -> None:
+        self.by_worker: dict[str, deque[tuple[float, float]]] = {}
+
+    def add(self, now: float, worker: str, delta_s: float) -> None:
+        dq = self.by_worker.get(worker)
+        if dq is None:
+            dq = self.by_worker[worker] = deque()
+        dq.append((now, delta_s))
+
+    def sum_s(self, worker: str, cutoff: float) -> float:
+        """Σ Δ s moved onto the worker since `cutoff` (0 when none), summed in the order the moves were made."""
+        dq = self.by_worker.get(worker)
+        return sum(d for t, d in dq if t >= cutoff) if dq else 0
+
+    def expire(self, cutoff: float) -> None:
+        for w, dq in list(self.by_worker.items()):
+            while dq and dq[0][0] < cutoff:
+                dq.popleft()
+            if not dq:
+                del self.by_worker[w]
+
+    def drop(self, worker: str) -> None:
+        self.by_worker.pop(worker, None)
+
+
 # ---------------------------------------------------------------------------------------------- DECODERATIO
 class HitRatioWindow:
     """Windowed prefix hit ratio of one worker: Σ hit tokens / Σ prompt tokens over dispatches in the last
@@ -157,6 +189,16 @@ def count_since(dq: deque[tuple[float, float]], cutoff: float) -> tuple[int, flo
     if n:
         s = sum(v for _, v in dq) - skipped
     return n, s
+
+
+def num_since(dq: deque[tuple[float, float]], cutoff: float) -> int:
+    """`count_since`'s count alone: only the expired head is walked, O(expired) instead of O(len)."""
+    n = len(dq)
+    for t, _ in dq:
+        if t >= cutoff:
+            break
+        n -= 1
+    return n
 
 
 @dataclass(slots=True)
@@ -273,10 +315,11 @@ def eviction_cost_s(
         dq = st.hits.get(worker) if isinstance(st, NodeStats) else None
         if not dq:
             continue
-        count, sum_pt = count_since(dq, cutoff)
         if mode == "alg2":
-            m += sum_pt
-        elif count:
+            m += count_since(dq, cutoff)[1]
+            continue
+        count = num_since(dq, cutoff)  # "text" needs only N_j, not Σ PT
+        if count:
             keep = node.resident.get(worker, 0) - nblocks
             ctx_tokens = (node.context_blocks + keep) * block_size
             m += cost.prefill_s(nblocks * block_size, ctx_tokens) * count
@@ -355,10 +398,11 @@ class LruIndex:
     `touch(nodes)` reconciles the given nodes for every tracked worker after any tree change that can alter
     their residency, parent or last_access; the hooks pass every node such a change can reach.
 
-    `victims` is read-only: it walks the heap array in key order (a side heap over indices) merged with the
-    parents the simulated evictions unlock, so it visits O(k + protected) entries for k victims, and returns
-    exactly what `lru_victims` returns over the same resident set. Protected nodes (the request's own path,
-    which is ancestor-closed) are skipped; their ancestors are protected too, so nothing they would unlock counts.
+    `victims` is read-only: it pops a private copy of the heap (an O(N) copy in C, then O(log N) per entry), into
+    which it pushes the parents the simulated evictions unlock, so it visits O(k + protected + stale) entries for
+    k victims, and returns exactly what `lru_victims` returns over the same resident set. Protected nodes (the
+    request's own path, which is ancestor-closed) are skipped; their ancestors are protected too, so nothing they
+    would unlock counts. The hooks keep the heap's top live (`_prune`), so few stale entries precede the victims.
     """
 
     __slots__ = ("entries", "held", "heap", "keyed")
@@ -390,6 +434,7 @@ class LruIndex:
         if old is not None:
             if res and old[1] is parent:
                 self._consider(node)  # only last_access can have moved
+                self._prune()
                 return
             op = old[1]
             if op is not None:
@@ -407,29 +452,39 @@ class LruIndex:
         else:
             del self.entries[k]
         self._consider(node)
-        if len(self.heap) > 2 * len(self.keyed) + 64:
-            self.heap = [e for e in self.heap if self.keyed.get(e[1]) == e[0]]
+        self._prune()
+
+    def _prune(self) -> None:
+        """Drop stale heap entries: all of them once they dominate, else those on top.
+
+        NOTE: a stale entry keeps its node's earlier (smaller) last_access, so stale entries gather at the top,
+        and `victims`, which is read-only and walks the array in key order, would step over every one of them
+        on each call. Popping them here keeps the top live. Exact: `victims` skips stale entries anyway.
+        """
+        heap, keyed = self.heap, self.keyed
+        if len(heap) > 2 * len(keyed) + 64:
+            self.heap = [e for e in heap if keyed.get(e[1]) == e[0]]
             heapq.heapify(self.heap)
+            return
+        while heap and keyed.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)
 
     def victims(self, worker: Any, need_blocks: int, protected: set[int]) -> list[tuple[Any, int]]:
-        heap, keyed, entries, held = self.heap, self.keyed, self.entries, self.held
+        keyed, entries, held = self.keyed, self.entries, self.held
         out: list[tuple[Any, int]] = []
         left = need_blocks
-        if not heap or left <= 0:
+        if not self.heap or left <= 0:
             return out
-        side: list[tuple[float, int, int, Any]] = [(heap[0][0], heap[0][1], 0, heap[0][2])]
+        # NOTE: entries with equal (last_access, id) hold the same node, so tuple comparison never reaches the
+        # node (identity makes them equal) and popping the copy gives exactly the key order of the candidates.
+        heap = self.heap.copy()
+        unlocked: dict[int, float] = {}  # id -> last_access of a parent this simulation made a candidate
         done: set[int] = set()
         local_held: dict[int, int] = {}
-        n_heap = len(heap)
-        while side and left > 0:
-            la, k, i, n = heapq.heappop(side)
-            if i >= 0:  # an entry of the heap array: queue its children, then check it is live
-                for j in (2 * i + 1, 2 * i + 2):
-                    if j < n_heap:
-                        e = heap[j]
-                        heapq.heappush(side, (e[0], e[1], j, e[2]))
-                if keyed.get(k) != la or k in done:
-                    continue
+        while heap and left > 0:
+            la, k, n = heapq.heappop(heap)
+            if (keyed.get(k) != la and unlocked.get(k) != la) or k in done:
+                continue  # stale (the node left the candidates or was accessed since), or seen already
             done.add(k)
             if k in protected:
                 continue
@@ -444,5 +499,6 @@ class LruIndex:
                     c = local_held.get(kp, held.get(kp, 0)) - 1
                     local_held[kp] = c
                     if c == 0:
-                        heapq.heappush(side, (p.last_access, kp, -1, p))
+                        unlocked[kp] = p.last_access
+                        heapq.heappush(heap, (p.last_access, kp, p))
         return out

@@ -98,8 +98,8 @@ def rebalance(p: PrebleE2, model: str, now: float) -> None:
     loads = {w.worker_id: p.load_s(w.worker_id, now) for w in workers}
     for heavy, light, node, moved_s in plan_rebalance(p, loads, now):
         node.stats.redirect[heavy] = (light, now + p.cfg.history_window_s)
-        p.transfers.append((now, heavy, -moved_s))  # type: ignore[arg-type]
-        p.transfers.append((now, light, moved_s))  # type: ignore[arg-type]
+        p.moved_load.add(now, heavy, -moved_s)
+        p.moved_load.add(now, light, moved_s)
         p.num_redirects += 1
         log.debug("e2 rebalance: key node %r %s -> %s, moved %.3f s of L", node, heavy, light, moved_s)
 
@@ -127,7 +127,7 @@ def maybe_replicate(p: PrebleE2, now: float) -> None:
         st.replicas[light] = now + window
         st.ttft[heavy].clear()  # the detector restarts (the code resets (n, heavy))
         half = node_loads(p, heavy, now).get(id(node), [None, 0, 0.0])[2] / 2  # the code splits the node's cost
-        p.transfers.append((now, heavy, -half))  # type: ignore[arg-type]
-        p.transfers.append((now, light, half))
+        p.moved_load.add(now, heavy, -half)
+        p.moved_load.add(now, light, half)
         p.num_replications += 1
         log.debug("e2 replicate: key node %r hot on %s (TTFT doubled over H): replica on %s", node, heavy, light)

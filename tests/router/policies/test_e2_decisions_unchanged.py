@@ -1,0 +1,216 @@
+"""E2's select shortcuts against the straightforward code they replace: each shortcut must give exactly (bit for
+bit) what the plain version gives, so no decision changes.
+
+A replay of the `bench decisions` model (bench/micro/decisions.py: KV events, first tokens, finishes, Stats and
+ticks in virtual time) with small KV caches, so evictions, eviction pricing, rebalancing redirects and
+replication all happen, runs a `PrebleE2` subclass that recomputes every shortcut the plain way at every select.
+Unit tests cover the per-worker moved-load table and the cost model's memo.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from typing import Any
+
+import pytest
+
+import switchyard.bench.micro.decisions as bench
+from switchyard.ext import radix, radix_py
+from switchyard.router.policies import preble_cost, preble_e2
+from switchyard.router.policies.base import RoutingContext, WorkerId, WorkerView
+from switchyard.router.policies.preble_cost import ProfileCost
+from switchyard.router.policies.preble_e2 import Cost, E2Config, PrebleE2
+from switchyard.router.policies.preble_load import LruIndex, MovedLoad, NodeStats, lru_victims
+from switchyard.workers.engine.perf_model import pairs_for_prompt
+from switchyard.workers.engine.profiles import DEFAULT_PROFILE, get_profile
+
+IMPLS = ["py", pytest.param("c", marks=pytest.mark.c_extension)] if radix.IMPLEMENTATION == "c" else ["py"]
+
+
+class CheckedE2(PrebleE2):
+    """PrebleE2 that asserts, at every select, that each shortcut equals the plain computation."""
+
+    checks: dict[str, int]
+
+    def __init__(self, config: E2Config | None = None) -> None:
+        super().__init__(config)
+        self.checks = {"match": 0, "exploit_set": 0, "argmin": 0, "loadcosts": 0}
+
+    def match(
+        self, ctx: RoutingContext, pool: list[WorkerView]
+    ) -> tuple[Any, dict[WorkerId, int], list[Any]]:
+        m, cached, path = super().match(ctx, pool)
+        hashes = ctx.block_hashes
+        plain = {w.worker_id: self._cached_blocks(w.worker_id, m, hashes) if m else 0 for w in pool}
+        assert list(cached.items()) == list(plain.items())  # same values, same (pool) order
+        self.checks["match"] += 1
+        return m, cached, path
+
+    def _exploit_set(
+        self, key: Any, key_end: int, pool: list[WorkerView], cached: dict[WorkerId, int], now: float
+    ) -> list[WorkerView]:
+        got = super()._exploit_set(key, key_end, pool, cached, now)
+        # the plain version: every holder, redirects applied, replicas added, duplicates dropped
+        by_id = {w.worker_id: w for w in pool}
+        ks = [w.worker_id for w in pool if key is not None and cached[w.worker_id] >= key_end]
+        st = key.stats if key is not None else None
+        if isinstance(st, NodeStats):
+            for i, wid in enumerate(ks):
+                light, until = st.redirect.get(wid, ("", -1.0))
+                if until >= now and light in by_id:
+                    ks[i] = WorkerId(light)
+            if ks:
+                ks += [WorkerId(r) for r, until in st.replicas.items() if until >= now and r in by_id]
+        assert got == [by_id[w] for w in dict.fromkeys(ks)]
+        self.checks["exploit_set"] += 1
+        return got
+
+    def _argmin(self, pool: list[WorkerView], costs: dict[WorkerId, Cost]) -> WorkerView:
+        got = super()._argmin(pool, costs)
+        n = len(pool)
+        plain = min(
+            ((w, i) for i, w in enumerate(pool) if w.worker_id in costs),
+            key=lambda wi: (costs[wi[0].worker_id].total_s, (wi[1] - self._turn) % n),
+        )[0]
+        assert got is plain
+        self.checks["argmin"] += 1
+        return got
+
+    def loadcosts(
+        self,
+        ws: list[WorkerView],
+        ctx: RoutingContext,
+        cached: dict[WorkerId, int],
+        path: list[Any],
+        now: float,
+    ) -> dict[WorkerId, Cost]:
+        got = super().loadcosts(ws, ctx, cached, path, now)
+        plain = {w.worker_id: self.loadcost(w, ctx, cached[w.worker_id], path, now) for w in ws}
+        assert list(got.items()) == list(plain.items())
+        for w in ws:  # and the terms the plain way: R unmemoised, L with the moves summed from scratch
+            c, wid = got[w.worker_id], w.worker_id
+            bs = w.block_size
+            tok = min(cached[wid] * bs, max(0, ctx.num_prompt_tokens - 1))
+            assert c.prefill_s == _plain_prefill_s(self.cost_model(wid), ctx.num_prompt_tokens - tok, tok)
+            if self.cfg.load_signal != "outstanding":
+                assert c.load_s == self.load_s(wid, now)
+        self.checks["loadcosts"] += 1
+        return got
+
+
+def _plain_prefill_s(cost: Any, missed: int, cached: int) -> float:
+    if not isinstance(cost, ProfileCost):
+        return float(cost.prefill_s(missed, cached))
+    e = max(0, missed)
+    return cost.profile.iteration_time_s(e, pairs_for_prompt(e, max(0, cached)), 0, 0)
+
+
+CONFIGS = {
+    "e2": {},
+    "paper_alg2": {
+        "load_signal": "history",
+        "decode_ratio": "hit_ratio",
+        "pd_pick": "argmax",
+        "decode_pricing": "single",
+        "eviction_cost": "alg2",
+    },
+    "overflow_full": {"exploit_overflow": True, "assume_full": True, "key_portion": "longest"},
+    "rebal_eager": {
+        "rebalance_min_requests_per_worker": 1,
+        "rebalance_threshold": 1.05,
+        "replication_ttft_factor": 1.1,
+        "history_window_s": 30.0,
+    },
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("workload", ["videoqa-1500", "toolbench-200"])
+def test_select_shortcuts_equal_plain_code(
+    workload: str, config: str, impl: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """300 requests over 6 workers with caches of 1500 (videoqa, ~620-block prompts) or 300 (toolbench) blocks:
+    every select's match, exploit set, LOADCOSTs, eviction victims and argmin equal the plain versions."""
+    monkeypatch.setattr(preble_e2, "RadixTree", radix_py.RadixTree if impl == "py" else radix.RadixTree)
+    made: list[CheckedE2] = []
+    num_victims = 0
+
+    def checked_victims(
+        idx: LruIndex, worker: Any, need_blocks: int, protected: set[int]
+    ) -> list[tuple[Any, int]]:
+        nonlocal num_victims
+        got = fast_victims(idx, worker, need_blocks, protected)
+        want = lru_victims(worker, made[0].tree.nodes(), need_blocks, protected)  # the full scan
+        assert [(id(n), k) for n, k in got] == [(id(n), k) for n, k in want]
+        num_victims += len(got)
+        return got
+
+    fast_victims = LruIndex.victims
+    monkeypatch.setattr(LruIndex, "victims", checked_victims)
+
+    def make(name: str) -> CheckedE2:
+        made.append(CheckedE2(E2Config(**CONFIGS[config])))
+        return made[-1]
+
+    monkeypatch.setattr(bench, "make_bench_policy", make)
+    wl = bench.WORKLOADS[workload]
+    small = bench.WorkloadDef(wl.name, wl.make, wl.profile, 1500 if workload.startswith("videoqa") else 300)
+    bench.run_one(bench.prepare(small, 300, seed=1), small, "checked", 6)
+    policy = made[0]
+    assert policy.checks["match"] == 300
+    assert policy.checks["loadcosts"] > 0 and policy.checks["argmin"] > 0  # the cost paths ran
+    assert num_victims > 0  # eviction pricing ran
+    if config == "rebal_eager":
+        assert policy.num_redirects > 0  # the exploit set's redirect path ran
+
+
+def test_moved_load_sums_as_one_flat_list() -> None:
+    """`MovedLoad.sum_s` equals summing the flat (t, worker, Δ) list the old code kept, filtered, in order."""
+    rng = random.Random(3)
+    moved, flat = MovedLoad(), deque[tuple[float, str, float]]()
+    workers = ["w0", "w1", "w2"]
+    now = 0.0
+    for _ in range(500):
+        now += rng.random()
+        op = rng.random()
+        if op < 0.6:
+            w, d = rng.choice(workers), rng.uniform(-1, 1) * 10 ** rng.randint(-3, 3)
+            moved.add(now, w, d)
+            flat.append((now, w, d))
+        elif op < 0.8:
+            cutoff = now - 20.0
+            moved.expire(cutoff)
+            while flat and flat[0][0] < cutoff:
+                flat.popleft()
+        elif op < 0.82:
+            w = rng.choice(workers)
+            moved.drop(w)
+            flat = deque(x for x in flat if x[1] != w)
+        for w in workers:
+            cutoff = now - rng.choice([5.0, 20.0, 30.0])
+            assert moved.sum_s(w, cutoff) == sum(d for t, x, d in flat if x == w and t >= cutoff)
+
+
+def test_profile_cost_memo_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memoised PREFILLTIME / DECODETIME equal the iteration-time formulas bit for bit, before and after the
+    memo fills up and is cleared (limit lowered to 8 entries)."""
+    monkeypatch.setattr(preble_cost, "MEMO_MAX_ENTRIES", 8)
+    cost = ProfileCost(get_profile(DEFAULT_PROFILE))
+    it = cost.profile.iteration_time_s
+    rng = random.Random(5)
+    for _ in range(400):
+        missed, cached = rng.randint(-5, 40) * 16, rng.randint(0, 20) * 16
+        n, ctx = rng.choice([0, 0.5, 3.0, 17.25]), rng.uniform(0, 9000)
+        e = max(0, missed)
+        assert cost.prefill_s(missed, cached) == it(e, pairs_for_prompt(e, max(0, cached)), 0, 0)
+        assert cost.decode_s(n, ctx) == (n * it(0, 0, 1, int(ctx)) if n > 0 else 0.0)
+        c = int(ctx)
+        assert cost.decode_marginal_s(n, ctx) == (
+            n * max(0.0, it(0, 0, 2, 2 * c) - it(0, 0, 1, c)) if n > 0 else 0.0
+        )
+        assert len(cost._prefill_memo) <= 8
+    assert cost == ProfileCost(cost.profile) and hash(cost) == hash(
+        ProfileCost(cost.profile)
+    )  # memo not compared
