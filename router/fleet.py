@@ -71,10 +71,10 @@ class WorkerRecord:
     stats_at: float = float("-inf")
     last_kv_seq: int = 0
     _now: float = 0.0
+    worker_id: WorkerId = field(init=False)  # info.worker_id, as a slot: every policy reads it per worker per select
 
-    @property
-    def worker_id(self) -> WorkerId:
-        return self.info.worker_id
+    def __post_init__(self) -> None:
+        self.worker_id = self.info.worker_id
 
     @property
     def model(self) -> str:
@@ -129,6 +129,7 @@ class Fleet:
         self._workers: dict[WorkerId, WorkerRecord] = {}
         self._by_model: dict[str, list[WorkerRecord]] = {}
         self._prefix: dict[str, PrefixIndex] = {}
+        self._routable: dict[str, tuple[WorkerRecord, ...]] = {}  # per model; dropped on any state/health change
         self._now = 0.0
 
     # ------------------------------------------------------------------ FleetView
@@ -136,7 +137,10 @@ class Fleet:
         return self._by_model.get(model, ())
 
     def routable(self, model: str) -> Sequence[WorkerRecord]:
-        return [w for w in self._by_model.get(model, ()) if w.is_routable]
+        got = self._routable.get(model)
+        if got is None:  # recomputed after a membership, state or health change (all of them go through Fleet)
+            got = self._routable[model] = tuple(w for w in self._by_model.get(model, ()) if w.is_routable)
+        return got
 
     def get(self, worker_id: WorkerId) -> WorkerRecord | None:
         return self._workers.get(worker_id)
@@ -168,6 +172,7 @@ class Fleet:
         self._workers[info.worker_id] = rec
         self._by_model.setdefault(info.model, []).append(rec)
         self._prefix.setdefault(info.model, PrefixIndex())
+        self._routable.clear()
         return rec
 
     def remove_worker(self, worker_id: WorkerId) -> None:
@@ -178,9 +183,11 @@ class Fleet:
         if not self._by_model[rec.model]:
             del self._by_model[rec.model]
         self._prefix[rec.model].remove_worker(worker_id)
+        self._routable.clear()
 
     def set_state(self, worker_id: WorkerId, state: WorkerState) -> None:
         self._workers[worker_id].state = state
+        self._routable.clear()
 
     def set_healthy(self, worker_id: WorkerId, healthy: bool) -> None:
         """Health changes; an unhealthy worker's cache is no longer trusted (its events will be replayed)."""
@@ -189,6 +196,7 @@ class Fleet:
             self._prefix[rec.model].remove_worker(worker_id)
             rec.last_kv_seq = 0
         rec.healthy = healthy
+        self._routable.clear()
 
     def apply_stats(self, worker_id: WorkerId, sample: StatsSample, now: float) -> None:
         rec = self._workers.get(worker_id)
