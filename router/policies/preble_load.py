@@ -6,13 +6,14 @@ doubling detector, and the simulated LRU eviction behind M. Plain data; `preble_
 from __future__ import annotations
 
 import heapq
+import math
 import statistics
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from switchyard.router.policies.preble_cost import CostModel
+from switchyard.router.policies.preble_cost import CostModel, ProfileCost
 
 
 # ---------------------------------------------------------------------------------------------- L_i (history H)
@@ -34,6 +35,11 @@ class WorkerHistory:
         L_i = Σ PT_r + |H| × DECODETIME(Σdec/|H|, Σprompt/|H| + Σdec/(2|H|))        [seconds]
     and only the three sums and the count are maintained: O(1) per dispatch, finish and expiry. H is a
     duration (`window_s`) and optionally also a count (`max_requests`, errata E2).
+
+    NOTE: `load_s` is read for every pool worker at each explore, and changes only when an entry is added, set
+    or dropped, or when `now` passes the first live entry's expiry: the last value is kept with the interval
+    of `now` over which it holds, for a cost model whose answers never change (`ProfileCost`; an online fit
+    learns, so it is recomputed). Exact: the same sums give the same float.
     """
 
     def __init__(self, window_s: float, max_requests: int | None = None) -> None:
@@ -44,8 +50,10 @@ class WorkerHistory:
         self.sum_prefill_s = 0.0
         self.sum_prompt_tokens = 0
         self.sum_decode_tokens = 0
+        self._memo: tuple[Any, bool, float, float, float] | None = None  # (cost, marginal, from, first live t, L)
 
     def add(self, e: HistoryEntry) -> None:
+        self._memo = None
         self.entries.append(e)
         self.by_id[e.request_id] = e  # a retry on the same worker replaces the lookup (both entries count)
         self.sum_prefill_s += e.prefill_s
@@ -59,10 +67,12 @@ class WorkerHistory:
     def set_decode(self, request_id: str, decode_tokens: int) -> None:
         e = self.by_id.get(request_id)
         if e is not None:
+            self._memo = None
             self.sum_decode_tokens += decode_tokens - e.decode_tokens
             e.decode_tokens = decode_tokens
 
     def _pop(self) -> None:
+        self._memo = None
         e = self.entries.popleft()
         if self.by_id.get(e.request_id) is e:
             del self.by_id[e.request_id]
@@ -89,8 +99,22 @@ class WorkerHistory:
         return n, pre, prompt, dec
 
     def load_s(self, now: float, cost: CostModel, marginal: bool = False) -> float:
+        memo = self._memo
+        # valid from when it was taken while the first live entry then is still live (live_sums' own test)
+        if memo is not None and memo[0] is cost and memo[1] is marginal and memo[2] <= now and (
+            now - self.window_s <= memo[3]
+        ):
+            return memo[4]
         n, pre, prompt, dec = self.live_sums(now)
-        return load_from_sums(n, pre, prompt, dec, cost, marginal)
+        v = load_from_sums(n, pre, prompt, dec, cost, marginal)
+        if type(cost) is ProfileCost:
+            cutoff, first_live = now - self.window_s, math.inf
+            for e in self.entries:  # entries dead at `now` stay dead later (the cutoff only grows)
+                if e.t >= cutoff:
+                    first_live = e.t
+                    break
+            self._memo = (cost, marginal, now, first_live, v)
+        return v
 
     def decode_time_s(self, now: float, cost: CostModel, marginal: bool = False) -> float:
         """DT for one request on this worker (the same for every r in H)."""
@@ -114,33 +138,56 @@ def load_from_sums(
 class MovedLoad:
     """Load that rebalancing and replication moved within H (§5.4-5.5), per worker: (t, Δ s), + onto the worker,
     − off it. Kept per worker (not one shared list) so that L_i reads only worker i's moves: every LOADCOST reads
-    it, and a busy fleet holds hundreds of moves in H."""
+    it, and a busy fleet holds hundreds of moves in H.
 
-    __slots__ = ("by_worker",)
+    NOTE: each worker's last sum is kept with the cutoffs it holds for (moves are made in time order, so those
+    since a cutoff are a suffix; the sum stands while the cutoff stays between the one it was taken at and the
+    suffix's first move) until a move is added, expired or dropped. Exact: the same moves in the same order.
+    """
+
+    __slots__ = ("by_worker", "memo", "unordered")
 
     def __init__(self) -> None:
         self.by_worker: dict[str, deque[tuple[float, float]]] = {}
+        self.memo: dict[str, tuple[float, float, float]] = {}  # worker -> (cutoff, first move counted t, Σ)
+        self.unordered: set[str] = set()  # workers given a move older than their last (never memoised)
 
     def add(self, now: float, worker: str, delta_s: float) -> None:
+        self.memo.pop(worker, None)
         dq = self.by_worker.get(worker)
         if dq is None:
             dq = self.by_worker[worker] = deque()
+        elif now < dq[-1][0]:
+            self.unordered.add(worker)
         dq.append((now, delta_s))
 
     def sum_s(self, worker: str, cutoff: float) -> float:
         """Σ Δ s moved onto the worker since `cutoff` (0 when none), summed in the order the moves were made."""
         dq = self.by_worker.get(worker)
-        return sum(d for t, d in dq if t >= cutoff) if dq else 0
+        if not dq:
+            return 0
+        m = self.memo.get(worker)
+        if m is not None and m[0] <= cutoff <= m[1]:
+            return m[2]
+        total = sum(d for t, d in dq if t >= cutoff)
+        if worker not in self.unordered:
+            first = next((t for t, _ in dq if t >= cutoff), math.inf)
+            self.memo[worker] = (cutoff, first, total)
+        return total
 
     def expire(self, cutoff: float) -> None:
+        self.memo.clear()
         for w, dq in list(self.by_worker.items()):
             while dq and dq[0][0] < cutoff:
                 dq.popleft()
             if not dq:
                 del self.by_worker[w]
+                self.unordered.discard(w)
 
     def drop(self, worker: str) -> None:
         self.by_worker.pop(worker, None)
+        self.memo.pop(worker, None)
+        self.unordered.discard(worker)
 
 
 # ---------------------------------------------------------------------------------------------- DECODERATIO
@@ -398,20 +445,24 @@ class LruIndex:
     `touch(nodes)` reconciles the given nodes for every tracked worker after any tree change that can alter
     their residency, parent or last_access; the hooks pass every node such a change can reach.
 
-    `victims` is read-only: it pops a private copy of the heap (an O(N) copy in C, then O(log N) per entry), into
-    which it pushes the parents the simulated evictions unlock, so it visits O(k + protected + stale) entries for
-    k victims, and returns exactly what `lru_victims` returns over the same resident set. Protected nodes (the
-    request's own path, which is ancestor-closed) are skipped; their ancestors are protected too, so nothing they
-    would unlock counts. The hooks keep the heap's top live (`_prune`), so few stale entries precede the victims.
+    `victims` is read-only: it reads the eviction order (`_EvictionOrder`), which pops a private copy of the heap
+    (an O(N) copy in C, then O(log N) per entry) into which it pushes the parents the simulated evictions unlock,
+    so it visits O(k + protected + stale) entries for k victims, and returns exactly what `lru_victims` returns
+    over the same resident set. The order is kept until the next `touch` that changes this index, so the selects
+    between two changes (most of them, for a worker the requests are not sent to) share one simulation.
+    Protected nodes (the request's own path, which is ancestor-closed) are skipped; their ancestors are protected
+    too, so nothing they would unlock counts. The hooks keep the heap's top live (`_prune`), so few stale entries
+    precede the victims.
     """
 
-    __slots__ = ("entries", "held", "heap", "keyed")
+    __slots__ = ("entries", "held", "heap", "keyed", "_order")
 
     def __init__(self) -> None:
         self.entries: dict[int, tuple[Any, Any]] = {}  # id(node) -> (node, recorded parent or None)
         self.held: dict[int, int] = {}  # id(node) -> resident children recorded under it
         self.heap: list[tuple[float, int, Any]] = []  # (last_access, id, node), lazy
         self.keyed: dict[int, float] = {}  # id -> last_access of its live heap entry
+        self._order: _EvictionOrder | None = None  # the eviction order, simulated lazily; None after a change
 
     def _consider(self, node: Any) -> None:
         k = id(node)
@@ -431,11 +482,18 @@ class LruIndex:
         if old is None and not res:
             return
         parent = node.parent if res else None
+        if old is not None and res and old[1] is parent:
+            # only last_access (or the resident count) can have moved: the eviction order depends on this
+            # node only once it is a candidate or the simulation has reached it (a shared prefix, touched
+            # by every request, is neither while its children are resident)
+            order = self._order
+            if order is not None and (k in self.keyed or k in order.done or k in order.unlocked):
+                self._order = None
+            self._consider(node)
+            self._prune()
+            return
+        self._order = None
         if old is not None:
-            if res and old[1] is parent:
-                self._consider(node)  # only last_access can have moved
-                self._prune()
-                return
             op = old[1]
             if op is not None:
                 c = self.held[id(op)] - 1
@@ -470,35 +528,73 @@ class LruIndex:
             heapq.heappop(heap)
 
     def victims(self, worker: Any, need_blocks: int, protected: set[int]) -> list[tuple[Any, int]]:
-        keyed, entries, held = self.keyed, self.entries, self.held
         out: list[tuple[Any, int]] = []
         left = need_blocks
         if not self.heap or left <= 0:
             return out
+        order = self._order
+        if order is None:
+            order = self._order = _EvictionOrder(self, worker)
+        i = 0
+        while left > 0:
+            step = order.at(i)
+            if step is None:
+                break
+            i += 1
+            n, d, k = step
+            if k in protected:
+                continue
+            take = min(d, left)
+            out.append((n, take))
+            left -= take
+        return out
+
+
+class _EvictionOrder:
+    """One LruIndex's eviction order from its current state, simulated step by step as far as `victims` reads,
+    so selects between two changes of the index share one simulation (`touch` drops it).
+
+    `victims` with protected nodes is this order with the protected ones skipped: they are an ancestor-closed
+    path, so a protected node's eviction here can only unlock a protected parent, and every other node's
+    unlock is the same as in the protected simulation. Each step is (node, its resident blocks, id).
+    """
+
+    __slots__ = ("idx", "worker", "steps", "heap", "unlocked", "done", "local_held")
+
+    def __init__(self, idx: LruIndex, worker: Any) -> None:
+        self.idx, self.worker = idx, worker
+        self.steps: list[tuple[Any, int, int]] = []
         # NOTE: entries with equal (last_access, id) hold the same node, so tuple comparison never reaches the
         # node (identity makes them equal) and popping the copy gives exactly the key order of the candidates.
-        heap = self.heap.copy()
-        unlocked: dict[int, float] = {}  # id -> last_access of a parent this simulation made a candidate
-        done: set[int] = set()
-        local_held: dict[int, int] = {}
-        while heap and left > 0:
+        self.heap = idx.heap.copy()
+        self.unlocked: dict[int, float] = {}  # id -> last_access of a parent this simulation made a candidate
+        self.done: set[int] = set()
+        self.local_held: dict[int, int] = {}
+
+    def at(self, i: int) -> tuple[Any, int, int] | None:
+        """The i-th node to evict, or None when fewer remain."""
+        steps = self.steps
+        while len(steps) <= i:
+            if not self._step():
+                return None
+        return steps[i]
+
+    def _step(self) -> bool:
+        idx, heap, unlocked, done = self.idx, self.heap, self.unlocked, self.done
+        keyed, entries = idx.keyed, idx.entries
+        while heap:
             la, k, n = heapq.heappop(heap)
             if (keyed.get(k) != la and unlocked.get(k) != la) or k in done:
                 continue  # stale (the node left the candidates or was accessed since), or seen already
             done.add(k)
-            if k in protected:
-                continue
-            d = n.resident.get(worker, 0)
-            take = min(d, left)
-            out.append((n, take))
-            left -= take
-            if take == d:
-                p = entries[k][1]
-                if p is not None and id(p) in entries:
-                    kp = id(p)
-                    c = local_held.get(kp, held.get(kp, 0)) - 1
-                    local_held[kp] = c
-                    if c == 0:
-                        unlocked[kp] = p.last_access
-                        heapq.heappush(heap, (p.last_access, kp, p))
-        return out
+            self.steps.append((n, n.resident.get(self.worker, 0), k))
+            p = entries[k][1]
+            if p is not None and id(p) in entries:  # its last resident child gone: the parent is a candidate
+                kp = id(p)
+                c = self.local_held.get(kp, idx.held.get(kp, 0)) - 1
+                self.local_held[kp] = c
+                if c == 0:
+                    unlocked[kp] = p.last_access
+                    heapq.heappush(heap, (p.last_access, kp, p))
+            return True
+        return False

@@ -21,7 +21,14 @@ from switchyard.router.policies import preble_cost, preble_e2
 from switchyard.router.policies.base import RoutingContext, WorkerId, WorkerView
 from switchyard.router.policies.preble_cost import ProfileCost
 from switchyard.router.policies.preble_e2 import Cost, E2Config, PrebleE2
-from switchyard.router.policies.preble_load import LruIndex, MovedLoad, NodeStats, lru_victims
+from switchyard.router.policies.preble_load import (
+    LruIndex,
+    MovedLoad,
+    NodeStats,
+    eviction_cost_s,
+    load_from_sums,
+    lru_victims,
+)
 from switchyard.workers.engine.perf_model import pairs_for_prompt
 from switchyard.workers.engine.profiles import DEFAULT_PROFILE, get_profile
 
@@ -29,7 +36,8 @@ IMPLS = ["py", pytest.param("c", marks=pytest.mark.c_extension)] if radix.IMPLEM
 
 
 class CheckedE2(PrebleE2):
-    """PrebleE2 that asserts, at every select, that each shortcut equals the plain computation."""
+    """PrebleE2 that asserts, at every select, that each shortcut equals the plain computation (L unmemoised,
+    victims by the full scan of `lru_victims`)."""
 
     checks: dict[str, int]
 
@@ -93,8 +101,25 @@ class CheckedE2(PrebleE2):
             bs = w.block_size
             tok = min(cached[wid] * bs, max(0, ctx.num_prompt_tokens - 1))
             assert c.prefill_s == _plain_prefill_s(self.cost_model(wid), ctx.num_prompt_tokens - tok, tok)
-            if self.cfg.load_signal != "outstanding":
-                assert c.load_s == self.load_s(wid, now)
+            cfg = self.cfg
+            if cfg.load_signal != "outstanding":  # L from the sums, not WorkerHistory's memo
+                h = self.history.get(wid)
+                marginal = cfg.decode_pricing == "marginal"
+                base = load_from_sums(*h.live_sums(now), self.cost_model(wid), marginal) if h is not None else 0.0
+                assert c.load_s == base + self.moved_load.sum_s(wid, now - cfg.history_window_s)
+            else:
+                assert c.load_s == 0.0
+            assert c.queue_s == (self.queue_s(wid) if cfg.load_signal != "history" else 0.0)
+            m = 0.0  # M over the full-scan victims
+            if cfg.eviction_cost != "off" and wid in self.lru:
+                cap = w.kv_capacity_blocks
+                used = max(self.resident_count.get(wid, 0), int(w.kv_usage_frac * cap))
+                need = -(-(ctx.num_prompt_tokens - tok) // bs)
+                evict = need if cfg.assume_full else need - max(0, cap - used)
+                if evict > 0:
+                    victims = lru_victims(wid, self.tree.nodes(), evict, {id(n) for n in path})
+                    m = eviction_cost_s(victims, wid, now, cfg.node_window_s, bs, self.cost_model(wid), cfg.eviction_cost)
+            assert c.evict_s == m
         self.checks["loadcosts"] += 1
         return got
 
