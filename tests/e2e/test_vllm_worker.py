@@ -350,9 +350,12 @@ def test_cancel_mid_stream_aborts_on_vllm(vllm_workers: list[VllmProc], router_f
         until(lambda: is_idle(w0), what="worker idle after cancel")
         # vLLM's own scheduler must not still run the cancelled request: with a second long request in
         # flight, the engine's snapshot (taken at a step after that request's first tokens) counts only it.
+        # NOTE: the snapshot that came with the first tokens can predate the step that scheduled the request
+        # (it read 0 once), so wait for two more engine steps before reading it.
         second = c.generate(MODEL, prompt="another long one", max_tokens=1500, ignore_eos=True, timeout=120)
         next(second), next(second)
-        until(lambda: w0.stats().num_iterations > 0, what="stats")
+        steps = w0.stats().num_iterations
+        until(lambda: w0.stats().num_iterations >= steps + 2, what="two engine steps after the first tokens")
         assert w0.stats().num_running == 1
         second.cancel()
         until(lambda: is_idle(w0), what="worker idle after the second cancel")
