@@ -96,7 +96,6 @@ from switchyard.router.policies.preble_load import (
     NodeStats,
     Outstanding,
     WorkerHistory,
-    eviction_cost_s,
     merged_stats,
 )
 from switchyard.router.policies.preble_rebalance import maybe_replicate, rebalance
@@ -273,25 +272,35 @@ class PrebleE2(Policy):
     def _loadcost(
         self, w: WorkerView, ctx: RoutingContext, cached_blocks: int, now: float, protected: set[int]
     ) -> Cost:
+        c, evict = self._bound(w, ctx, cached_blocks, now)
+        return c if evict <= 0 else self._with_evict(c, w, evict, now, protected)
+
+    def _bound(self, w: WorkerView, ctx: RoutingContext, cached_blocks: int, now: float) -> tuple[Cost, int]:
+        """(LOADCOST without M, blocks R_k would evict on w): a lower bound, since M >= 0 (0 blocks: M = 0)."""
         wid = w.worker_id
         cost = self.cost_model(wid)
         bs = w.block_size
         cached = min(cached_blocks * bs, max(0, ctx.num_prompt_tokens - 1))  # the last token is always computed
         missed = ctx.num_prompt_tokens - cached
         r = cost.prefill_s(missed, cached)
-        m = 0.0
-        if self.cfg.eviction_cost != "off":
+        evict = 0
+        if self.cfg.eviction_cost != "off" and wid in self.lru:
             cap = w.kv_capacity_blocks
             used = max(self.resident_count.get(wid, 0), int(w.kv_usage_frac * cap))
             need = -(-missed // bs)
             evict = need if self.cfg.assume_full else need - max(0, cap - used)
-            if evict > 0:
-                idx = self.lru.get(wid)
-                victims = idx.victims(wid, evict, protected) if idx is not None else []
-                m = eviction_cost_s(victims, wid, now, self.cfg.node_window_s, bs, cost, self.cfg.eviction_cost)
         sig = self.cfg.load_signal
         load = self.load_s(wid, now) if sig != "outstanding" else 0.0
-        return Cost(load, m, r, self.queue_s(wid) if sig != "history" else 0.0)
+        return Cost(load, 0.0, r, self.queue_s(wid) if sig != "history" else 0.0), evict
+
+    def _with_evict(self, c: Cost, w: WorkerView, evict: int, now: float, protected: set[int]) -> Cost:
+        """`c` with M, the recompute cost of what evicting `evict` blocks on w would take from others."""
+        wid = w.worker_id
+        m = self.lru[wid].eviction_cost(
+            wid, evict, protected, now, self.cfg.node_window_s, w.block_size, self.cost_model(wid),
+            self.cfg.eviction_cost,
+        )
+        return Cost(c.load_s, m, c.prefill_s, c.queue_s)
 
     def queue_s(self, w: WorkerId) -> float:
         """Q_i: Σ PT_r over requests dispatched to i that have no first token yet (their prefill is ahead)."""
@@ -310,21 +319,40 @@ class PrebleE2(Policy):
                     getattr(info, "perf_profile", ""), w.block_size, w.kv_capacity_blocks
                 )
 
-    def _argmin(self, pool: list[WorkerView], costs: dict[WorkerId, Cost]) -> WorkerView:
-        """The first pool worker (in `costs`) with the lowest (cost, rotated index); `min`'s rule, as a loop."""
-        n, turn = len(pool), self._turn
+    def _cheapest(
+        self, ws: list[WorkerView], ctx: RoutingContext, cached: dict[WorkerId, int], path: list[Any], now: float
+    ) -> tuple[WorkerView, dict[WorkerId, Cost]]:
+        """The first worker of `ws` with the lowest (LOADCOST, rotated index), and the LOADCOSTs it priced.
+
+        Branch and bound, exact: M (an LRU eviction simulation, hundreds of steps when a long prompt must evict
+        many small cold prefixes) is priced only for workers whose bound L + R + Q can still win, in bound
+        order; float addition is monotone, so a bound above the best total cannot become the argmin.
+        """
+        n, turn = len(ws), self._turn
+        bounds = []
+        for i, w in enumerate(ws):
+            c, evict = self._bound(w, ctx, cached[w.worker_id], now)
+            bounds.append((c.total_s, (i - turn) % n, i, c, evict))
+        bounds.sort(key=lambda b: (b[0], b[1]))
+        protected: set[int] | None = None
         best: WorkerView | None = None
         best_key: tuple[float, int] = (0.0, 0)
-        for i, w in enumerate(pool):
-            c = costs.get(w.worker_id)
-            if c is None:
-                continue
-            key = (c.total_s, (i - turn) % n)
+        costs: dict[WorkerId, Cost] = {}
+        for lb, rot, i, c, evict in bounds:
+            if best is not None and (lb, rot) > best_key:
+                break  # this bound and every later one exceed the best total
+            w = ws[i]
+            if evict > 0:
+                if protected is None:
+                    protected = {id(x) for x in path}
+                c = self._with_evict(c, w, evict, now, protected)
+            costs[w.worker_id] = c
+            key = (c.total_s, rot)
             if best is None or key < best_key:
                 best, best_key = w, key
         if best is None:
-            raise ValueError("_argmin: no pool worker has a cost")
-        return best
+            raise ValueError("_cheapest: no worker to price")
+        return best, costs
 
     def match(self, ctx: RoutingContext, pool: list[WorkerView]) -> tuple[Any, dict[WorkerId, int], list[Any]]:
         """(tree match or None, per-worker cached leading blocks, matched path) of a request's prompt."""
@@ -361,8 +389,8 @@ class PrebleE2(Policy):
                 if len(ks) == 1:
                     pick, why, costs = ks[0], "exploit only holder", {}
                 else:
-                    costs = self.loadcosts(ks, ctx, cached, path, now)
-                    pick, why = self._argmin(ks, costs), "exploit"
+                    pick, costs = self._cheapest(ks, ctx, cached, path, now)
+                    why = "exploit"
                 if not self.cfg.exploit_overflow:
                     return self._decide(ctx, pick, why, cached_len, missed_len, costs)
                 over = self._overflow(ctx, pick, ks, pool, cached, path, now)
@@ -380,13 +408,12 @@ class PrebleE2(Policy):
                     costs = {}
                 else:  # the lightest of the decode-heavy workers
                     sub = [x[2] for x in over_r]
-                    costs = self.loadcosts(sub, ctx, cached, path, now)
-                    w = self._argmin(sub, costs)
+                    w, costs = self._cheapest(sub, ctx, cached, path, now)
                     ratio = self._ratio(w.worker_id, now)
                 return self._decide(ctx, w, f"explore P/D ratio={ratio:.2f}>{self.cfg.imbalance_ratio}",
                                     cached_len, missed_len, costs)
-        costs = self.loadcosts(pool, ctx, cached, path, now)
-        return self._decide(ctx, self._argmin(pool, costs), "explore", cached_len, missed_len, costs)
+        pick, costs = self._cheapest(pool, ctx, cached, path, now)
+        return self._decide(ctx, pick, "explore", cached_len, missed_len, costs)
 
     def _overflow(
         self, ctx: RoutingContext, pick: WorkerView, ks: list[WorkerView], pool: list[WorkerView],

@@ -5,6 +5,7 @@ doubling detector, and the simulated LRU eviction behind M. Plain data; `preble_
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import statistics
@@ -360,19 +361,24 @@ def eviction_cost_s(
     for node, nblocks in victims:
         st = node.stats
         dq = st.hits.get(worker) if isinstance(st, NodeStats) else None
-        if not dq:
-            continue
-        if mode == "alg2":
-            m += count_since(dq, cutoff)[1]
-            continue
-        count = num_since(dq, cutoff)  # "text" needs only N_j, not Σ PT
-        if count:
-            keep = node.resident.get(worker, 0) - nblocks
-            ctx_tokens = (node.context_blocks + keep) * block_size
-            m += cost.prefill_s(nblocks * block_size, ctx_tokens) * count
+        if dq:
+            m = _add_victim_cost(m, node, nblocks, dq, worker, cutoff, block_size, cost, mode)
     return m
 
 
+def _add_victim_cost(
+    m: float, node: Any, nblocks: int, dq: deque[tuple[float, float]], worker: str, cutoff: float,
+    block_size: int, cost: CostModel, mode: str,
+) -> float:
+    """m + victim j's term of M (j has requests through it on `worker`, `dq`); m itself when none is in W."""
+    if mode == "alg2":
+        return m + count_since(dq, cutoff)[1]
+    count = num_since(dq, cutoff)  # "text" needs only N_j, not Σ PT
+    if not count:
+        return m
+    keep = node.resident.get(worker, 0) - nblocks
+    ctx_tokens = (node.context_blocks + keep) * block_size
+    return m + cost.prefill_s(nblocks * block_size, ctx_tokens) * count
 
 
 # ---------------------------------------------------------------------------------------------- outstanding work
@@ -549,6 +555,64 @@ class LruIndex:
             left -= take
         return out
 
+    def eviction_cost(
+        self, worker: Any, need_blocks: int, protected: set[int], now: float, window_s: float, block_size: int,
+        cost: CostModel, mode: str,
+    ) -> float:
+        """`eviction_cost_s(self.victims(...), ...)` without listing the victims: a bisection on the order's
+        block counts finds the last victim, and only the victims with requests through them (the order's `hot`
+        steps) are priced, in victim order, so the sum is the same float. O(log n + hot + protected) once the
+        order is simulated, instead of O(victims): a large prompt can need hundreds of small cold victims."""
+        if not self.heap or need_blocks <= 0:
+            return 0.0
+        order = self._order
+        if order is None:
+            order = self._order = _EvictionOrder(self, worker)
+        steps, cum, pos = order.steps, order.cum, order.pos
+        # protected steps (ancestor-closed: skipped, their blocks kept); simulate until the rest hold need_blocks
+        prot_at: list[int] = []
+        while True:
+            enough = order.reach(need_blocks + sum(steps[i][1] for i in prot_at))
+            now_at = sorted(i for k in protected if (i := pos.get(k)) is not None)
+            if now_at == prot_at or not enough:
+                prot_at = now_at
+                break
+            prot_at = now_at
+        if not steps:
+            return 0.0
+        prot_cum: list[int] = []  # blocks of the protected steps up to each of them
+        for i in prot_at:
+            prot_cum.append((prot_cum[-1] if prot_cum else 0) + steps[i][1])
+
+        def unprotected_upto(i: int) -> int:
+            j = bisect.bisect_right(prot_at, i)
+            return cum[i] - (prot_cum[j - 1] if j else 0)
+
+        # the first step whose unprotected blocks reach need_blocks (never a protected one), else the last
+        lo, hi = 0, len(steps) - 1
+        if unprotected_upto(hi) >= need_blocks:
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if unprotected_upto(mid) >= need_blocks:
+                    hi = mid
+                else:
+                    lo = mid + 1
+        last = hi
+        m = 0.0
+        cutoff = now - window_s
+        for i in order.hot:
+            if i > last:
+                break
+            n, d, k = steps[i]
+            if k in protected:
+                continue
+            take = d if i < last else min(d, need_blocks - (unprotected_upto(i - 1) if i else 0))
+            st = n.stats
+            dq = st.hits.get(worker) if isinstance(st, NodeStats) else None
+            if dq:
+                m = _add_victim_cost(m, n, take, dq, worker, cutoff, block_size, cost, mode)
+        return m
+
 
 class _EvictionOrder:
     """One LruIndex's eviction order from its current state, simulated step by step as far as `victims` reads,
@@ -559,7 +623,7 @@ class _EvictionOrder:
     unlock is the same as in the protected simulation. Each step is (node, its resident blocks, id).
     """
 
-    __slots__ = ("idx", "worker", "steps", "heap", "unlocked", "done", "local_held")
+    __slots__ = ("idx", "worker", "steps", "heap", "unlocked", "done", "local_held", "cum", "pos", "hot")
 
     def __init__(self, idx: LruIndex, worker: Any) -> None:
         self.idx, self.worker = idx, worker
@@ -570,6 +634,11 @@ class _EvictionOrder:
         self.unlocked: dict[int, float] = {}  # id -> last_access of a parent this simulation made a candidate
         self.done: set[int] = set()
         self.local_held: dict[int, int] = {}
+        self.cum: list[int] = []  # resident blocks of steps[0..i]
+        self.pos: dict[int, int] = {}  # id -> its step
+        # steps whose node had requests through it on this worker when simulated (the only ones M prices): a
+        # node gains one only by a dispatch through it, which touches it and so drops this order
+        self.hot: list[int] = []
 
     def at(self, i: int) -> tuple[Any, int, int] | None:
         """The i-th node to evict, or None when fewer remain."""
@@ -579,6 +648,14 @@ class _EvictionOrder:
                 return None
         return steps[i]
 
+    def reach(self, blocks: int) -> bool:
+        """Simulate until the steps hold `blocks` resident blocks; False when the candidates ran out first."""
+        cum = self.cum
+        while not cum or cum[-1] < blocks:
+            if not self._step():
+                return False
+        return True
+
     def _step(self) -> bool:
         idx, heap, unlocked, done = self.idx, self.heap, self.unlocked, self.done
         keyed, entries = idx.keyed, idx.entries
@@ -587,7 +664,14 @@ class _EvictionOrder:
             if (keyed.get(k) != la and unlocked.get(k) != la) or k in done:
                 continue  # stale (the node left the candidates or was accessed since), or seen already
             done.add(k)
-            self.steps.append((n, n.resident.get(self.worker, 0), k))
+            d = n.resident.get(self.worker, 0)
+            i = len(self.steps)
+            self.steps.append((n, d, k))
+            self.cum.append(self.cum[-1] + d if i else d)
+            self.pos[k] = i
+            st = n.stats
+            if isinstance(st, NodeStats) and st.hits.get(self.worker):
+                self.hot.append(i)
             p = entries[k][1]
             if p is not None and id(p) in entries:  # its last resident child gone: the parent is a candidate
                 kp = id(p)

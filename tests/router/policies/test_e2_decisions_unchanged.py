@@ -43,7 +43,7 @@ class CheckedE2(PrebleE2):
 
     def __init__(self, config: E2Config | None = None) -> None:
         super().__init__(config)
-        self.checks = {"match": 0, "exploit_set": 0, "argmin": 0, "loadcosts": 0}
+        self.checks = {"match": 0, "exploit_set": 0, "argmin": 0, "loadcosts": 0, "pruned": 0}
 
     def match(
         self, ctx: RoutingContext, pool: list[WorkerView]
@@ -74,16 +74,21 @@ class CheckedE2(PrebleE2):
         self.checks["exploit_set"] += 1
         return got
 
-    def _argmin(self, pool: list[WorkerView], costs: dict[WorkerId, Cost]) -> WorkerView:
-        got = super()._argmin(pool, costs)
-        n = len(pool)
+    def _cheapest(
+        self, ws: list[WorkerView], ctx: RoutingContext, cached: dict[WorkerId, int], path: list[Any], now: float
+    ) -> tuple[WorkerView, dict[WorkerId, Cost]]:
+        got, priced = super()._cheapest(ws, ctx, cached, path, now)
+        full = self.loadcosts(ws, ctx, cached, path, now)  # every worker priced, M included (checked below)
+        n = len(ws)
         plain = min(
-            ((w, i) for i, w in enumerate(pool) if w.worker_id in costs),
-            key=lambda wi: (costs[wi[0].worker_id].total_s, (wi[1] - self._turn) % n),
+            ((w, i) for i, w in enumerate(ws)),
+            key=lambda wi: (full[wi[0].worker_id].total_s, (wi[1] - self._turn) % n),
         )[0]
-        assert got is plain
+        assert got is plain  # branch and bound picks the argmin of the full costs
+        assert all(full[wid] == c for wid, c in priced.items()) and got.worker_id in priced
         self.checks["argmin"] += 1
-        return got
+        self.checks["pruned"] += n - len(priced)
+        return got, priced
 
     def loadcosts(
         self,
@@ -165,15 +170,21 @@ def test_select_shortcuts_equal_plain_code(
     def checked_victims(
         idx: LruIndex, worker: Any, need_blocks: int, protected: set[int]
     ) -> list[tuple[Any, int]]:
-        nonlocal num_victims
         got = fast_victims(idx, worker, need_blocks, protected)
         want = lru_victims(worker, made[0].tree.nodes(), need_blocks, protected)  # the full scan
         assert [(id(n), k) for n, k in got] == [(id(n), k) for n, k in want]
-        num_victims += len(got)
         return got
 
-    fast_victims = LruIndex.victims
-    monkeypatch.setattr(LruIndex, "victims", checked_victims)
+    def checked_cost(idx: LruIndex, worker: Any, need_blocks: int, protected: set[int], *args: Any) -> float:
+        nonlocal num_victims
+        got = fast_cost(idx, worker, need_blocks, protected, *args)
+        victims = checked_victims(idx, worker, need_blocks, protected)  # the order it bisects, listed
+        assert got == eviction_cost_s(victims, worker, *args)
+        num_victims += len(victims)
+        return got
+
+    fast_victims, fast_cost = LruIndex.victims, LruIndex.eviction_cost
+    monkeypatch.setattr(LruIndex, "eviction_cost", checked_cost)
 
     def make(name: str) -> CheckedE2:
         made.append(CheckedE2(E2Config(**CONFIGS[config])))
@@ -186,6 +197,7 @@ def test_select_shortcuts_equal_plain_code(
     policy = made[0]
     assert policy.checks["match"] == 300
     assert policy.checks["loadcosts"] > 0 and policy.checks["argmin"] > 0  # the cost paths ran
+    assert policy.checks["pruned"] > 0  # and the bound skipped some workers
     assert num_victims > 0  # eviction pricing ran
     if config == "rebal_eager":
         assert policy.num_redirects > 0  # the exploit set's redirect path ran
