@@ -21,6 +21,15 @@ def test_decisions_smoke(tmp_path: Path) -> None:
     assert "| toolbench-200 | 2 | e2 |" in (tmp_path / "decisions.md").read_text()
 
 
+def test_decisions_preload_grows_the_tree(tmp_path: Path) -> None:
+    """--preload-nodes: the run starts with that many more tree nodes (cold resident prompts, as KV events)."""
+    rc = decisions.main(["--num-requests", "30", "--workloads", "toolbench-200", "--workers", "2",
+                         "--policies", "e2", "--preload-nodes", "500", "--out", str(tmp_path), "--no-plot"])
+    assert rc == 0
+    row = json.loads((tmp_path / "decisions.json").read_text())["rows"][0]
+    assert row["state_size_at_start"] == 500 and row["state_size"] >= 500
+
+
 def test_suite_smoke(tmp_path: Path) -> None:
     rc = suite.main(["--quick", "--num-requests", "40", "--ladder-requests", "30", "--workloads", "toolbench",
                      "--policies", "e2,smg_cache_aware,round_robin", "--sections", "a,b,c", "--jobs", "1",
