@@ -360,13 +360,18 @@ class Switchyard(PrebleE2):
         )
 
     def terms(
-        self, w: WorkerView, ctx: RoutingContext, cached_blocks: int, path: list[Any], d: int, now: float
-    ) -> Terms:
+        self, w: WorkerView, ctx: RoutingContext, cached_blocks: int, path: list[Any], d: int, now: float,
+        beat: float | None = None,
+    ) -> Terms | None:
+        """Every term of w's cost; None when `beat` is given and the cost without M already exceeds it (M, an
+        LRU eviction simulation, is the dearest term, and M >= 0)."""
         cfg = self.sy
         lam = cfg.externality_weight
         wid = w.worker_id
         cost = self.cost_model(wid)
-        e2 = self.loadcost(w, ctx, cached_blocks, path, now)  # Q, R, M (and L when load_signal asks for it)
+        e2, evict = self._bound(w, ctx, cached_blocks, now)  # Q, R (and L when load_signal asks for it); M next
+        if evict > 0 and beat is None:
+            e2 = self._with_evict(e2, w, evict, now, {id(n) for n in path})
         p = ctx.num_prompt_tokens
         ant = self.tracker.sync(w, now)
         running, queued = self.batch(wid, ant)
@@ -378,16 +383,24 @@ class Switchyard(PrebleE2):
         interference = (len(running) + len(queued)) * max(0.0, e2.prefill_s - cost.prefill_s(0, 0))
         kv_p = p - min(cached_blocks * w.block_size, max(0, p - 1)) if cfg.discount_shared_prefix else p
         over, wait, peak = self.memory_s(ant, [(kx, dx) for _, kx, dx in queued], kv_p, d, cost)
-        total = (
-            e2.load_s
-            + cfg.queue_weight * queue
-            + cfg.prefix_weight * e2.prefill_s
-            + cfg.eviction_weight * e2.evict_s
-            + cfg.decode_weight * (d_self + d_in + lam * d_out)
-            + cfg.interference_weight * lam * interference
-            + cfg.overflow_weight * over
-            + cfg.kv_wait_weight * wait
-        )
+
+        def total_s(evict_s: float) -> float:
+            return (
+                e2.load_s
+                + cfg.queue_weight * queue
+                + cfg.prefix_weight * e2.prefill_s
+                + cfg.eviction_weight * evict_s
+                + cfg.decode_weight * (d_self + d_in + lam * d_out)
+                + cfg.interference_weight * lam * interference
+                + cfg.overflow_weight * over
+                + cfg.kv_wait_weight * wait
+            )
+
+        if evict > 0 and beat is not None:
+            if total_s(0.0) > beat:
+                return None
+            e2 = self._with_evict(e2, w, evict, now, {id(n) for n in path})
+        total = total_s(e2.evict_s)
         return Terms(
             queue,
             e2.prefill_s,
@@ -445,9 +458,13 @@ class Switchyard(PrebleE2):
         for bound, w in order:
             # exact: an unpriced worker costs >= its bound > the best cost (the margin absorbs float rounding
             # between the bound's and the total's sums, so a tie is always priced and broken by rotation)
-            if best is not None and bound > best[0] + 1e-9 * max(1.0, best[0]):
+            beat = None if best is None else best[0] + 1e-9 * max(1.0, best[0])
+            if beat is not None and bound > beat:
                 break
-            t = terms[w.worker_id] = self.terms(w, ctx, cached[w.worker_id], path, d, now)
+            got = self.terms(w, ctx, cached[w.worker_id], path, d, now, beat if self.sy.prune else None)
+            if got is None:
+                continue  # its cost without M already exceeds the best: M is not priced
+            t = terms[w.worker_id] = got
             key = (t.total_s, rot[w.worker_id])
             if best is None or key < best:
                 best, pick = key, w

@@ -408,14 +408,16 @@ def _stored(ctx: RoutingContext, seq: int = 1):  # noqa: ANN202 - KvEventBatch
 
 
 @pytest.mark.parametrize(
-    ("prefix_groups", "predictor", "rate"),
-    [(4, "oracle", 60.0), (0, "oracle", 60.0), (4, "fallback", 60.0), (8, "oracle", 10.0)],
-    ids=["prefix", "no_prefix", "fallback", "tool_calls"],
+    ("prefix_groups", "predictor", "rate", "kv_blocks"),
+    [(4, "oracle", 60.0, None), (0, "oracle", 60.0, None), (4, "fallback", 60.0, None), (8, "oracle", 10.0, None),
+     (8, "oracle", 10.0, 600)],
+    ids=["prefix", "no_prefix", "fallback", "tool_calls", "tool_calls_small_kv"],
 )
 def test_pruned_select_picks_what_pricing_every_worker_picks(
-    prefix_groups: int, predictor: str, rate: float
+    prefix_groups: int, predictor: str, rate: float, kv_blocks: int | None
 ) -> None:
-    """Branch and bound is exact: a 6-worker run routes every request as the unpruned reference does."""
+    """Branch and bound is exact: a 6-worker run routes every request as the unpruned reference does (with
+    small KV caches, M is priced, and skipped where the rest of the cost already loses)."""
     tools = rate < 20  # toolbench-like: long shared prompts, short answers
     trace = make_workload(
         WorkloadSpec(
@@ -431,22 +433,37 @@ def test_pruned_select_picks_what_pricing_every_worker_picks(
     )
     picks = {}
     priced = {}
+    evictions = {}
     for prune in (True, False):
         pol = Switchyard(SwitchyardConfig(prune=prune))
         calls = 0
         terms_fn = pol.terms
+        with_evict = pol._with_evict
+        m_priced = m_skipped = 0
 
         def counting(*a, _f=terms_fn, **k):  # noqa: ANN002, ANN003, ANN202
-            nonlocal calls
+            nonlocal calls, m_skipped
             calls += 1
+            t = _f(*a, **k)
+            m_skipped += t is None
+            return t
+
+        def counting_m(*a, _f=with_evict, **k):  # noqa: ANN002, ANN003, ANN202
+            nonlocal m_priced
+            m_priced += 1
             return _f(*a, **k)
 
         pol.terms = counting  # type: ignore[method-assign]
-        cfg = SimConfig(policy="switchyard", num_workers=6, predictor=predictor)
+        pol._with_evict = counting_m  # type: ignore[method-assign]
+        overrides = {"num_kv_blocks": kv_blocks} if kv_blocks else {}
+        cfg = SimConfig(policy="switchyard", num_workers=6, predictor=predictor, engine_overrides=overrides)
         res = Simulator(trace, cfg, policy=pol).run()
         picks[prune] = [(r.request_id, r.worker_id) for r in res.records]
         priced[prune] = calls
+        evictions[prune] = (m_priced, m_skipped)
     assert picks[True] == picks[False]
+    if kv_blocks:  # M was priced, and skipped where the rest of the cost already lost
+        assert evictions[True][0] > 0 and evictions[True][1] > 0 and evictions[False][1] == 0
     assert priced[False] == 6 * len(trace.requests)
     assert priced[True] < priced[False]
     if tools:  # the point of it: where misses are dear, the bounds (R above all) cut most of the pricing
