@@ -41,7 +41,7 @@ from typing import Any
 from switchyard.bench import report, sim
 
 PEERS = ("smg_cache_aware", "smg_least_load", "dynamo_kv", "llmd_scorer", "aibrix_prefix")
-POLICIES = ("e2", *PEERS, "round_robin", "least_request")
+POLICIES = ("e2", "switchyard", *PEERS, "round_robin", "least_request")
 
 P70 = ["--profile", "llama2-70b-h100-tp4"]
 P8_20K = ["--profile", "llama3-8b-a100", "--num-kv-blocks", "20000"]
@@ -119,50 +119,54 @@ def capacity(argv: list[str], policy: str, sat_factor: float, workers: int) -> d
 
 # ---------------------------------------------------------------------------------------------------- tables
 def policy_table(runs: list[dict[str, Any]], label_of: Any = None) -> str:
-    lines = ["| policy | req/s | done | TTFT mean s | TTFT p99 s | E2E mean s | E2E p99 s | hit ratio |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| policy | req/s | done | TTFT mean s | TTFT p99 s | warm TTFT mean s | warm TTFT p99 s | E2E mean s "
+             "| E2E p99 s | hit ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         m = r["metrics"]
         name = label_of(r) if label_of else r["policy"]
         lines.append(f"| {name} | {r['rate']:.2f} | {m['num_completed']}/{m['num_requests']} "
-                     f"| {_m(r, 'ttft_s', 'mean'):.3f} | {_m(r, 'ttft_s', 'p99'):.3f} | {_m(r, 'e2e_s', 'mean'):.2f} "
+                     f"| {_m(r, 'ttft_s', 'mean'):.3f} | {_m(r, 'ttft_s', 'p99'):.3f} | {_m(r, 'ttft_warm_s', 'mean'):.3f} "
+                     f"| {_m(r, 'ttft_warm_s', 'p99'):.3f} | {_m(r, 'e2e_s', 'mean'):.2f} "
                      f"| {_m(r, 'e2e_s', 'p99'):.2f} | {m['prefix_cache_hit_ratio']:.3f} |")
     return "\n".join(lines)
 
 
 METRICS = (("TTFT mean", ("ttft_s", "mean")), ("TTFT p99", ("ttft_s", "p99")),
+           ("warm TTFT mean", ("ttft_warm_s", "mean")), ("warm TTFT p99", ("ttft_warm_s", "p99")),
            ("E2E mean", ("e2e_s", "mean")), ("E2E p99", ("e2e_s", "p99")))
+OURS = ("e2", "switchyard")  # Switchyard's policies, each compared with the best peer
 
 
-def e2_vs_peers(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """e2's latency / the best peer's (lowest of the five), per metric; < 1 = e2 better. Also vs round_robin."""
+def ours_vs_peers(runs: list[dict[str, Any]], ours: str) -> dict[str, Any]:
+    """`ours`' latency / the best peer's (lowest of the five), per metric; < 1 = ours better. Also vs round_robin."""
     by = {r["policy"]: r for r in runs}
-    e2 = by.get("e2")
+    me = by.get(ours)
     out: dict[str, Any] = {}
-    if e2 is None:
+    if me is None:
         return out
     for label, path in METRICS:
         peers = [(_m(by[p], *path), p) for p in PEERS if p in by]
         if peers:
             best, who = min(peers)
-            out[label] = {"e2": _m(e2, *path), "best_peer": who, "best_peer_value": best,
-                          "ratio": _m(e2, *path) / best if best > 0 else float("nan")}
+            out[label] = {"ours": _m(me, *path), "best_peer": who, "best_peer_value": best,
+                          "ratio": _m(me, *path) / best if best > 0 else float("nan")}
         if "round_robin" in by and _m(by["round_robin"], *path) > 0:
-            out[label]["vs_round_robin"] = _m(e2, *path) / _m(by["round_robin"], *path)
+            out[label]["vs_round_robin"] = _m(me, *path) / _m(by["round_robin"], *path)
     hits = [(by[p]["metrics"]["prefix_cache_hit_ratio"], p) for p in PEERS if p in by]
     if hits:
         best, who = max(hits)
-        out["hit ratio"] = {"e2": e2["metrics"]["prefix_cache_hit_ratio"], "best_peer": who, "best_peer_value": best}
+        out["hit ratio"] = {"ours": me["metrics"]["prefix_cache_hit_ratio"], "best_peer": who,
+                            "best_peer_value": best}
     return out
 
 
-def ratio_line(cmp: dict[str, Any]) -> str:
+def ratio_line(cmp: dict[str, Any], ours: str) -> str:
     parts = []
     for label, _ in METRICS:
         c = cmp.get(label)
         if c:
             parts.append(f"{label} x{c['ratio']:.2f} (best peer {c['best_peer']})")
-    return "e2 / best peer: " + "; ".join(parts) if parts else ""
+    return f"{ours} / best peer: " + "; ".join(parts) if parts else ""
 
 
 # ---------------------------------------------------------------------------------------------------- main
@@ -232,11 +236,15 @@ def main(argv: list[str] | None = None) -> int:
     # ------------------------------------------------------------------ a. workloads
     if "a" in sections:
         md.append("## a. Workloads x policies\n")
+        ours_run = [p for p in OURS if p in policies]
         md.append(f"{args.workers} workers; {n} requests per run; loads = {fractions} x round_robin's capacity "
                   f"(ladder of {n_ladder}-request runs, saturated when mean TTFT > {args.sat_factor:g} x the lightest "
-                  "rung's). Ratios: e2 / the best of " + ", ".join(PEERS) + " (< 1 = e2 better).\n")
-        overview = ["| workload | load | req/s | RR capacity | e2 TTFT mean | TTFT p99 | E2E mean | E2E p99 "
-                    "| e2 hit | best peer hit | e2 / RR TTFT mean |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "rung's). Ratios: ours (" + ", ".join(ours_run) + ") / the best of " + ", ".join(PEERS)
+                  + " (< 1 = ours better). Warm: requests after the first quarter of arrivals (the cold-cache "
+                  "warm-up excluded).\n")
+        overview = ["| workload | load | req/s | RR capacity | ours | " + " | ".join(label for label, _ in METRICS)
+                    + " | our hit | best peer hit | ours / RR TTFT mean |",
+                    "|" + "---|" * (8 + len(METRICS))]
         detail: list[str] = []
         for w in names:
             argv_w = WORKLOADS[w]
@@ -248,27 +256,30 @@ def main(argv: list[str] | None = None) -> int:
             entry = {"rates": rates, "capacity_req_s": cap, "loads": []}
             for j, rate in enumerate(rates):
                 runs = [r for r in res["runs"] if abs(next(iter(r["load"].values())) - rate) < 1e-9]
-                cmp = e2_vs_peers(runs)
+                cmps = {ours: ours_vs_peers(runs, ours) for ours in ours_run}
                 entry["loads"].append({"rate": rate, "fraction": fractions[j] if j < len(fractions) else None,
                                        "runs": [{"policy": r["policy"], "rate": r["rate"], "metrics": {
-                                           k: r["metrics"][k] for k in ("ttft_s", "e2e_s", "tpot_s",
+                                           k: r["metrics"][k] for k in ("ttft_s", "ttft_warm_s", "e2e_s", "tpot_s",
                                                                          "prefix_cache_hit_ratio", "num_completed",
                                                                          "num_requests")}} for r in runs],
-                                       "e2_vs_best_peer": cmp})
+                                       "vs_best_peer": cmps})
                 frac = f"{fractions[j]:g}x" if j < len(fractions) else "fixed"
                 detail.append(f"### {w} @ {rate:g} req/s ({frac} RR capacity)\n")
                 detail.append(policy_table(runs))
-                detail.append("\n" + ratio_line(cmp) + "\n")
-                if cmp:
+                for ours, cmp in cmps.items():
+                    detail.append("\n" + ratio_line(cmp, ours))
+                    if not cmp:
+                        continue
                     rr = cmp["TTFT mean"].get("vs_round_robin", float("nan"))
                     overview.append(
-                        f"| {w} | {frac} | {rate:g} | {cap if cap is None else f'{cap:.2f}'} "
+                        f"| {w} | {frac} | {rate:g} | {cap if cap is None else f'{cap:.2f}'} | {ours} "
                         + "".join(f"| x{cmp[label]['ratio']:.2f} " for label, _ in METRICS)
-                        + f"| {cmp['hit ratio']['e2']:.3f} | {cmp['hit ratio']['best_peer_value']:.3f} "
+                        + f"| {cmp['hit ratio']['ours']:.3f} | {cmp['hit ratio']['best_peer_value']:.3f} "
                           f"({cmp['hit ratio']['best_peer']}) | x{rr:.2f} |")
+                detail.append("")
             data["workloads"][w] = entry
             log(f"{w}: {len(res['runs'])} runs in {time.perf_counter() - t0:.0f} s")
-        md.append("e2 / best peer per metric (< 1 = e2 better):\n")
+        md.append("ours / best peer per metric (< 1 = ours better):\n")
         md.extend(["\n".join(overview), "", *detail])
 
     # ------------------------------------------------------------------ b. ablation

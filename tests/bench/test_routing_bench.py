@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 
 from switchyard.bench import routing, sim
-from switchyard.bench.metrics import OK, REJECTED_QUEUE_FULL, RequestRecord, norm_latency_slo, summarize
+from switchyard.bench.metrics import (
+    OK,
+    REJECTED_QUEUE_FULL,
+    RequestRecord,
+    norm_latency_slo,
+    summarize,
+    warm_start_s,
+)
 from switchyard.bench.sharegpt_workload import TokenizedPrompts, make_sharegpt_workload
 from switchyard.bench.workloads import WorkloadSpec, make_workload
 from switchyard.router.policies.least_request import LeastRequest
@@ -115,6 +122,23 @@ def test_normalized_latency_slo_on_hand_made_records() -> None:
     assert per["attainment"] == 0.5 and per["num_met"] == 2
     m = summarize(recs, ["w0"], 0, 0, 0, math.inf, math.inf)
     assert m["norm_latency_s_per_token"]["mean"] == pytest.approx(0.2)
+
+
+def test_warm_ttft_leaves_out_the_first_quarter_of_arrivals() -> None:
+    """ttft_warm_s: TTFT over arrivals from the 25% arrival quantile on; a cold burst shows in ttft_s only."""
+    recs = []
+    for i in range(100):
+        r = RequestRecord(f"r{i}", arrival_s=float(i), num_prompt_tokens=10, max_tokens=1, status=OK)
+        r.first_token_s = r.finish_s = i + (5.0 if i < 25 else 0.1)  # the first 25 arrivals wait 5 s
+        r.num_output_tokens = 1
+        recs.append(r)
+    recs.append(RequestRecord("late-reject", arrival_s=99.5, num_prompt_tokens=10, max_tokens=1,
+                              status=REJECTED_QUEUE_FULL))
+    assert warm_start_s(recs) == pytest.approx(25.0)  # np.quantile over all 101 arrivals, rejected included
+    m = summarize(recs, ["w0"], 0, 0, 0, math.inf, math.inf)
+    assert m["warm_start_s"] == pytest.approx(25.0)
+    assert m["ttft_warm_s"]["mean"] == pytest.approx(0.1) and m["ttft_warm_s"]["p99"] == pytest.approx(0.1)
+    assert m["ttft_s"]["mean"] == pytest.approx((25 * 5.0 + 75 * 0.1) / 100)
 
 
 def test_isolated_latency_equals_a_lone_request_in_the_simulator() -> None:

@@ -32,15 +32,20 @@ def test_decisions_preload_grows_the_tree(tmp_path: Path) -> None:
 
 def test_suite_smoke(tmp_path: Path) -> None:
     rc = suite.main(["--quick", "--num-requests", "40", "--ladder-requests", "30", "--workloads", "toolbench",
-                     "--policies", "e2,smg_cache_aware,round_robin", "--sections", "a,b,c", "--jobs", "1",
+                     "--policies", "e2,switchyard,smg_cache_aware,round_robin", "--sections", "a,b,c", "--jobs", "1",
                      "--rates", "toolbench=5,10", "toolbench-zipf1.1=8", "no-sharing=2", "--no-plots",
                      "--out", str(tmp_path)])
     assert rc == 0
     text = (tmp_path / "summary.md").read_text()
-    assert "e2 / best peer" in text and "## b. Ablation" in text and "## c. No sharing" in text
+    assert "e2 / best peer" in text and "switchyard / best peer" in text
+    assert "## b. Ablation" in text and "## c. No sharing" in text
     data = json.loads((tmp_path / "summary.json").read_text())
     loads = data["workloads"]["toolbench"]["loads"]
     assert [x["rate"] for x in loads] == [5.0, 10.0]
-    assert loads[0]["e2_vs_best_peer"]["TTFT mean"]["best_peer"] == "smg_cache_aware"
+    for ours in ("e2", "switchyard"):
+        cmp = loads[0]["vs_best_peer"][ours]
+        assert cmp["TTFT mean"]["best_peer"] == "smg_cache_aware"
+        assert cmp["warm TTFT p99"]["ours"] == next(r for r in loads[0]["runs"] if r["policy"] == ours)["metrics"][
+            "ttft_warm_s"]["p99"]
     assert {r["policy"] for r in data["ablation"]["runs"]} == {"e2_base", "e2_rebal", "e2", "e2 + preble_groups"}
     assert (tmp_path / "workloads" / "toolbench" / "results.json").is_file()
