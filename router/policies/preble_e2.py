@@ -194,7 +194,6 @@ class PrebleE2(Policy):
         self.fits: dict[WorkerId, OnlineFit] = {}
         self.evicted: dict[WorkerId, set[int]] = {}  # assigned block hashes removed by events since
         self.resident_count: dict[WorkerId, int] = {}  # blocks resident per events
-        self.resident_nodes: dict[WorkerId, set[Any]] = {}  # nodes with a resident run (lru_victims' input)
         self.lru: dict[WorkerId, LruIndex] = {}  # per worker: M's eviction order, kept by the hooks (`_touch`)
         self.moved_load = MovedLoad()  # per worker: (t, Δload s) from rebalancing and replication
         self.dirty_ttft: dict[tuple[int, WorkerId], Any] = {}  # (id(key node), worker) -> node: new TTFT samples
@@ -594,11 +593,6 @@ class PrebleE2(Policy):
                 evicted = self.evicted.get(w)
                 if evicted:
                     evicted.difference_update(ev.block_hashes)
-                nodes = self.resident_nodes.setdefault(w, set())
-                for h in ev.block_hashes[-1:]:  # lru_victims walks up to the rest
-                    pos = tree.node_of(h)
-                    if pos is not None:
-                        nodes.add(pos[0])
             elif isinstance(ev, BlockRemoved):
                 tree.mark_evicted(w, ev.block_hashes)
                 idx = self.lru.get(w)
@@ -617,7 +611,6 @@ class PrebleE2(Policy):
                 tree.unassign_worker(w)  # its predictions were about a cache that no longer exists
                 self.resident_count[w] = 0
                 self.evicted.pop(w, None)
-                self.resident_nodes.pop(w, None)
                 self.lru.pop(w, None)
 
     def _touch(self, nodes: list[Any]) -> None:
@@ -637,8 +630,8 @@ class PrebleE2(Policy):
             self._facts.pop(worker_id, None)  # re-read its Info at the next select (it may have re-registered)
             return  # a drain or a state change: keep its cache view and load
         self.tree.remove_worker(worker_id)
-        for d in (self.history, self.hit_ratio, self.fits, self.evicted, self.resident_count, self.resident_nodes,
-                  self.lru, self._facts, self.outstanding):
+        for d in (self.history, self.hit_ratio, self.fits, self.evicted, self.resident_count, self.lru,
+                  self._facts, self.outstanding):
             d.pop(worker_id, None)  # type: ignore[attr-defined]
         self.moved_load.drop(worker_id)
 
@@ -672,14 +665,6 @@ class PrebleE2(Policy):
                 if pos is not None and w in pos[0].assigned:
                     keep.add(h)
             self.evicted[w] = keep
-        for w, nodes in self.resident_nodes.items():
-            deepest = set()
-            for n in nodes:  # keep, per stored node, its deepest ancestor-or-self still resident
-                while n is not None and not (n.is_attached and n.resident.get(w, 0) > 0):
-                    n = n.parent
-                if n is not None:
-                    deepest.add(n)
-            self.resident_nodes[w] = deepest
         return removed
 
 

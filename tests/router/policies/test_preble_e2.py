@@ -348,7 +348,7 @@ def test_eviction_cost_when_full() -> None:
         place(policy, fleet, dataclasses.replace(a, request_id=f"a{i}"), "w0", now=float(i))
     policy.on_kv_events(W0, stored(a, 1, ts=2.0))
     ctx = req("new", shared=0)  # 32 missed blocks; free 40 - 32 = 8 -> evict 24 blocks of a's node (its tail)
-    victims = lru_victims(W0, policy.resident_nodes[W0], 24, set())
+    victims = lru_victims(W0, policy.tree.nodes(), 24, set())
     assert [(v.num_blocks, k) for v, k in victims] == [(32, 24)]
     c = policy.loadcost(fleet.get(W0), ctx, 0, [], now=3.0)  # type: ignore[arg-type]
     # text M = PT(24 × 16 = 384 tokens after 8 × 16 = 128 kept) × N = 3 requests
@@ -495,7 +495,7 @@ def test_lru_index_matches_lru_victims(seed: int) -> None:
     base = make_requests(1, prompt_len=64, shared_prefix=0, max_tokens=4)[0]
     prompts = [_chain([rng.randrange(3) if d < 4 else rng.randrange(50) for d in range(rng.randint(1, 10))])
                for _ in range(40)]
-    seq, now, gced = 0, 0.0, False
+    seq, now = 0, 0.0
     for step in range(300):
         now += rng.random()
         hashes = rng.choice(prompts)
@@ -516,15 +516,13 @@ def test_lru_index_matches_lru_victims(seed: int) -> None:
         elif op < 0.96:
             policy.on_kv_events(w, KvEventBatch(seq := seq + 1, now, (AllBlocksCleared(),)))
         else:
-            gced = policy.gc(now) > 0 or gced
+            policy.gc(now)
         for v in workers:
             for _ in range(3):
                 path = policy.tree.match(rng.choice(prompts)).path if rng.random() < 0.7 else []
                 protected = {id(n) for n in path}
                 need = rng.choice([1, 3, 10, 1000])
                 want = lru_victims(v, policy.tree.nodes(), need, protected)  # every node resident on v
-                if not gced:  # the old input, resident_nodes, loses the resident ancestors of nodes gc detached
-                    assert want == lru_victims(v, policy.resident_nodes.get(v, ()), need, protected)
                 idx = policy.lru.get(v)
                 got = idx.victims(v, need, protected) if idx is not None else []
                 assert [(id(n), k) for n, k in got] == [(id(n), k) for n, k in want], (step, v, need)
