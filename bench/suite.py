@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from switchyard.bench import report, sim
+from switchyard.bench.traces import PromptFactory, prefix_hit_bound
 
 PEERS = ("smg_cache_aware", "smg_least_load", "dynamo_kv", "llmd_scorer", "aibrix_prefix")
 POLICIES = ("e2", "switchyard", *PEERS, "round_robin", "least_request")
@@ -241,10 +242,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"(ladder of {n_ladder}-request runs, saturated when mean TTFT > {args.sat_factor:g} x the lightest "
                   "rung's). Ratios: ours (" + ", ".join(ours_run) + ") / the best of " + ", ".join(PEERS)
                   + " (< 1 = ours better). Warm: requests after the first quarter of arrivals (the cold-cache "
-                  "warm-up excluded).\n")
+                  "warm-up excluded). Hit bound: one unbounded cache serving the trace in order (`prefix_hit_bound`), "
+                  "the most any routing can reuse.\n")
         overview = ["| workload | load | req/s | RR capacity | ours | " + " | ".join(label for label, _ in METRICS)
-                    + " | our hit | best peer hit | ours / RR TTFT mean |",
-                    "|" + "---|" * (8 + len(METRICS))]
+                    + " | our hit | best peer hit | hit bound | ours / RR TTFT mean |",
+                    "|" + "---|" * (9 + len(METRICS))]
         detail: list[str] = []
         for w in names:
             argv_w = WORKLOADS[w]
@@ -253,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
             res = run_sweep([*argv_w, *sized(n), *common, "--policies", ",".join(policies),
                              "--rates", ",".join(f"{r:g}" for r in rates)], out / "workloads" / w, plots)
             cap = data["capacity"][w].get("capacity_req_s")
-            entry = {"rates": rates, "capacity_req_s": cap, "loads": []}
+            wl_args = sim_args([*argv_w, *sized(n), "--seed", str(args.seed)])
+            bound = prefix_hit_bound(sim.load_workload(wl_args), PromptFactory(wl_args.block_size, seed=args.seed))
+            entry = {"rates": rates, "capacity_req_s": cap, "prefix_hit_bound": bound, "loads": []}
             for j, rate in enumerate(rates):
                 runs = [r for r in res["runs"] if abs(next(iter(r["load"].values())) - rate) < 1e-9]
                 cmps = {ours: ours_vs_peers(runs, ours) for ours in ours_run}
@@ -275,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"| {w} | {frac} | {rate:g} | {cap if cap is None else f'{cap:.2f}'} | {ours} "
                         + "".join(f"| x{cmp[label]['ratio']:.2f} " for label, _ in METRICS)
                         + f"| {cmp['hit ratio']['ours']:.3f} | {cmp['hit ratio']['best_peer_value']:.3f} "
-                          f"({cmp['hit ratio']['best_peer']}) | x{rr:.2f} |")
+                          f"({cmp['hit ratio']['best_peer']}) | {bound:.3f} | x{rr:.2f} |")
                 detail.append("")
             data["workloads"][w] = entry
             log(f"{w}: {len(res['runs'])} runs in {time.perf_counter() - t0:.0f} s")

@@ -360,3 +360,23 @@ class PromptFactory:
                     parent = hit[0][nfull - 1]
                 pos += take
         return tuple(events)
+
+
+def prefix_hit_bound(trace: Trace, prompts: PromptFactory) -> float:
+    """The prefix-cache hit ratio (cached / prompt tokens) of one worker with an unbounded cache serving the whole
+    trace in arrival order: an upper bound on any fleet's, whatever the routing (a block can only hit if an earlier
+    request stored it). As in vLLM, a prompt's last token is always computed: at most (P - 1) // block_size blocks
+    hit. A policy at this bound can gain nothing more from reuse; only from when and where the misses run."""
+    seen: set[int] = set()
+    hit = total = 0
+    bs = prompts.block_size
+    for r in trace.requests:
+        tokens = prompts.tokens(r)
+        hashes = prompts.block_hashes(r, tokens)
+        k, cap = 0, max(0, (len(tokens) - 1) // bs)
+        while k < cap and hashes[k] in seen:
+            k += 1
+        hit += k * bs
+        total += len(tokens)
+        seen.update(hashes)
+    return hit / total if total else 0.0

@@ -42,6 +42,7 @@ def test_suite_smoke(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "summary.json").read_text())
     loads = data["workloads"]["toolbench"]["loads"]
     assert [x["rate"] for x in loads] == [5.0, 10.0]
+    assert 0 < data["workloads"]["toolbench"]["prefix_hit_bound"] < 1
     for ours in ("e2", "switchyard"):
         cmp = loads[0]["vs_best_peer"][ours]
         assert cmp["TTFT mean"]["best_peer"] == "smg_cache_aware"

@@ -15,6 +15,7 @@ from switchyard.bench.traces import (
     mooncake_segments,
     parse_azure,
     parse_mooncake,
+    prefix_hit_bound,
     scale_time,
     scale_to_rate,
     take_slice,
@@ -60,6 +61,13 @@ def test_mooncake_expansion_equal_ids_give_equal_blocks():
     # deterministic across factories, and the seed matters
     assert PromptFactory(16, seed=3).tokens(t.requests[0]) == toks[0]
     assert PromptFactory(16, seed=4).tokens(t.requests[0]) != toks[0]
+
+
+def test_prefix_hit_bound_counts_blocks_an_earlier_request_stored():
+    t = _mooncake()  # hash ids [7, 8, 9] 1100 tokens, [7, 10] 700, [7] 512, [8] 300 (a different first block)
+    # r0 misses all; r1 hits id 7's 32 blocks; r2 is id 7 alone, capped at (512 - 1) // 16 = 31 blocks (its last
+    # token is computed); r3's chain starts with another block, so nothing
+    assert prefix_hit_bound(t, PromptFactory(16, seed=3)) == pytest.approx((512 + 496) / (1100 + 700 + 512 + 300))
 
 
 @pytest.mark.parametrize("block_size", [16, 32, 48])  # 48 does not divide 512: the unmemoized path
