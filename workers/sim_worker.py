@@ -28,7 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from switchyard.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from switchyard.workers.engine import kv_events as kv
-from switchyard.workers.engine.core import EngineConfig, EngineCore
+from switchyard.workers.engine.core import SCHEDULINGS, EngineConfig, EngineCore
 from switchyard.workers.engine.types import EngineRequest, FinishReason, RequestOutput
 from switchyard.workers.tokenizer import Tokenizer, load_tokenizer
 
@@ -639,8 +639,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--scheduling",
         default=None,
-        choices=("fcfs", "priority", "preble_groups"),
-        help="engine admission order: vLLM FCFS (default), vLLM priority, or Preble's local priority groups",
+        choices=SCHEDULINGS,
+        help="engine admission order: vLLM FCFS (default), vLLM priority, Preble's local priority groups (preble_groups) "
+        "or SGLang's longest-prefix-match first (lpm)",
     )
     p.add_argument("--num-priority-groups", type=int, default=None, help="preble_groups: P (default 10)")
     p.add_argument("--priority-group-quota", type=int, default=None, help="preble_groups: k (default 10)")

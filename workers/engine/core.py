@@ -60,16 +60,20 @@ class EngineConfig:
     block_hash_seed: str = ""  # NONE_HASH seed; "" = vLLM's "vllm-none-hash" (PYTHONHASHSEED unset)
     vocab_size: int = 32000  # simulated tokens are drawn from [3, vocab_size)
     eos_token_id: int = 2  # emitted as the last token of a STOP finish
-    scheduling: str = "fcfs"  # "fcfs" | "priority" (lower `priority` first, then arrival) | "preble_groups"
+    scheduling: str = "fcfs"  # "fcfs" | "priority" (lower `priority` first, then arrival) | "preble_groups" | "lpm"
     num_priority_groups: int = 10  # preble_groups: P, groups by cached fraction of the prompt (specs/preble.md §5.6)
     priority_group_quota: int = 10  # preble_groups: k; group g admits up to (g + 1) × k requests in its step
+    lpm_max_queue: int = 128  # lpm: SGLang sorts only while at most this many wait (then the queue keeps its order)
+
+
+SCHEDULINGS = ("fcfs", "priority", "preble_groups", "lpm")
 
 
 class EngineCore:
     """The simulated engine: Scheduler -> KVCacheManager -> BlockPool, timed by a PerfProfile."""
 
     def __init__(self, config: EngineConfig, profile: PerfProfile) -> None:
-        if config.scheduling not in ("fcfs", "priority", "preble_groups"):
+        if config.scheduling not in SCHEDULINGS:
             raise ValueError(f"unknown scheduling {config.scheduling!r}")
         if config.num_priority_groups < 1 or config.priority_group_quota < 1:
             raise ValueError("num_priority_groups and priority_group_quota must be >= 1")

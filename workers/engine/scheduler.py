@@ -4,7 +4,8 @@ result (`schedule() -> StepPlan`, `update_from_step(plan)`), as `vllm/v1/core/sc
 It also fast-forwards pure decode stretches exactly (`fast_forward_decode`).
 
 Option `scheduling="preble_groups"`: Preble's local scheduler (specs/preble.md §5.6, code `fcfs-mpq`) for the
-admissions: see `priority_group` and `Scheduler._admit_groups`.
+admissions: see `priority_group` and `Scheduler._admit_groups`. Option `scheduling="lpm"`: SGLang's default
+longest-prefix-match-first admission order, the baseline of Preble's fairness claim (`Scheduler._admit_lpm`).
 """
 
 from __future__ import annotations
@@ -100,6 +101,12 @@ class WaitingQueue:
         else:
             self._fifo.remove(r)
 
+    def sort(self, key: Callable[[Request], int]) -> None:
+        """Reorder a FCFS queue in place by `key`, stably (ties keep their order)."""
+        if self.by_priority:
+            raise ValueError("a priority queue keeps its own order")
+        self._fifo = deque(sorted(self._fifo, key=key))
+
     def __len__(self) -> int:
         return len(self._heap) if self.by_priority else len(self._fifo)
 
@@ -118,6 +125,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.by_priority = config.scheduling == "priority"
         self.by_groups = config.scheduling == "preble_groups"
+        self.by_lpm = config.scheduling == "lpm"
         self.group_cursor = 0  # preble_groups: the group served last; the next step scans down from cursor - 1
         self.running: list[Request] = []
         self.waiting = WaitingQueue(self.by_priority)
@@ -209,6 +217,8 @@ class Scheduler:
             blocked = "preempted" if len(self.waiting) else None
         elif self.by_groups:
             blocked = self._admit_groups(scheduled, budget)
+        elif self.by_lpm:
+            blocked = self._admit_lpm(scheduled, budget)
         else:
             blocked = self._admit(scheduled, budget)
         return self._make_plan(scheduled, len(scheduled) - num_running_scheduled, preempted, blocked)
@@ -235,6 +245,25 @@ class Scheduler:
             self._start(r, n, num_hit, scheduled)
             budget -= n
         return None
+
+    def _admit_lpm(self, scheduled: list[tuple[Request, int]], budget: int) -> str | None:
+        """SGLang's `lpm` schedule policy (`schedule_policy.py`: `_sort_by_longest_prefix`,
+        `_determine_active_policy`): before admitting, the waiting queue is sorted in place, stably, by the number
+        of prompt tokens the cache holds now, longest first; while more than `lpm_max_queue` (128) wait the sort is
+        skipped and the queue keeps its last order. Admission then runs in queue order as FCFS does. Highly cached
+        requests go first, so a request with nothing cached can wait as long as cached ones keep arriving: the
+        starvation Preble's priority groups bound (specs/preble.md §5.6, claim 9)."""
+        waiting = self.waiting
+        if 0 < len(waiting) <= self.config.lpm_max_queue:
+            kv = self.kv
+
+            def cached_now(r: Request) -> int:
+                num_hit = kv.num_cached_prefix_tokens(r)
+                self._set_uncached_estimate(r, r.num_tokens - num_hit)
+                return -num_hit
+
+            waiting.sort(cached_now)
+        return self._admit(scheduled, budget)
 
     def _start(self, r: Request, n: int, num_hit: int, scheduled: list[tuple[Request, int]]) -> None:
         """Bookkeeping of an admission whose slots are allocated (the request is already out of `waiting`)."""
