@@ -51,6 +51,7 @@ from switchyard.router.policies.base import Policy, RoutingContext, WorkerId
 from switchyard.router.policies.registry import POLICIES, make_policy
 from switchyard.router.predictor.fallback import LengthFallback
 from switchyard.router.queue import QueueEntry, QueueFull, RequestQueue, should_hold
+from switchyard.workers.engine.core import SCHEDULINGS
 from switchyard.workers.engine.kv_events import KvEventBatch
 from switchyard.workers.engine.types import EngineRequest, StepResult
 
@@ -593,9 +594,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="override the profile's KV capacity")
     g.add_argument(
         "--engine-scheduling",
-        choices=("fcfs", "priority", "preble_groups"),
+        choices=SCHEDULINGS,
         default=None,
-        help="engine admission order (default fcfs); preble_groups = Preble's local priority groups",
+        help="engine admission order (default fcfs); preble_groups = Preble's local priority groups; lpm = SGLang's "
+        "longest-prefix-match first",
     )
     g.add_argument("--num-priority-groups", type=int, default=None, help="preble_groups: P (default 10)")
     g.add_argument("--priority-group-quota", type=int, default=None, help="preble_groups: k (default 10)")

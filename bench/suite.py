@@ -13,6 +13,10 @@ Sections (specs/preble.md §8, §10):
      (no oracle-partition policy exists, so the ladder starts at e2_base).
   c. no sharing (claim 3): poisson arrivals, unique prompts (lognormal 1024 / 128 tokens), llama3-8b-a100:
      e2 vs round_robin and least_request.
+  e. fairness (claim 9) on toolbench Zipf 1.1: e2 routing, the engines admitting FCFS (vLLM), longest prefix first
+     (SGLang's lpm) or by Preble's priority groups, with max_num_seqs 32 so that requests wait in the engines (at
+     vLLM's 256 seqs and 8192 batched tokens the waiting queue drains every iteration at these loads and the order
+     has nothing to reorder). Low-hit = under half the prompt cached.
   d. scaling (claim 13): toolbench at 2 and 4 workers: each policy's capacity at both sizes, and latencies at
      rate r on 2 workers vs 2r on 4.
 
@@ -58,6 +62,8 @@ WORKLOADS: dict[str, list[str]] = {
 }
 NO_SHARING = ["--trace", "poisson", "--profile", "llama3-8b-a100"]
 ABLATION_WORKLOAD = "toolbench-zipf1.1"
+FAIRNESS_SCHEDULINGS = ("fcfs", "lpm", "preble_groups")
+FAIRNESS_MAX_NUM_SEQS = 32
 SCALING_WORKLOAD = "toolbench"
 LADDER = [0.125 * math.sqrt(2) ** k for k in range(23)]  # 0.125 .. 256 req/s (x workers / 4)
 
@@ -180,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated; known: {','.join(WORKLOADS)}")
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--sections", default="a,b,c,d", help="a workloads, b ablation, c no-sharing, d scaling")
+    ap.add_argument("--sections", default="a,b,c,d,e",
+                    help="a workloads, b ablation, c no-sharing, d scaling, e fairness")
     ap.add_argument("--rates", nargs="*", default=[], metavar="WORKLOAD=R1,R2",
                     help="fixed loads for a workload (skips its capacity ladder); 'no-sharing' for section c")
     ap.add_argument("--load-fractions", default="0.5,1.0", help="loads as fractions of round_robin's capacity")
@@ -216,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     data: dict[str, Any] = {"config": {"num_requests": n, "ladder_requests": n_ladder, "workers": args.workers,
                                        "load_fractions": fractions, "sat_factor": args.sat_factor,
                                        "policies": policies, "quick": args.quick, "seed": args.seed},
-                            "capacity": {}, "workloads": {}, "ablation": {}, "no_sharing": {}, "scaling": {}}
+                            "capacity": {}, "workloads": {}, "ablation": {}, "no_sharing": {}, "scaling": {},
+                            "fairness": {}}
     md: list[str] = []
 
     def log(msg: str) -> None:
@@ -309,6 +317,33 @@ def main(argv: list[str] | None = None) -> int:
             data["ablation"]["runs"] += [{"policy": r["policy"], "rate": r["rate"], "metrics": r["metrics"]}
                                          for r in runs]
         log(f"ablation: {len(res1['runs']) + len(res2['runs'])} runs in {time.perf_counter() - t0:.0f} s")
+
+    # ------------------------------------------------------------------ e. fairness
+    if "e" in sections:
+        w = ABLATION_WORKLOAD
+        rates = data["workloads"][w]["rates"] if w in data["workloads"] else loads_for(w, WORKLOADS[w])
+        t0 = time.perf_counter()
+        runs = []
+        for sched in FAIRNESS_SCHEDULINGS:
+            res = run_sweep([*WORKLOADS[w], *sized(n), *common, "--policies", "e2", "--max-num-seqs",
+                             str(FAIRNESS_MAX_NUM_SEQS), "--engine-scheduling", sched,
+                             "--rates", ",".join(f"{r:g}" for r in rates)], out / "fairness" / sched, plots)
+            for r in res["runs"]:
+                r["policy"] = f"e2 + {sched}"
+            runs += res["runs"]
+        md.append(f"## e. Fairness (claim 9), {w}, max_num_seqs {FAIRNESS_MAX_NUM_SEQS}\n")
+        md.append("Local admission order: fcfs (vLLM), lpm (SGLang: longest cached prefix first), preble_groups. "
+                  "Low-hit: requests with under half their prompt cached.\n")
+        lines = ["| scheduling | req/s | TTFT mean s | TTFT p99 s | low-hit n | low-hit TTFT p99 s | low-hit TTFT max s "
+                 "| hit ratio |", "|---|---|---|---|---|---|---|---|"]
+        for r in sorted(runs, key=lambda r: (r["rate"], r["policy"])):
+            m, lo = r["metrics"], r["metrics"]["ttft_low_hit_s"]
+            lines.append(f"| {r['policy']} | {r['rate']:g} | {m['ttft_s']['mean']:.3f} | {m['ttft_s']['p99']:.3f} "
+                         f"| {lo['n']} | {lo['p99']:.3f} | {lo['max']:.3f} | {m['prefix_cache_hit_ratio']:.3f} |")
+        md.append("\n".join(lines) + "\n")
+        data["fairness"] = {"workload": w, "rates": rates, "max_num_seqs": FAIRNESS_MAX_NUM_SEQS,
+                            "runs": [{"policy": r["policy"], "rate": r["rate"], "metrics": r["metrics"]} for r in runs]}
+        log(f"fairness: {len(runs)} runs in {time.perf_counter() - t0:.0f} s")
 
     # ------------------------------------------------------------------ c. no sharing
     if "c" in sections:

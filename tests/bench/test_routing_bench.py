@@ -139,6 +139,19 @@ def test_warm_ttft_leaves_out_the_first_quarter_of_arrivals() -> None:
     assert m["warm_start_s"] == pytest.approx(25.0)
     assert m["ttft_warm_s"]["mean"] == pytest.approx(0.1) and m["ttft_warm_s"]["p99"] == pytest.approx(0.1)
     assert m["ttft_s"]["mean"] == pytest.approx((25 * 5.0 + 75 * 0.1) / 100)
+    assert m["ttft_s"]["max"] == pytest.approx(5.0) and m["ttft_s"]["n"] == 100
+
+
+def test_low_hit_ttft_is_over_requests_with_under_half_their_prompt_cached() -> None:
+    recs = []
+    for i, (cached, ttft) in enumerate([(0, 3.0), (4, 2.0), (5, 0.2), (10, 0.1)]):  # of 10 prompt tokens
+        r = RequestRecord(f"r{i}", arrival_s=0.0, num_prompt_tokens=10, max_tokens=1, status=OK)
+        r.first_token_s = r.finish_s = ttft
+        r.num_output_tokens, r.num_cached_tokens = 1, cached
+        recs.append(r)
+    m = summarize(recs, ["w0"], 0, 0, 0, math.inf, math.inf)
+    assert m["ttft_low_hit_s"]["n"] == 2  # 0 and 4 of 10 cached; 5 of 10 is not under half
+    assert m["ttft_low_hit_s"]["mean"] == pytest.approx(2.5) and m["ttft_low_hit_s"]["max"] == pytest.approx(3.0)
 
 
 def test_isolated_latency_equals_a_lone_request_in_the_simulator() -> None:

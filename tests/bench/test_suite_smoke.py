@@ -32,14 +32,15 @@ def test_decisions_preload_grows_the_tree(tmp_path: Path) -> None:
 
 def test_suite_smoke(tmp_path: Path) -> None:
     rc = suite.main(["--quick", "--num-requests", "40", "--ladder-requests", "30", "--workloads", "toolbench",
-                     "--policies", "e2,switchyard,smg_cache_aware,round_robin", "--sections", "a,b,c", "--jobs", "1",
+                     "--policies", "e2,switchyard,smg_cache_aware,round_robin", "--sections", "a,b,c,e", "--jobs", "1",
                      "--rates", "toolbench=5,10", "toolbench-zipf1.1=8", "no-sharing=2", "--no-plots",
                      "--out", str(tmp_path)])
     assert rc == 0
     text = (tmp_path / "summary.md").read_text()
     assert "e2 / best peer" in text and "switchyard / best peer" in text
-    assert "## b. Ablation" in text and "## c. No sharing" in text
+    assert "## b. Ablation" in text and "## c. No sharing" in text and "## e. Fairness" in text
     data = json.loads((tmp_path / "summary.json").read_text())
+    assert {r["policy"] for r in data["fairness"]["runs"]} == {"e2 + fcfs", "e2 + lpm", "e2 + preble_groups"}
     loads = data["workloads"]["toolbench"]["loads"]
     assert [x["rate"] for x in loads] == [5.0, 10.0]
     assert 0 < data["workloads"]["toolbench"]["prefix_hit_bound"] < 1
