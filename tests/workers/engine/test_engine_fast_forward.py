@@ -66,7 +66,8 @@ def test_fast_forward_matches_single_steps(seed: int) -> None:
         "block_size": rng.choice([1, 2, 4, 16]),
         "max_num_seqs": rng.choice([2, 4, 256]),
         "max_num_batched_tokens": rng.choice([16, 64, 8192]),
-        "scheduling": rng.choice(["fcfs", "priority"]),
+        "scheduling": rng.choice(["fcfs", "priority", "lpm"]),
+        "lpm_max_queue": rng.choice([1, 128]),  # lpm: sorted admissions, or the queue's order past the limit
         "enable_chunked_prefill": rng.random() < 0.8,
         "max_model_len": 128,
     }
