@@ -16,7 +16,7 @@ Sections (specs/preble.md §8, §10):
   e. fairness (claim 9) on toolbench Zipf 1.1: e2 routing, the engines admitting FCFS (vLLM), longest prefix first
      (SGLang's lpm) or by Preble's priority groups, with max_num_seqs 32 so that requests wait in the engines (at
      vLLM's 256 seqs and 8192 batched tokens the waiting queue drains every iteration at these loads and the order
-     has nothing to reorder). Low-hit = under half the prompt cached.
+     has nothing to reorder), at 1, 1.5 and 2 x round_robin's capacity. Low-hit = under half the prompt cached.
   d. scaling (claim 13): toolbench at 2 and 4 workers: each policy's capacity at both sizes, and latencies at
      rate r on 2 workers vs 2r on 4.
 
@@ -64,6 +64,7 @@ NO_SHARING = ["--trace", "poisson", "--profile", "llama3-8b-a100"]
 ABLATION_WORKLOAD = "toolbench-zipf1.1"
 FAIRNESS_SCHEDULINGS = ("fcfs", "lpm", "preble_groups")
 FAIRNESS_MAX_NUM_SEQS = 32
+FAIRNESS_LOAD_FACTORS = (1.0, 1.5, 2.0)  # x the workload's highest load (round_robin's capacity by default)
 SCALING_WORKLOAD = "toolbench"
 LADDER = [0.125 * math.sqrt(2) ** k for k in range(23)]  # 0.125 .. 256 req/s (x workers / 4)
 
@@ -321,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     # ------------------------------------------------------------------ e. fairness
     if "e" in sections:
         w = ABLATION_WORKLOAD
-        rates = data["workloads"][w]["rates"] if w in data["workloads"] else loads_for(w, WORKLOADS[w])
+        base = data["workloads"][w]["rates"] if w in data["workloads"] else loads_for(w, WORKLOADS[w])
+        # from round_robin's knee up: only where e2's engines queue does the admission order have work to do
+        rates = [round(max(base) * f, 3) for f in FAIRNESS_LOAD_FACTORS]
         t0 = time.perf_counter()
         runs = []
         for sched in FAIRNESS_SCHEDULINGS:
