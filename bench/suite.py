@@ -44,6 +44,7 @@ from typing import Any
 
 from switchyard.bench import report, sim
 from switchyard.bench.traces import PromptFactory, prefix_hit_bound
+from switchyard.workers.engine.profiles import get_profile
 
 PEERS = ("smg_cache_aware", "smg_least_load", "dynamo_kv", "llmd_scorer", "aibrix_prefix")
 POLICIES = ("e2", "switchyard", *PEERS, "round_robin", "least_request")
@@ -252,10 +253,11 @@ def main(argv: list[str] | None = None) -> int:
                   "rung's). Ratios: ours (" + ", ".join(ours_run) + ") / the best of " + ", ".join(PEERS)
                   + " (< 1 = ours better). Warm: requests after the first quarter of arrivals (the cold-cache "
                   "warm-up excluded). Hit bound: one unbounded cache serving the trace in order (`prefix_hit_bound`), "
-                  "the most any routing can reuse.\n")
+                  "the most any routing can reuse; pooled LRU: one LRU cache of the whole fleet's KV blocks, a reference for "
+                  "what the capacity allows.\n")
         overview = ["| workload | load | req/s | RR capacity | ours | " + " | ".join(label for label, _ in METRICS)
-                    + " | our hit | best peer hit | hit bound | ours / RR TTFT mean |",
-                    "|" + "---|" * (9 + len(METRICS))]
+                    + " | our hit | best peer hit | hit bound | pooled LRU | ours / RR TTFT mean |",
+                    "|" + "---|" * (10 + len(METRICS))]
         detail: list[str] = []
         for w in names:
             argv_w = WORKLOADS[w]
@@ -265,8 +267,14 @@ def main(argv: list[str] | None = None) -> int:
                              "--rates", ",".join(f"{r:g}" for r in rates)], out / "workloads" / w, plots)
             cap = data["capacity"][w].get("capacity_req_s")
             wl_args = sim_args([*argv_w, *sized(n), "--seed", str(args.seed)])
-            bound = prefix_hit_bound(sim.load_workload(wl_args), PromptFactory(wl_args.block_size, seed=args.seed))
-            entry = {"rates": rates, "capacity_req_s": cap, "prefix_hit_bound": bound, "loads": []}
+            wl_trace = sim.load_workload(wl_args)
+            bound = prefix_hit_bound(wl_trace, PromptFactory(wl_args.block_size, seed=args.seed))
+            fleet_blocks = args.workers * (
+                wl_args.num_kv_blocks or get_profile(wl_args.profile).num_kv_blocks(wl_args.block_size)
+            )
+            pooled = prefix_hit_bound(wl_trace, PromptFactory(wl_args.block_size, seed=args.seed), fleet_blocks)
+            entry = {"rates": rates, "capacity_req_s": cap, "prefix_hit_bound": bound,
+                     "pooled_lru_hit": pooled, "fleet_kv_blocks": fleet_blocks, "loads": []}
             for j, rate in enumerate(rates):
                 runs = [r for r in res["runs"] if abs(next(iter(r["load"].values())) - rate) < 1e-9]
                 cmps = {ours: ours_vs_peers(runs, ours) for ours in ours_run}
@@ -288,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"| {w} | {frac} | {rate:g} | {cap if cap is None else f'{cap:.2f}'} | {ours} "
                         + "".join(f"| x{cmp[label]['ratio']:.2f} " for label, _ in METRICS)
                         + f"| {cmp['hit ratio']['ours']:.3f} | {cmp['hit ratio']['best_peer_value']:.3f} "
-                          f"({cmp['hit ratio']['best_peer']}) | {bound:.3f} | x{rr:.2f} |")
+                          f"({cmp['hit ratio']['best_peer']}) | {bound:.3f} | {pooled:.3f} | x{rr:.2f} |")
                 detail.append("")
             data["workloads"][w] = entry
             log(f"{w}: {len(res['runs'])} runs in {time.perf_counter() - t0:.0f} s")

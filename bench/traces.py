@@ -12,6 +12,7 @@ import csv
 import json
 import math
 import os
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import date
@@ -362,21 +363,30 @@ class PromptFactory:
         return tuple(events)
 
 
-def prefix_hit_bound(trace: Trace, prompts: PromptFactory) -> float:
-    """The prefix-cache hit ratio (cached / prompt tokens) of one worker with an unbounded cache serving the whole
-    trace in arrival order: an upper bound on any fleet's, whatever the routing (a block can only hit if an earlier
-    request stored it). As in vLLM, a prompt's last token is always computed: at most (P - 1) // block_size blocks
-    hit. A policy at this bound can gain nothing more from reuse; only from when and where the misses run."""
-    seen: set[int] = set()
+def prefix_hit_bound(trace: Trace, prompts: PromptFactory, capacity_blocks: int | None = None) -> float:
+    """The prefix-cache hit ratio (cached / prompt tokens) of one worker serving the whole trace in arrival order.
+
+    Unbounded (`capacity_blocks` None): an upper bound on any fleet's ratio, whatever the routing (a block can only
+    hit if an earlier request stored it). With `capacity_blocks` (the fleet's KV blocks pooled into one LRU cache):
+    a reference for what the fleet's capacity allows, not a bound (a partitioned cache and a smarter eviction
+    order can both beat one LRU). As in vLLM, a prompt's last token is always computed: at most (P - 1) //
+    block_size blocks hit. A policy at these figures gains nothing more from reuse, only from when and where the
+    misses run."""
+    lru: OrderedDict[int, None] = OrderedDict()
     hit = total = 0
     bs = prompts.block_size
     for r in trace.requests:
         tokens = prompts.tokens(r)
         hashes = prompts.block_hashes(r, tokens)
         k, cap = 0, max(0, (len(tokens) - 1) // bs)
-        while k < cap and hashes[k] in seen:
+        while k < cap and hashes[k] in lru:
             k += 1
         hit += k * bs
         total += len(tokens)
-        seen.update(hashes)
+        for h in hashes:
+            lru[h] = None
+            lru.move_to_end(h)
+        if capacity_blocks is not None:
+            while len(lru) > capacity_blocks:
+                lru.popitem(last=False)
     return hit / total if total else 0.0

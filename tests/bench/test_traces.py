@@ -67,7 +67,12 @@ def test_prefix_hit_bound_counts_blocks_an_earlier_request_stored():
     t = _mooncake()  # hash ids [7, 8, 9] 1100 tokens, [7, 10] 700, [7] 512, [8] 300 (a different first block)
     # r0 misses all; r1 hits id 7's 32 blocks; r2 is id 7 alone, capped at (512 - 1) // 16 = 31 blocks (its last
     # token is computed); r3's chain starts with another block, so nothing
-    assert prefix_hit_bound(t, PromptFactory(16, seed=3)) == pytest.approx((512 + 496) / (1100 + 700 + 512 + 300))
+    total = 1100 + 700 + 512 + 300
+    assert prefix_hit_bound(t, PromptFactory(16, seed=3)) == pytest.approx((512 + 496) / total)
+    # a pooled LRU of 50 blocks: r0's 68 full blocks leave only its last 50, so id 7's front is gone and r1 hits
+    # nothing; r1's 43 blocks all stay, so r2 (id 7 alone) hits r1's copy: 31 blocks
+    assert prefix_hit_bound(t, PromptFactory(16, seed=3), capacity_blocks=50) == pytest.approx(496 / total)
+    assert prefix_hit_bound(t, PromptFactory(16, seed=3), capacity_blocks=10_000) == pytest.approx((512 + 496) / total)
 
 
 @pytest.mark.parametrize("block_size", [16, 32, 48])  # 48 does not divide 512: the unmemoized path
