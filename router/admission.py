@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -85,7 +85,16 @@ class ModelCatalog(Protocol):
 class PredictionStarter(Protocol):
     """`PredictorService.start`: enqueue a prediction, never block."""
 
-    def start(self, model: str, text: str | None, prompt_tokens: int, hint: int = 0, max_tokens: int = 0) -> Prediction: ...
+    def start(
+        self,
+        model: str,
+        text: str | None,
+        prompt_tokens: int,
+        hint: int = 0,
+        max_tokens: int = 0,
+        token_ids: Sequence[int] | None = None,
+        adapter: str = "",
+    ) -> Prediction: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +185,7 @@ def prediction_text(params: GenerateParams) -> str | None:
     return params.prompt
 
 
-def block_hashes(token_ids: list[int], spec: ModelSpec, lora_name: str, cache_salt: str) -> tuple[int, ...]:
+def block_hashes(token_ids: Sequence[int], spec: ModelSpec, lora_name: str, cache_salt: str) -> tuple[int, ...]:
     """The uint64 event ids of the prompt's full blocks, with the model's workers' recipe."""
     digests = block_digests(
         token_ids,
@@ -215,18 +224,19 @@ def admit(
         raise _invalid(
             f"prompt has {len(token_ids)} tokens, more than model {params.model!r}'s max length {spec.max_model_len}"
         )
+    token_ids = tuple(token_ids)
     prediction = None
     if predictor is not None:
         prediction = predictor.start(
             params.model, prediction_text(params), len(token_ids), params.predicted_output_tokens_hint,
-            params.sampling.max_tokens,
+            params.sampling.max_tokens, token_ids=token_ids, adapter=params.lora_name,
         )
     hashes = block_hashes(token_ids, spec, params.lora_name, params.cache_salt)
     tokenize_s = time.perf_counter() - t0
     return AdmittedRequest(
         request_id=params.request_id,
         model=params.model,
-        prompt_token_ids=tuple(token_ids),
+        prompt_token_ids=token_ids,
         block_hashes=hashes,
         sampling=params.sampling,
         arrival_s=arrival_s,

@@ -94,6 +94,8 @@ class PredictorConfig(_Section):
     timeout_ms: float = Field(default=50.0, gt=0)  # from admission; past it the fallback answers
     prefer_client_hint: bool = True  # a request's predicted_output_tokens_hint beats the model (old behaviour)
     providers: tuple[str, ...] = ()  # ONNX Runtime providers in order; () = CUDA when listed, then CPU
+    memo_entries: int = Field(default=100_000, ge=0)  # prompts remembered for exact repeats (LRU); 0 = no memo
+    memo_window: int = Field(default=8, ge=1)  # a repeat's answer: the median of its last this many lengths
 
 
 class RouterConfig(BaseModel):

@@ -313,7 +313,8 @@ class Dispatcher:
         timings = router_pb2.Timings(
             queue_s=fl.queue_s, ttft_s=ttft_s, e2e_s=e2e_s, worker_id=wid, route_s=fl.route_s, attempts=fl.attempt + 1
         )
-        self._finish(fl, wid, now, ttft_s, e2e_s, usage.completion_tokens)
+        capped = wc.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        self._finish(fl, wid, now, ttft_s, e2e_s, usage.completion_tokens, capped)
         return router_pb2.GenerateChunk(
             request_id=fl.req.request_id,
             token_ids=wc.token_ids,
@@ -323,7 +324,9 @@ class Dispatcher:
             timings=timings,
         )
 
-    def _finish(self, fl: _Flight, wid: WorkerId, now: float, ttft_s: float, e2e_s: float, num_output: int) -> None:
+    def _finish(
+        self, fl: _Flight, wid: WorkerId, now: float, ttft_s: float, e2e_s: float, num_output: int, capped: bool
+    ) -> None:
         """Bookkeeping before the final chunk is yielded, so a client leaving right after it is not an abort."""
         fl.finished = True
         fl.served_by = wid
@@ -331,7 +334,7 @@ class Dispatcher:
         self._end_attempt(fl, send_abort=False, finished_tokens=num_output)
         model = fl.req.model
         if self._predictor is not None:
-            self._predictor.observe(model, len(fl.req.prompt_token_ids), num_output, fl.req.prediction)
+            self._predictor.observe(model, len(fl.req.prompt_token_ids), num_output, fl.req.prediction, capped)
         self._metrics.ttft.labels(model).observe(ttft_s)
         self._metrics.e2e.labels(model).observe(e2e_s)
         if num_output > 1:

@@ -99,7 +99,7 @@ class RouterMetrics:
             "Cumulative prefix-cache hits / queries (tokens) from the worker's Stats", ["worker"], registry=r,
         )
         self.predictions = Counter(
-            "switchyard_predictions", "Settled output-length predictions by who answered: model, hint or fallback",
+            "switchyard_predictions", "Settled output-length predictions by who answered: model, hint, memo or fallback",
             ["source"], registry=r,
         )
         self.predictor_misses = Counter(

@@ -5,7 +5,9 @@ wait. One worker thread drains the inbox into batches (up to `max_batch`, waitin
 0 = whatever queued while the previous batch ran) and hands each batch's answers back to the loop in one
 `call_soon_threadsafe`. Dispatch then asks `result` (waits until the deadline at most) or `result_nowait` (the
 queue's late binding, which cannot wait). Past the deadline, on a predictor error, without a model or without
-text, the `LengthFallback` answers. Each prediction settles once; its source is "model", "hint" or "fallback".
+text, the `LengthFallback` answers. A prompt seen finishing before is answered at once from the `PromptMemo`
+(exact repeats; a client hint still comes first). Each prediction settles once; its source is "model", "hint",
+"memo" or "fallback".
 
     loop thread:  start() --put--> inbox --> [worker thread: batch, predict] --call_soon_threadsafe--> future
                   result()/result_nowait() <-- future done? model : (hint | fallback)
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from switchyard.router.predictor.fallback import LengthFallback
+from switchyard.router.predictor.memo import PromptKey, PromptMemo
 from switchyard.router.predictor.paths import DEFAULT_PREDICTOR, predictor_path
 
 if TYPE_CHECKING:
@@ -35,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MODEL, HINT, FALLBACK = "model", "hint", "fallback"
+MODEL, HINT, MEMO, FALLBACK = "model", "hint", "memo", "fallback"
 
 
 class LengthPredictor(Protocol):
@@ -63,6 +66,7 @@ class Prediction:
     )
     tokens: int = 0
     source: str = ""  # "" until settled
+    key: PromptKey | None = None  # the prompt's memo key (None: no memo, or no token ids)
 
     @property
     def is_settled(self) -> bool:
@@ -87,11 +91,13 @@ class PredictorService:
         max_batch: int = 0,
         max_wait_ms: float = 0.0,
         prefer_client_hint: bool = True,
+        memo: PromptMemo | None = None,
     ) -> None:
         self.fallback = fallback or LengthFallback()
+        self.memo = memo
         self._metrics = metrics
         # Labelled children resolved once: `.labels()` is a locked dict lookup, paid per request otherwise.
-        sources = (MODEL, HINT, FALLBACK)
+        sources = (MODEL, HINT, MEMO, FALLBACK)
         self._settled = (
             {s: (metrics.predictions.labels(s), metrics.predicted_tokens.labels(s)) for s in sources}
             if metrics is not None
@@ -141,13 +147,25 @@ class PredictorService:
 
     # ------------------------------------------------------------------ loop side
     def start(
-        self, model: str, text: str | None, prompt_tokens: int, hint: int = 0, max_tokens: int = 0
+        self,
+        model: str,
+        text: str | None,
+        prompt_tokens: int,
+        hint: int = 0,
+        max_tokens: int = 0,
+        token_ids: Sequence[int] | None = None,
+        adapter: str = "",
     ) -> Prediction:
-        """Begin predicting one request (non-blocking: at most one enqueue). Call on the event loop thread."""
+        """Begin predicting one request (non-blocking: at most one enqueue). Call on the event loop thread.
+        `token_ids` (and the LoRA `adapter`) key the memo of exact repeats."""
         now = time.monotonic()
         p = Prediction(model, text, prompt_tokens, max(0, hint), max_tokens, now, now + self._timeout_s)
+        if self.memo is not None and token_ids is not None:
+            p.key = PromptMemo.key(model, token_ids, adapter)
         if p.hint and self._prefer_hint:
             self._settle(p, p.hint, HINT)
+        elif p.key is not None and (seen := self.memo.lookup(p.key)) is not None:  # type: ignore[union-attr]
+            self._settle(p, seen, MEMO)
         elif text is not None and self._thread is not None:
             if self._loop is None:
                 self._loop = asyncio.get_running_loop()
@@ -184,10 +202,18 @@ class PredictorService:
         return self._settle(p, self.fallback.predict(p.model, p.prompt_tokens), FALLBACK)
 
     def observe(
-        self, model: str, prompt_tokens: int, output_tokens: int, prediction: Prediction | None = None
+        self,
+        model: str,
+        prompt_tokens: int,
+        output_tokens: int,
+        prediction: Prediction | None = None,
+        capped: bool = False,
     ) -> None:
-        """A request finished with `output_tokens`: teach the fallback, and record the settled prediction's error."""
+        """A request finished with `output_tokens` (`capped`: cut at max_tokens): teach the fallback, the memo
+        (natural finishes only) and record the settled prediction's error."""
         self.fallback.observe(model, prompt_tokens, output_tokens)
+        if self.memo is not None and prediction is not None and prediction.key is not None and not capped:
+            self.memo.observe(prediction.key, output_tokens)
         if prediction is not None and prediction.source and self._metrics is not None:
             self._metrics.predictor_abs_error.labels(prediction.source).observe(
                 abs(prediction.tokens - output_tokens)
@@ -292,6 +318,7 @@ def make_service(config: PredictorConfig, metrics: RouterMetrics | None = None) 
         max_batch=config.max_batch,
         max_wait_ms=config.max_wait_ms,
         prefer_client_hint=config.prefer_client_hint,
+        memo=PromptMemo(config.memo_entries, config.memo_window) if config.memo_entries else None,
     )
 
 

@@ -22,6 +22,7 @@ class Script:
     fail_after_tokens: int | None = None  # abort with UNAVAILABLE after this many tokens
     hold_after: int | None = None  # wait on the gate after this many tokens
     status: grpc.StatusCode | None = None  # abort with this status before any token
+    stop_after: int | None = None  # finish naturally (STOP, as at EOS) after this many tokens, if below max_tokens
 
 
 @dataclass
@@ -125,6 +126,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: worker died")
             self._store_prompt_blocks(list(request.prompt_token_ids), request.cache_salt)
             n = request.sampling.max_tokens
+            reason = common_pb2.FINISH_REASON_LENGTH
+            if s.stop_after is not None and s.stop_after < n:
+                n, reason = s.stop_after, common_pb2.FINISH_REASON_STOP
             for i in range(n):
                 if s.fail_after_tokens is not None and i == s.fail_after_tokens:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: worker died mid-stream")
@@ -136,7 +140,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     request_id=rid, token_ids=[token], text=f"<{token}>"
                 )
                 if last:
-                    chunk.finish_reason = common_pb2.FINISH_REASON_LENGTH
+                    chunk.finish_reason = reason
                     chunk.usage.prompt_tokens = len(request.prompt_token_ids)
                     chunk.usage.completion_tokens = n
                 yield chunk

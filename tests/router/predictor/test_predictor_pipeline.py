@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from statistics import median_low
 
 import numpy as np
 import pytest
@@ -210,6 +211,15 @@ def test_eval_and_latency_bench_run_on_the_toy_predictors(trained, tmp_path, mon
     assert "mean length (train)" in methods and "PreServe (paper)" in methods
     assert all(r["n"] == len(test) for r in result["rows"] if "paper" not in r["method"])
     assert "78.25" in (out / "accuracy.md").read_text()
+    # every test prompt occurs in the train split: the memo answers all, with the median (low) of its lengths
+    memo_rows = {r["method"]: r for r in result["rows"] if "exact-repeat memo" in r["method"]}
+    assert list(memo_rows) == [
+        f"{m} + exact-repeat memo (100.0% of prompts)"
+        for m in ("Switchyard toy-student", "Switchyard toy-student-int8", "median length")
+    ]
+    seen = {t: median_low([s.output_tokens for s in train if s.prompt == t]) for t in TEXTS}
+    mae = sum(abs(seen[s.prompt] - s.output_tokens) for s in test) / len(test)
+    assert all(r["mae"] == pytest.approx(mae) for r in memo_rows.values())
 
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(TEXTS * 4))

@@ -22,6 +22,7 @@ from switchyard.router.client import AsyncRouterClient
 from switchyard.router.config import ConfigError, load_config
 from switchyard.router.metrics import RouterMetrics
 from switchyard.router.predictor.fallback import LengthFallback
+from switchyard.router.predictor.memo import PromptMemo
 from switchyard.router.predictor.onnx_predictor import OnnxLengthPredictor
 from switchyard.router.predictor.service import PredictorService, load_predictor, resolve_model_dir
 from switchyard.router.server import RouterDaemon, StartupError
@@ -195,6 +196,27 @@ async def test_client_hint_wins_when_preferred_else_backs_up_the_model() -> None
         assert await s.result(s.start("m", "abc", 10, hint=77)) == (77, "hint")  # the model failed
 
 
+async def test_a_repeat_is_answered_from_the_memo_without_the_model() -> None:
+    p = ScriptedPredictor()
+    async with service(p, memo=PromptMemo(), timeout_ms=10_000) as s:
+        first = s.start("m", "hi", 2, token_ids=[1, 2])
+        assert await s.result(first) == (102, "model")
+        s.observe("m", 2, 9, first)  # it finished naturally after 9 tokens
+        again = s.start("m", "hi", 2, token_ids=[1, 2])
+        assert await s.result(again) == (9, "memo") and again.future is None  # settled at start
+        assert p.batches == [["hi"]]  # the model was asked once
+        assert await s.result(s.start("m", "hi", 2, token_ids=[1, 2], hint=50)) == (50, "hint")  # a hint first
+        other = s.start("m", "hi", 2, token_ids=[1, 2], adapter="lora-a")  # another adapter: not a repeat
+        assert await s.result(other) == (102, "model")
+        s.observe("m", 2, 500, other, capped=True)  # cut at max_tokens: says nothing about its length
+        assert await s.result(s.start("m", "hi", 2, token_ids=[1, 2], adapter="lora-a")) == (102, "model")
+        assert sample(s._metrics, "switchyard_predictions_total", source="memo") == 1  # type: ignore[arg-type]
+    async with service(p) as s:  # no memo: token ids change nothing
+        h = s.start("m", None, 2, token_ids=[1, 2])
+        s.observe("m", 2, 9, h)
+        assert h.key is None and (await s.result(s.start("m", None, 2, token_ids=[1, 2])))[1] == "fallback"
+
+
 async def test_predictions_are_capped_by_max_tokens() -> None:
     async with service(ScriptedPredictor(), timeout_ms=10_000) as s:
         assert await s.result(s.start("m", "abc", 10, max_tokens=50)) == (50, "model")  # 103 > max_tokens
@@ -334,6 +356,25 @@ async def test_queued_request_binds_with_the_prediction_made_while_it_waited(mod
             expected_length("tell me a story"),
         ]
         assert sample(daemon.metrics, "switchyard_predictor_misses_total", reason="early_bind") == 0
+
+
+async def test_daemon_answers_a_repeated_prompt_from_what_it_saw_finish() -> None:
+    w = FakeWorker("w0", script=Script(stop_after=37))  # every answer ends (EOS) after 37 tokens
+    async with stack(w, model="none") as (daemon, client):
+        await client.complete("m", prompt="Hello there", max_tokens=300)
+        await client.complete("m", prompt="Hello there", max_tokens=300)  # a repeat
+        await client.complete("m", prompt="Hello again", max_tokens=300)  # not one
+        await client.complete("m", prompt="Short one", max_tokens=20)  # cut at 20: not learnt
+        await client.complete("m", prompt="Short one", max_tokens=300)
+        got = [(r.predicted_output_tokens) for r in w.received]
+        assert got[1] == 37  # the repeat, from the memo
+        assert got[2] != 37 and got[4] != 20 and got[4] != 37  # from the fallback
+        assert sample(daemon.metrics, "switchyard_predictions_total", source="memo") == 1
+    w = FakeWorker("w0", script=Script(stop_after=37))
+    async with stack(w, model="none", memo_entries=0) as (daemon, client):  # memo off
+        for _ in range(2):
+            await client.complete("m", prompt="Hello there", max_tokens=300)
+        assert sample(daemon.metrics, "switchyard_predictions_total", source="memo") == 0
 
 
 async def test_a_named_predictor_that_cannot_load_stops_startup(tmp_path: Path) -> None:
