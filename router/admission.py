@@ -22,7 +22,7 @@ from switchyard.router.policies.base import RoutingContext, WorkerId
 from switchyard.workers.tokenizer import ChatMessage, Tokenizer
 
 if TYPE_CHECKING:
-    from switchyard.router.predictor.service import Prediction
+    from switchyard.router.predictor.service import Prediction, PredictorService
 
 log = logging.getLogger(__name__)
 
@@ -80,21 +80,6 @@ class ModelSpec:
 
 class ModelCatalog(Protocol):
     def spec(self, model: str) -> ModelSpec | None: ...
-
-
-class PredictionStarter(Protocol):
-    """`PredictorService.start`: enqueue a prediction, never block."""
-
-    def start(
-        self,
-        model: str,
-        text: str | None,
-        prompt_tokens: int,
-        hint: int = 0,
-        max_tokens: int = 0,
-        token_ids: Sequence[int] | None = None,
-        adapter: str = "",
-    ) -> Prediction: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +189,7 @@ def admit(
     tokenizer_for: Callable[[str], Tokenizer],
     max_tokens_cap: int,
     arrival_s: float,
-    predictor: PredictionStarter | None = None,
+    predictor: PredictorService | None = None,
 ) -> AdmittedRequest:
     """Validate, tokenize, start the length prediction and hash; raises ApiError with the status the client
     should see (always before a prediction is started)."""
