@@ -31,7 +31,9 @@ cdef extern from "Python.h":
     PyObject** PySequence_Fast_ITEMS(object o)
     bint PyList_CheckExact(object o)
     bint PyTuple_CheckExact(object o)
-    unsigned long long PyLong_AsUnsignedLongLong(object o)  # errors checked by hand (PyErr_Occurred)
+    unsigned long long PyLong_AsUnsignedLongLongMask(object o)  # never fails on an int: the low 64 bits
+    int _PyLong_Sign(object o)
+    size_t _PyLong_NumBits(object o)
     PyObject* PyErr_Occurred()
     void PyErr_Clear()
 
@@ -46,15 +48,14 @@ cdef int _MAX_SLOTS = 64
 
 
 cdef inline bint _as_u64(object o, uint64_t* out) noexcept:
-    """True and *out when o is an int in [0, 2**64); False otherwise (no exception left set)."""
-    cdef unsigned long long v
-    if not PyLong_Check(o):
+    """True and *out when o is an int in [0, 2**64); False otherwise (no exception left set).
+
+    NOTE: PyLong_AsUnsignedLongLong takes a byte-array conversion for every int past one 30-bit digit (all
+    block hashes), ~30 ns; the masked read walks the digits, and sign + bit length (O(1)) range-check it.
+    """
+    if not PyLong_Check(o) or _PyLong_Sign(o) < 0 or _PyLong_NumBits(o) > 64:
         return False
-    v = PyLong_AsUnsignedLongLong(o)
-    if v == <unsigned long long>-1 and PyErr_Occurred() != NULL:
-        PyErr_Clear()
-        return False
-    out[0] = v
+    out[0] = PyLong_AsUnsignedLongLongMask(o)
     return True
 
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any, Protocol
+from typing import Protocol
 
-from switchyard.workers.engine.perf_model import PerfProfile, pairs_for_prompt
+from switchyard.workers.engine.perf_model import PerfProfile
 from switchyard.workers.engine.profiles import DEFAULT_PROFILE, PROFILES, get_profile
 
 
@@ -35,55 +35,47 @@ class CostModel(Protocol):
     def decode_marginal_s(self, num_tokens: float, context_tokens: float) -> float: ...
 
 
-MEMO_MAX_ENTRIES = 4096  # per ProfileCost memo; cleared when full
-
-
-def _memo_put(memo: dict[Any, float], key: Any, value: float) -> float:
-    if len(memo) >= MEMO_MAX_ENTRIES:
-        memo.clear()
-    memo[key] = value
-    return value
-
-
 @dataclass(frozen=True, slots=True)
 class ProfileCost:
     """PREFILLTIME / DECODETIME from a fitted iteration-time profile (single-request batches).
 
-    NOTE: the iteration-time evaluations are memoised (bounded): E2 repeats them with the same arguments across
-    the workers of one select (the same R on every worker with the same cached prefix) and across selects (the
-    same eviction victims, the same H averages until a hook changes them). They are pure functions of their
-    arguments, so the memo is exact.
+    NOTE: E2 prices these for every candidate worker of every select and at every change of a worker's history
+    window, with arguments that rarely repeat, so they are `PerfProfile.iteration_time_ms` written out for the
+    batches they price (a prefill-only batch; D decode sequences at context C) over the profile's constants,
+    in that method's own order of operations: bit for bit the same floats, without its calls.
     """
 
     profile: PerfProfile
-    # (missed, cached) -> PREFILLTIME; C -> one decode iteration; C -> the marginal decode increment
-    _prefill_memo: dict[tuple[int, int], float] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
-    _step_memo: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
-    _marginal_memo: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # (step_ms, per_decode_ms, decode_ctx_ms_per_ktok, prefill_ms, lin_ms_per_tok, knee_tokens, attn_pair_ratio)
+    _k: tuple[float, float, float, float, float, int, float] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        c = self.profile.coeffs
+        k = (c.step_ms, c.per_decode_ms, c.decode_ctx_ms_per_ktok, c.prefill_ms, c.lin_ms_per_tok, c.knee_tokens,
+             self.profile.model.attn_pair_ratio)
+        object.__setattr__(self, "_k", k)
 
     def prefill_s(self, missed_tokens: int, cached_tokens: int) -> float:
-        key = (missed_tokens, cached_tokens)
-        r = self._prefill_memo.get(key)
-        if r is None:
-            e = max(0, missed_tokens)
-            r = _memo_put(
-                self._prefill_memo,
-                key,
-                self.profile.iteration_time_s(e, pairs_for_prompt(e, max(0, cached_tokens)), 0, 0),
-            )
-        return r
+        """`profile.iteration_time_s(e, pairs_for_prompt(e, c), 0, 0)`, e = max(0, missed), c = max(0, cached)."""
+        e = missed_tokens if missed_tokens > 0 else 0
+        c = cached_tokens if cached_tokens > 0 else 0
+        step, per_dec, ctx_ms, prefill_ms, lin, knee, ratio = self._k
+        t = step + per_dec * 0 + ctx_ms * 0 / 1000.0 + lin * (max(0, e + 0 - knee) + ratio * (e * c + e * (e + 1) // 2))
+        if e:
+            t += prefill_ms
+        return 0.001 * t
+
+    def _decode_iter_s(self, num_decode_reqs: int, context_tokens: int) -> float:
+        """`profile.iteration_time_s(0, 0, D, C)`: one iteration of D decoding sequences holding C context tokens."""
+        step, per_dec, ctx_ms, _, lin, knee, ratio = self._k
+        d = num_decode_reqs
+        return 0.001 * (step + per_dec * d + ctx_ms * context_tokens / 1000.0 + lin * (max(0, 0 + d - knee) + ratio * 0))
 
     def decode_s(self, num_tokens: float, context_tokens: float) -> float:
         if num_tokens <= 0:
             return 0.0
-        # iteration_time is linear in C, so one call at the mean context prices n tokens of growing context
-        c = int(context_tokens)
-        step = self._step_memo.get(c)
-        if step is None:
-            step = _memo_put(self._step_memo, c, self.profile.iteration_time_s(0, 0, 1, c))
-        return num_tokens * step
+        # iteration_time is linear in C, so one iteration at the mean context prices n tokens of growing context
+        return num_tokens * self._decode_iter_s(1, int(context_tokens))
 
     def decode_marginal_s(self, num_tokens: float, context_tokens: float) -> float:
         """GPU time n decode tokens add to iterations that run anyway (continuous batching): the increment of one
@@ -91,11 +83,8 @@ class ProfileCost:
         if num_tokens <= 0:
             return 0.0
         c = int(context_tokens)
-        inc = self._marginal_memo.get(c)
-        if inc is None:
-            it = self.profile.iteration_time_s
-            inc = _memo_put(self._marginal_memo, c, max(0.0, it(0, 0, 2, 2 * c) - it(0, 0, 1, c)))
-        return num_tokens * inc
+        inc = self._decode_iter_s(2, 2 * c) - self._decode_iter_s(1, c)
+        return num_tokens * (inc if inc > 0.0 else 0.0)
 
 
 @cache

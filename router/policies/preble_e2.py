@@ -71,9 +71,11 @@ WorkerInfo facts (profile, block size, capacity), which hooks need and do not re
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -87,7 +89,7 @@ from switchyard.router.policies.base import (
     WorkerView,
     candidates,
 )
-from switchyard.router.policies.preble_cost import CostModel, OnlineFit, profile_cost
+from switchyard.router.policies.preble_cost import CostModel, OnlineFit, ProfileCost, profile_cost
 from switchyard.router.policies.preble_load import (
     HistoryEntry,
     HitRatioWindow,
@@ -166,8 +168,10 @@ class _InFlight:
     first_token_s: float = -1.0
 
 
-@dataclass(frozen=True, slots=True)
-class Cost:
+class Cost(NamedTuple):
+    """One worker's LOADCOST terms, s. A tuple: selects build several per request, and a tuple is the cheapest
+    immutable record to build."""
+
     load_s: float  # L (0 when load_signal="outstanding")
     evict_s: float  # M
     prefill_s: float  # R
@@ -201,6 +205,13 @@ class PrebleE2(Policy):
         self.outstanding: dict[WorkerId, Outstanding] = {}
         self._turn = 0
         self._facts: dict[WorkerId, _Facts] = {}
+        # NOTE: select's hot-path memos, exact (see `load_s`, `_pool_index`): per worker (history version, moves
+        # version, valid from, valid until, L); per model the fleet's routable sequence last remembered, and per
+        # pool (by identity) its {worker id: 0} template and {worker id: view} map
+        self._load_memo: dict[WorkerId, tuple[int, int, float, float, float]] = {}
+        self._cost_memo: dict[WorkerId, CostModel] = {}
+        self._remembered: dict[str, Any] = {}
+        self._pool_memo: tuple[Any, dict[WorkerId, int], dict[WorkerId, WorkerView]] | None = None
         self._models: set[str] = set()
         self._fleet: FleetView | None = None
         self._next_gc = 0.0
@@ -210,6 +221,17 @@ class PrebleE2(Policy):
 
     # ------------------------------------------------------------------------------------------ cost model
     def cost_model(self, w: WorkerId) -> CostModel:
+        """Worker w's PREFILLTIME / DECODETIME: its profile's, else its online fit, else the default profile.
+
+        NOTE: the answer is an object that changes only when w's facts or fit object change (`_remember`,
+        `on_dispatch`, `on_worker_change` drop the memo then); an online fit's answers change inside it.
+        """
+        got = self._cost_memo.get(w)
+        if got is None:
+            got = self._cost_memo[w] = self._cost_model(w)
+        return got
+
+    def _cost_model(self, w: WorkerId) -> CostModel:
         facts = self._facts.get(w)
         if facts is not None and facts.perf_profile:
             return profile_cost(facts.perf_profile)
@@ -217,10 +239,31 @@ class PrebleE2(Policy):
         return fit or profile_cost(self.cfg.default_profile)
 
     def load_s(self, w: WorkerId, now: float) -> float:
-        """L_i: the history sum plus what rebalancing moved within H."""
+        """L_i: the history sum plus what rebalancing moved within H.
+
+        NOTE: read for every priced worker of every select, and piecewise constant in `now`: it changes only when
+        the worker's history or the moves change (their `version`s) or when `now` passes the expiry of the
+        oldest live entry or move. The last value is kept per worker with that oldest time, and holds while that
+        entry is still live by the sums' own test (t >= now - H), for a cost model whose answers never change
+        (`ProfileCost`; `_remember`, `on_dispatch` and `on_worker_change` drop the memo when the model can
+        change). Exact: the same sums give the same float. The hooks and `on_tick` refresh it after their
+        changes, so selects rarely compute it.
+        """
         h = self.history.get(w)
-        base = h.load_s(now, self.cost_model(w), self.cfg.decode_pricing == "marginal") if h is not None else 0.0
-        return base + self.moved_load.sum_s(w, now - self.cfg.history_window_s)
+        hv = h.version if h is not None else -1
+        memo = self._load_memo.get(w)
+        win = self.cfg.history_window_s
+        if (memo is not None and memo[0] == hv and memo[1] == self.moved_load.version and memo[2] <= now
+                and now - win <= memo[3]):
+            return memo[4]
+        cost = self.cost_model(w)
+        cutoff = now - win
+        base = h.load_s(now, cost, self.cfg.decode_pricing == "marginal") if h is not None else 0.0
+        v = base + self.moved_load.sum_s(w, cutoff)
+        if type(cost) is ProfileCost:
+            first = min(h.first_live_t(now) if h is not None else math.inf, self.moved_load.first_t(w, cutoff))
+            self._load_memo[w] = (hv, self.moved_load.version, now, first, v)
+        return v
 
     def _cached_blocks(self, w: WorkerId, m: Any, hashes: tuple[int, ...]) -> int:
         """max(resident run, assigned run cut at the first block evicted since assignment)."""
@@ -276,21 +319,54 @@ class PrebleE2(Policy):
 
     def _bound(self, w: WorkerView, ctx: RoutingContext, cached_blocks: int, now: float) -> tuple[Cost, int]:
         """(LOADCOST without M, blocks R_k would evict on w): a lower bound, since M >= 0 (0 blocks: M = 0)."""
-        wid = w.worker_id
-        cost = self.cost_model(wid)
-        bs = w.block_size
-        cached = min(cached_blocks * bs, max(0, ctx.num_prompt_tokens - 1))  # the last token is always computed
-        missed = ctx.num_prompt_tokens - cached
-        r = cost.prefill_s(missed, cached)
-        evict = 0
-        if self.cfg.eviction_cost != "off" and wid in self.lru:
-            cap = w.kv_capacity_blocks
-            used = max(self.resident_count.get(wid, 0), int(w.kv_usage_frac * cap))
-            need = -(-missed // bs)
-            evict = need if self.cfg.assume_full else need - max(0, cap - used)
-        sig = self.cfg.load_signal
-        load = self.load_s(wid, now) if sig != "outstanding" else 0.0
-        return Cost(load, 0.0, r, self.queue_s(wid) if sig != "history" else 0.0), evict
+        return self._bounds((w,), ctx, {w.worker_id: cached_blocks}, now)[0]
+
+    def _bounds(
+        self, ws: Sequence[WorkerView], ctx: RoutingContext, cached: dict[WorkerId, int], now: float
+    ) -> list[tuple[Cost, int]]:
+        """`_bound` of each worker of `ws`, in order, with R priced once per (cached blocks, block size, cost
+        model): an explore prices every routable worker, and most of them hold the same prefix (often none).
+
+        NOTE: the hot loop of every explore and multi-holder exploit: the config is read once, and conditionals
+        stand in for min()/max() calls.
+        """
+        cfg = self.cfg
+        n = len(ctx.prompt_token_ids)
+        evict_on, assume_full = cfg.eviction_cost != "off", cfg.assume_full
+        with_l, with_q = cfg.load_signal != "outstanding", cfg.load_signal != "history"
+        cost_memo, lru, resident_count, outstanding = self._cost_memo, self.lru, self.resident_count, self.outstanding
+        r_memo: dict[tuple[int, int, int], tuple[int, float]] = {}
+        out: list[tuple[Cost, int]] = []
+        for w in ws:
+            wid = w.worker_id
+            cost = cost_memo.get(wid) or self.cost_model(wid)
+            bs = w.block_size
+            cb = cached[wid]
+            rk = (cb, bs, id(cost))  # the cost objects outlive the call (held by the memo): ids are stable
+            got = r_memo.get(rk)
+            if got is None:
+                tok = cb * bs
+                if tok >= n:  # the last token is always computed
+                    tok = n - 1 if n > 0 else 0
+                got = r_memo[rk] = (n - tok, cost.prefill_s(n - tok, tok))
+            missed, r = got
+            evict = 0
+            if evict_on and wid in lru:
+                cap = w.kv_capacity_blocks
+                used = resident_count.get(wid, 0)
+                by_stats = int(w.kv_usage_frac * cap)
+                if by_stats > used:
+                    used = by_stats
+                need = -(-missed // bs)
+                evict = need if assume_full else need - (cap - used if cap > used else 0)
+            load = self.load_s(wid, now) if with_l else 0.0
+            q = 0.0
+            if with_q:
+                o = outstanding.get(wid)
+                if o is not None and o.queued_s > 0:
+                    q = o.queued_s
+            out.append((Cost(load, 0.0, r, q), evict))
+        return out
 
     def _with_evict(self, c: Cost, w: WorkerView, evict: int, now: float, protected: set[int]) -> Cost:
         """`c` with M, the recompute cost of what evicting `evict` blocks on w would take from others."""
@@ -307,8 +383,14 @@ class PrebleE2(Policy):
         return max(0.0, o.queued_s) if o is not None else 0.0
 
     # ------------------------------------------------------------------------------------------ select
-    def _remember(self, fleet: FleetView, pool: list[WorkerView], model: str) -> None:
-        """Memo of static facts (idempotent; no decision depends on when it was filled)."""
+    def _remember(self, fleet: FleetView, pool: Sequence[WorkerView], model: str) -> None:
+        """Memo of static facts (idempotent; no decision depends on when it was filled).
+
+        NOTE: skipped while the fleet hands back the same routable sequence object for the model (the `Fleet`
+        keeps one per model until any worker's state or health changes; `on_worker_change` forgets it too).
+        """
+        if self._fleet is fleet and self._remembered.get(model) is pool:
+            return
         self._fleet = fleet
         self._models.add(model)
         for w in pool:
@@ -317,6 +399,19 @@ class PrebleE2(Policy):
                 self._facts[w.worker_id] = _Facts(
                     getattr(info, "perf_profile", ""), w.block_size, w.kv_capacity_blocks
                 )
+                self._load_memo.pop(w.worker_id, None)  # its cost model may change with its profile
+                self._cost_memo.pop(w.worker_id, None)
+        self._remembered[model] = pool
+
+    def _pool_index(self, pool: Sequence[WorkerView]) -> tuple[dict[WorkerId, int], dict[WorkerId, WorkerView]]:
+        """({worker id: 0} in pool order, {worker id: view}) of `pool`, kept for the last pool object seen."""
+        memo = self._pool_memo
+        if memo is not None and memo[0] is pool:
+            return memo[1], memo[2]
+        zero: dict[WorkerId, int] = {w.worker_id: 0 for w in pool}
+        by_id = {w.worker_id: w for w in pool}
+        self._pool_memo = (pool, zero, by_id)
+        return zero, by_id
 
     def _cheapest(
         self, ws: list[WorkerView], ctx: RoutingContext, cached: dict[WorkerId, int], path: list[Any], now: float
@@ -328,10 +423,7 @@ class PrebleE2(Policy):
         order; float addition is monotone, so a bound above the best total cannot become the argmin.
         """
         n, turn = len(ws), self._turn
-        bounds = []
-        for i, w in enumerate(ws):
-            c, evict = self._bound(w, ctx, cached[w.worker_id], now)
-            bounds.append((c.total_s, (i - turn) % n, i, c, evict))
+        bounds = [(c.total_s, (i - turn) % n, i, c, evict) for i, (c, evict) in enumerate(self._bounds(ws, ctx, cached, now))]
         bounds.sort(key=lambda b: (b[0], b[1]))
         protected: set[int] | None = None
         best: WorkerView | None = None
@@ -353,26 +445,36 @@ class PrebleE2(Policy):
             raise ValueError("_cheapest: no worker to price")
         return best, costs
 
-    def match(self, ctx: RoutingContext, pool: list[WorkerView]) -> tuple[Any, dict[WorkerId, int], list[Any]]:
+    def match(self, ctx: RoutingContext, pool: Sequence[WorkerView]) -> tuple[Any, dict[WorkerId, int], list[Any]]:
         """(tree match or None, per-worker cached leading blocks, matched path) of a request's prompt."""
         hashes = ctx.block_hashes
-        cached: dict[WorkerId, int] = dict.fromkeys((w.worker_id for w in pool), 0)
+        cached = self._pool_index(pool)[0].copy()
         if not hashes:
             return None, cached, []
         m = self.tree.match(hashes)
         # NOTE: exact shortcuts of `_cached_blocks` (= max(r, a cut at an evicted block), r and a 0 when the match
         # does not name the worker): a worker in neither run map has 0, one whose assigned run a <= r has r; only
-        # the rest need the evicted-block check. `cached` keeps the pool's order either way.
-        for wid, r in m.resident_blocks.items():
-            if wid in cached:
-                cached[wid] = r
+        # the rest need the evicted-block check. `cached` keeps the pool's order either way (updating a key keeps
+        # its place), and a bulk update does when every resident worker is in the pool (the usual case).
+        res = m.resident_blocks
+        if res.keys() <= cached.keys():
+            cached.update(res)
+        else:
+            for wid, r in res.items():
+                if wid in cached:
+                    cached[wid] = r
         for wid, a in m.assigned_blocks.items():
-            if wid in cached and a > cached[wid]:
+            if a > cached.get(wid, a):
                 cached[wid] = self._cached_blocks(wid, m, hashes)
         return m, cached, m.path
 
+    def pool(self, ctx: RoutingContext, fleet: FleetView) -> Sequence[WorkerView]:
+        """`candidates`, but the fleet's own routable sequence when nothing is excluded (no copy: the memos of
+        `_remember` and `_pool_index` key on its identity)."""
+        return candidates(ctx, fleet) if ctx.excluded_workers else fleet.routable(ctx.model)
+
     def select(self, ctx: RoutingContext, fleet: FleetView, now: float) -> Decision | None:
-        pool = candidates(ctx, fleet)
+        pool = self.pool(ctx, fleet)
         if not pool:
             return None
         self._remember(fleet, pool, ctx.model)
@@ -453,11 +555,11 @@ class PrebleE2(Policy):
         if key is None:
             return []
         st = key.stats
+        by_id = self._pool_index(pool)[1]
         if not (isinstance(st, NodeStats) and (st.redirect or st.replicas)):
-            # no redirect or replica to apply: the holders themselves, in pool order (unique ids, no dedupe)
-            return [w for w in pool if cached[w.worker_id] >= key_end]
-        by_id = {w.worker_id: w for w in pool}
-        ks = [wid for wid in by_id if cached[wid] >= key_end]
+            # no redirect or replica to apply: the holders themselves, in pool order (`cached` is in pool order)
+            return [by_id[wid] for wid, c in cached.items() if c >= key_end]
+        ks = [wid for wid, c in cached.items() if c >= key_end]
         for i, wid in enumerate(ks):
             light, until = st.redirect.get(wid, ("", -1.0))
             if until >= now and light in by_id:
@@ -479,9 +581,7 @@ class PrebleE2(Policy):
                 ctx.request_id, w.worker_id, why, cached_len, ">" if cached_len > missed_len else "<=", missed_len,
                 terms or "-",
             )
-        c = costs.get(w.worker_id)
-        reason = why if c is None else f"{why} cost={c.total_s:.3f}s"
-        return Decision(worker_id=w.worker_id, reason=reason)
+        return Decision(worker_id=w.worker_id, reason=why)  # the costs are in the DEBUG line above, not formatted per select
 
     # ------------------------------------------------------------------------------------------ hooks
     def on_dispatch(self, ctx: RoutingContext, decision: Decision, now: float) -> None:
@@ -522,6 +622,7 @@ class PrebleE2(Policy):
             hw = self.hit_ratio[w] = HitRatioWindow(self.cfg.hit_ratio_window_s)
         hw.add(now, cached, ctx.num_prompt_tokens)
         if w not in self.fits:
+            self._cost_memo.pop(w, None)
             self.fits[w] = OnlineFit(
                 profile_cost(self.cfg.default_profile), self.cfg.online_fit_min_samples, self.cfg.online_fit_decay
             )
@@ -530,6 +631,7 @@ class PrebleE2(Policy):
         if out is None:
             out = self.outstanding[w] = Outstanding()
         out.add(ctx.request_id, missed, prefill_s)
+        self.load_s(w, now)  # refresh its memo here, so the next selects read L without recomputing it
 
     def on_first_token(self, request_id: str, worker_id: WorkerId, now: float) -> None:
         rec = self.in_flight.get(request_id)
@@ -562,6 +664,7 @@ class PrebleE2(Policy):
         hist = self.history.get(worker_id)
         if hist is not None:
             hist.set_decode(request_id, num_output_tokens)
+            self.load_s(worker_id, now)  # refresh its memo (as on_dispatch)
         key = self.key_of(rec.block_hashes)
         if key is not None and isinstance(key.stats, NodeStats):
             key.stats.decode_tokens.append(num_output_tokens)
@@ -628,10 +731,14 @@ class PrebleE2(Policy):
         rec = self._fleet.get(worker_id) if self._fleet is not None else None
         if rec is not None and getattr(rec, "healthy", rec.is_routable):
             self._facts.pop(worker_id, None)  # re-read its Info at the next select (it may have re-registered)
+            self._remembered.clear()
+            self._load_memo.pop(worker_id, None)
+            self._cost_memo.pop(worker_id, None)
             return  # a drain or a state change: keep its cache view and load
         self.tree.remove_worker(worker_id)
+        self._remembered.clear()
         for d in (self.history, self.hit_ratio, self.fits, self.evicted, self.resident_count, self.lru,
-                  self._facts, self.outstanding):
+                  self._facts, self.outstanding, self._load_memo, self._cost_memo):
             d.pop(worker_id, None)  # type: ignore[attr-defined]
         self.moved_load.drop(worker_id)
 
@@ -650,6 +757,8 @@ class PrebleE2(Policy):
         if now >= self._next_gc:
             self._next_gc = now + self.cfg.gc_interval_s
             self.gc(now)
+        for w in self.history:  # expiry and moves above changed L: price it here, off the selects' path
+            self.load_s(w, now)
 
     # ------------------------------------------------------------------------------------------ background
     def routable(self, model: str) -> list[WorkerView]:

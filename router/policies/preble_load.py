@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from switchyard.router.policies.preble_cost import CostModel, ProfileCost
+from switchyard.router.policies.preble_cost import CostModel
 
 
 # ---------------------------------------------------------------------------------------------- L_i (history H)
@@ -37,10 +37,7 @@ class WorkerHistory:
     and only the three sums and the count are maintained: O(1) per dispatch, finish and expiry. H is a
     duration (`window_s`) and optionally also a count (`max_requests`, errata E2).
 
-    NOTE: `load_s` is read for every pool worker at each explore, and changes only when an entry is added, set
-    or dropped, or when `now` passes the first live entry's expiry: the last value is kept with the interval
-    of `now` over which it holds, for a cost model whose answers never change (`ProfileCost`; an online fit
-    learns, so it is recomputed). Exact: the same sums give the same float.
+    `version` counts the changes of the entries, for the caller's memo of L (`PrebleE2.load_s`).
     """
 
     def __init__(self, window_s: float, max_requests: int | None = None) -> None:
@@ -51,10 +48,10 @@ class WorkerHistory:
         self.sum_prefill_s = 0.0
         self.sum_prompt_tokens = 0
         self.sum_decode_tokens = 0
-        self._memo: tuple[Any, bool, float, float, float] | None = None  # (cost, marginal, from, first live t, L)
+        self.version = 0  # bumped by every change of the entries (callers' memos compare it)
 
     def add(self, e: HistoryEntry) -> None:
-        self._memo = None
+        self.version += 1
         self.entries.append(e)
         self.by_id[e.request_id] = e  # a retry on the same worker replaces the lookup (both entries count)
         self.sum_prefill_s += e.prefill_s
@@ -68,12 +65,12 @@ class WorkerHistory:
     def set_decode(self, request_id: str, decode_tokens: int) -> None:
         e = self.by_id.get(request_id)
         if e is not None:
-            self._memo = None
+            self.version += 1
             self.sum_decode_tokens += decode_tokens - e.decode_tokens
             e.decode_tokens = decode_tokens
 
     def _pop(self) -> None:
-        self._memo = None
+        self.version += 1
         e = self.entries.popleft()
         if self.by_id.get(e.request_id) is e:
             del self.by_id[e.request_id]
@@ -89,6 +86,14 @@ class WorkerHistory:
         while self.entries and self.entries[0].t < cutoff:
             self._pop()
 
+    def first_live_t(self, now: float) -> float:
+        """Dispatch time of the oldest entry still within H at `now` (inf when none)."""
+        cutoff = now - self.window_s
+        for e in self.entries:
+            if e.t >= cutoff:
+                return e.t
+        return math.inf
+
     def live_sums(self, now: float) -> tuple[int, float, int, int]:
         """(count, Σ PT_r, Σ prompt, Σ decode) over entries within H at `now`, without mutating (select is pure)."""
         n, pre, prompt, dec = len(self.entries), self.sum_prefill_s, self.sum_prompt_tokens, self.sum_decode_tokens
@@ -100,22 +105,7 @@ class WorkerHistory:
         return n, pre, prompt, dec
 
     def load_s(self, now: float, cost: CostModel, marginal: bool = False) -> float:
-        memo = self._memo
-        # valid from when it was taken while the first live entry then is still live (live_sums' own test)
-        if memo is not None and memo[0] is cost and memo[1] is marginal and memo[2] <= now and (
-            now - self.window_s <= memo[3]
-        ):
-            return memo[4]
-        n, pre, prompt, dec = self.live_sums(now)
-        v = load_from_sums(n, pre, prompt, dec, cost, marginal)
-        if type(cost) is ProfileCost:
-            cutoff, first_live = now - self.window_s, math.inf
-            for e in self.entries:  # entries dead at `now` stay dead later (the cutoff only grows)
-                if e.t >= cutoff:
-                    first_live = e.t
-                    break
-            self._memo = (cost, marginal, now, first_live, v)
-        return v
+        return load_from_sums(*self.live_sums(now), cost, marginal)
 
     def decode_time_s(self, now: float, cost: CostModel, marginal: bool = False) -> float:
         """DT for one request on this worker (the same for every r in H)."""
@@ -146,14 +136,16 @@ class MovedLoad:
     suffix's first move) until a move is added, expired or dropped. Exact: the same moves in the same order.
     """
 
-    __slots__ = ("by_worker", "memo", "unordered")
+    __slots__ = ("by_worker", "memo", "unordered", "version")
 
     def __init__(self) -> None:
+        self.version = 0  # bumped by every change of the moves (callers' memos compare it)
         self.by_worker: dict[str, deque[tuple[float, float]]] = {}
         self.memo: dict[str, tuple[float, float, float]] = {}  # worker -> (cutoff, first move counted t, Σ)
         self.unordered: set[str] = set()  # workers given a move older than their last (never memoised)
 
     def add(self, now: float, worker: str, delta_s: float) -> None:
+        self.version += 1
         self.memo.pop(worker, None)
         dq = self.by_worker.get(worker)
         if dq is None:
@@ -176,16 +168,25 @@ class MovedLoad:
             self.memo[worker] = (cutoff, first, total)
         return total
 
+    def first_t(self, worker: str, cutoff: float) -> float:
+        """Time of the worker's oldest move at or after `cutoff` (inf when none)."""
+        dq = self.by_worker.get(worker, ())
+        if worker in self.unordered:
+            return min((t for t, _ in dq if t >= cutoff), default=math.inf)
+        return next((t for t, _ in dq if t >= cutoff), math.inf)  # in time order: the first one past the cutoff
+
     def expire(self, cutoff: float) -> None:
         self.memo.clear()
         for w, dq in list(self.by_worker.items()):
             while dq and dq[0][0] < cutoff:
                 dq.popleft()
+                self.version += 1
             if not dq:
                 del self.by_worker[w]
                 self.unordered.discard(w)
 
     def drop(self, worker: str) -> None:
+        self.version += 1
         self.by_worker.pop(worker, None)
         self.memo.pop(worker, None)
         self.unordered.discard(worker)

@@ -101,7 +101,6 @@ from switchyard.router.policies.base import (
     RoutingContext,
     WorkerId,
     WorkerView,
-    candidates,
 )
 from switchyard.router.policies.preble_cost import CostModel
 from switchyard.router.policies.preble_e2 import E2Config, PrebleE2
@@ -418,7 +417,7 @@ class Switchyard(PrebleE2):
 
     # ------------------------------------------------------------------------------------------ select
     def select(self, ctx: RoutingContext, fleet: FleetView, now: float) -> Decision | None:
-        pool = candidates(ctx, fleet)
+        pool = self.pool(ctx, fleet)
         if not pool:
             return None
         self._remember(fleet, pool, ctx.model)

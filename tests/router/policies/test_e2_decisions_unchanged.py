@@ -17,7 +17,7 @@ import pytest
 
 import switchyard.bench.micro.decisions as bench
 from switchyard.ext import radix, radix_py
-from switchyard.router.policies import preble_cost, preble_e2
+from switchyard.router.policies import preble_e2
 from switchyard.router.policies.base import RoutingContext, WorkerId, WorkerView
 from switchyard.router.policies.preble_cost import ProfileCost
 from switchyard.router.policies.preble_e2 import Cost, E2Config, PrebleE2
@@ -30,7 +30,7 @@ from switchyard.router.policies.preble_load import (
     lru_victims,
 )
 from switchyard.workers.engine.perf_model import pairs_for_prompt
-from switchyard.workers.engine.profiles import DEFAULT_PROFILE, get_profile
+from switchyard.workers.engine.profiles import PROFILES, get_profile
 
 IMPLS = ["py", pytest.param("c", marks=pytest.mark.c_extension)] if radix.IMPLEMENTATION == "c" else ["py"]
 
@@ -230,11 +230,14 @@ def test_moved_load_sums_as_one_flat_list() -> None:
             assert moved.sum_s(w, cutoff) == sum(d for t, x, d in flat if x == w and t >= cutoff)
 
 
-def test_profile_cost_memo_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The memoised PREFILLTIME / DECODETIME equal the iteration-time formulas bit for bit, before and after the
-    memo fills up and is cleared (limit lowered to 8 entries)."""
-    monkeypatch.setattr(preble_cost, "MEMO_MAX_ENTRIES", 8)
-    cost = ProfileCost(get_profile(DEFAULT_PROFILE))
+def test_profile_cost_formulas_are_exact() -> None:
+    """PREFILLTIME / DECODETIME (the iteration-time formula written out) equal `PerfProfile.iteration_time_s`
+    bit for bit, for every profile's constants."""
+    for name in PROFILES:
+        _check_profile_cost(ProfileCost(get_profile(name)))
+
+
+def _check_profile_cost(cost: ProfileCost) -> None:
     it = cost.profile.iteration_time_s
     rng = random.Random(5)
     for _ in range(400):
@@ -247,7 +250,6 @@ def test_profile_cost_memo_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
         assert cost.decode_marginal_s(n, ctx) == (
             n * max(0.0, it(0, 0, 2, 2 * c) - it(0, 0, 1, c)) if n > 0 else 0.0
         )
-        assert len(cost._prefill_memo) <= 8
     assert cost == ProfileCost(cost.profile) and hash(cost) == hash(
         ProfileCost(cost.profile)
-    )  # memo not compared
+    )  # the constants are not compared
