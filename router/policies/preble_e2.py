@@ -601,7 +601,11 @@ class PrebleE2(Policy):
         path = self.tree.insert(hashes, now) if hashes else []
         self.tree.assign(path, w, now)
         if self.lru and m is not None:
-            self._touch(m.path + path)  # last_access moved on the path; a split moved m.path[-1] under a new node
+            last = m.path[-1] if m.path else None
+            if last is not None and not any(x is last for x in path):
+                self._touch(m.path + path)  # a split moved m.path[-1] under a new node: reconcile every index
+            else:
+                self._touch_holders(m.path)  # only last_access moved; the new leaves after it hold nothing yet
         ev = self.evicted.get(w)
         if ev:
             ev.difference_update(hashes)  # re-assigned: predicted resident again
@@ -631,7 +635,6 @@ class PrebleE2(Policy):
         if out is None:
             out = self.outstanding[w] = Outstanding()
         out.add(ctx.request_id, missed, prefill_s)
-        self.load_s(w, now)  # refresh its memo here, so the next selects read L without recomputing it
 
     def on_first_token(self, request_id: str, worker_id: WorkerId, now: float) -> None:
         rec = self.in_flight.get(request_id)
@@ -664,10 +667,9 @@ class PrebleE2(Policy):
         hist = self.history.get(worker_id)
         if hist is not None:
             hist.set_decode(request_id, num_output_tokens)
-            self.load_s(worker_id, now)  # refresh its memo (as on_dispatch)
         key = self.key_of(rec.block_hashes)
         if key is not None and isinstance(key.stats, NodeStats):
-            key.stats.decode_tokens.append(num_output_tokens)
+            key.stats.add_decode(num_output_tokens)
         fit = self.fits.get(worker_id)
         if fit is not None and rec.first_token_s >= 0 and num_output_tokens > 1:
             tpot = (now - rec.first_token_s) / (num_output_tokens - 1)
@@ -726,6 +728,18 @@ class PrebleE2(Policy):
             res = node.resident
             for w, idx in self.lru.items():
                 idx.touch(w, node, res)
+
+    def _touch_holders(self, nodes: list[Any]) -> None:
+        """`_touch` for nodes whose residency and parents did not change: only the indexes of the workers they are
+        resident on can hold them (an index keeps a node only while it is resident there: every residency change
+        reaches `_touch` or `LruIndex.touch` from the KV-event hook), so the others are skipped, not asked."""
+        lru = self.lru
+        for node in nodes:
+            res = node.resident
+            for w in res:
+                idx = lru.get(w)
+                if idx is not None:
+                    idx.touch(w, node, res)
 
     def on_worker_change(self, worker_id: WorkerId, now: float) -> None:
         rec = self._fleet.get(worker_id) if self._fleet is not None else None

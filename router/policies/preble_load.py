@@ -263,6 +263,7 @@ class NodeStats:
     ttft: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
     redirect: dict[str, tuple[str, float]] = field(default_factory=dict)  # heavy -> (light, until_s) (§5.4)
     replicas: dict[str, float] = field(default_factory=dict)  # extra worker -> until_s (§5.5)
+    _median: float | None = None  # median of decode_tokens, kept until the next add_decode (read per dispatch)
 
     def add_hit(self, worker: str, now: float, prefill_s: float, window_s: float) -> None:
         dq = self.hits.get(worker)
@@ -273,8 +274,14 @@ class NodeStats:
         while dq[0][0] < cutoff:
             dq.popleft()
 
+    def add_decode(self, num_tokens: int) -> None:
+        self.decode_tokens.append(num_tokens)
+        self._median = None
+
     def median_decode(self) -> float | None:
-        return statistics.median(self.decode_tokens) if self.decode_tokens else None
+        if self._median is None and self.decode_tokens:
+            self._median = statistics.median(self.decode_tokens)
+        return self._median
 
 
 def merged_stats(children: Iterable[Any]) -> NodeStats:
@@ -496,6 +503,8 @@ class LruIndex:
             order = self._order
             if order is not None and (k in self.keyed or k in order.done or k in order.unlocked):
                 self._order = None
+            if self.held.get(k) and k not in self.keyed:
+                return  # not a candidate before or after (resident children): heap and keys unchanged
             self._consider(node)
             self._prune()
             return
