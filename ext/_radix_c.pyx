@@ -23,7 +23,7 @@ from cpython.long cimport PyLong_Check, PyLong_FromUnsignedLongLong
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.object cimport PyObject
 from libc.stdint cimport int64_t, uint32_t, uint64_t
-from libc.string cimport memcpy, memmove
+from libc.string cimport memcpy, memmove, memset
 
 
 cdef extern from "Python.h":
@@ -390,6 +390,100 @@ cdef class RadixTree:
         res.assigned_blocks = assigned
         res.key_node = key
         return res
+
+    def match_cached(self, block_hashes, workers, evicted):
+        """(per worker of `workers`: max(resident run, assigned run cut at its first block in evicted[worker]),
+        the largest of those, the matched path): `match` plus E2's per-worker reconciliation, with the runs kept in per-slot C arrays
+        instead of result dicts (see radix_py)."""
+        cdef object seq = _fast_seq(block_hashes)
+        cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
+        cdef PyObject** items = PySequence_Fast_ITEMS(seq)
+        cdef Py_ssize_t last_m = 0, m, cum = 0, j, num_path, k
+        cdef list path = []
+        cdef dict cached = {}
+        cdef Py_ssize_t res_run[64]
+        cdef Py_ssize_t asg_run[64]
+        cdef uint64_t res_alive = self._used_mask, asg_alive = self._used_mask, bits, live
+        cdef uint32_t d
+        cdef int s
+        cdef Py_ssize_t r, a, best = 0
+        cdef Node node
+        cdef object sl, ev
+        memset(res_run, 0, sizeof(res_run))
+        memset(asg_run, 0, sizeof(asg_run))
+        self._walk(items, n, path, &last_m)
+        num_path = PyList_GET_SIZE(path)
+        for j in range(num_path):  # the runs as `match` computes them (a run ends where its worker drops out)
+            node = <Node>PyList_GET_ITEM(path, j)
+            m = last_m if j == num_path - 1 else node._n
+            if cum:
+                bits = res_alive & ~node._res_mask
+                while bits:
+                    s = _ctz(bits)
+                    bits &= bits - 1
+                    res_run[s] = cum
+            res_alive &= node._res_mask
+            live = res_alive
+            while live:
+                s = _ctz(live)
+                live &= live - 1
+                d = _run(node, s)
+                if d < m:
+                    res_alive &= ~_bit(s)
+                    res_run[s] = cum + d
+            if cum:
+                bits = asg_alive & ~node._asg_mask
+                while bits:
+                    s = _ctz(bits)
+                    bits &= bits - 1
+                    asg_run[s] = cum
+            asg_alive &= node._asg_mask
+            cum += m
+        if cum:
+            while res_alive:
+                s = _ctz(res_alive)
+                res_alive &= res_alive - 1
+                res_run[s] = cum
+            while asg_alive:
+                s = _ctz(asg_alive)
+                asg_alive &= asg_alive - 1
+                asg_run[s] = cum
+        for w in workers:
+            sl = self._worker_to_slot.get(w)
+            if sl is None:
+                cached[w] = 0
+                continue
+            s = sl
+            r = res_run[s]
+            a = asg_run[s]
+            if a > r:
+                ev = evicted.get(w)
+                if ev:
+                    for k in range(r, a):
+                        if <object>items[k] in ev:
+                            a = k
+                            break
+            if a > r:
+                r = a
+            cached[w] = r
+            if r > best:
+                best = r
+        return cached, best, path
+
+    @staticmethod
+    def key_portion(path, Py_ssize_t upto, bint study):
+        """Preble's key portion of `path` clipped to `upto` blocks: (node or None, its end in blocks)."""
+        cdef Node node
+        cdef Node best = None
+        cdef Py_ssize_t start, nb, end = 0, best_n = 0
+        for node in path:
+            start = node.context_blocks
+            if start >= upto:
+                break
+            nb = node._n if node._n < upto - start else upto - start
+            if (nb > start) if study else (nb > best_n):
+                best, end, best_n = node, start + nb, nb
+        return best, end
 
     # ---- structure -----------------------------------------------------------------------------------------
 

@@ -50,6 +50,18 @@ blocks (path compression).
     tree.check_invariants()                    # for tests: parent/child links, block index, contexts
     tree.nodes() -> list[Node]                 # every node, pre-order (for tests, scans, autoscaling)
     RadixTree.key_node(path) -> Node | None    # the key-portion rule applied to any path (e.g. insert's)
+    cached, best, path = tree.match_cached(block_hashes, workers, evicted)
+                                               # read-only, E2's hot path in one call: per worker of `workers`
+                                               # (an iterable of ids; the dict keeps its order), the leading
+                                               # blocks it can serve = max(resident run, assigned run cut at the
+                                               # first of those blocks found in evicted.get(worker): blocks its
+                                               # KV events removed since the router assigned them), the
+                                               # largest of those (0 for no workers), match(...).path
+    node, end = tree.key_portion(path, upto, study)
+                                               # Preble's key portion of `path` clipped to its first `upto`
+                                               # blocks: "study" (§3, errata E5) = the deepest node with more
+                                               # blocks than its predecessors together, else (Alg 1) the node
+                                               # with the most blocks (the first such); (None, 0) when none
 
 Refinements (both builds, pinned by tests/ext/test_radix.py):
   - Block hashes are ints in [0, 2**64): insert and mark_resident raise ValueError on anything else, before
@@ -90,7 +102,7 @@ P.resident[w] = min(d, k) for d in N.resident; N.resident[w] = d - k for d > k (
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,6 +222,31 @@ class RadixTree:
                 break
             node = child
         return path, i, m
+
+    def match_cached(
+        self, block_hashes: Sequence[int], workers: Iterable[Any], evicted: Mapping[Any, Container[int]]
+    ) -> tuple[dict[Any, int], int, list[Node]]:
+        m = self.match(block_hashes)
+        cached: dict[Any, int] = {}
+        for w in workers:
+            r, a = m.resident_blocks.get(w, 0), m.assigned_blocks.get(w, 0)
+            ev = evicted.get(w)
+            if a > r and ev:
+                a = next((k for k in range(r, a) if block_hashes[k] in ev), a)
+            cached[w] = max(r, a)
+        return cached, max(cached.values(), default=0), m.path
+
+    @staticmethod
+    def key_portion(path: Sequence[Node], upto: int, study: bool) -> tuple[Node | None, int]:
+        best, end, best_n = None, 0, 0
+        for node in path:
+            start = node.context_blocks
+            if start >= upto:
+                break
+            n = min(node.num_blocks, upto - start)
+            if (n > start) if study else (n > best_n):
+                best, end, best_n = node, start + n, n
+        return best, end
 
     def match(self, block_hashes: Sequence[int]) -> MatchResult:
         path, matched, last_m = self._walk(block_hashes)

@@ -246,8 +246,8 @@ class PrebleE2(Policy):
         oldest live entry or move. The last value is kept per worker with that oldest time, and holds while that
         entry is still live by the sums' own test (t >= now - H), for a cost model whose answers never change
         (`ProfileCost`; `_remember`, `on_dispatch` and `on_worker_change` drop the memo when the model can
-        change). Exact: the same sums give the same float. The hooks and `on_tick` refresh it after their
-        changes, so selects rarely compute it.
+        change). Exact: the same sums give the same float. `on_tick` refreshes it after expiring entries and
+        moves, off the selects' path.
         """
         h = self.history.get(w)
         hv = h.version if h is not None else -1
@@ -278,16 +278,8 @@ class PrebleE2(Policy):
         return max(r, a)
 
     def _key_end(self, path: list[Any], upto: int) -> tuple[Any, int]:
-        """(key-portion node, its end in blocks) on `path` clipped to the first `upto` blocks."""
-        best, end, best_n = None, 0, 0
-        for node in path:
-            start = node.context_blocks
-            if start >= upto:
-                break
-            n = min(node.num_blocks, upto - start)
-            if (n > start) if self.cfg.key_portion == "study" else (n > best_n):
-                best, end, best_n = node, start + n, n
-        return best, end
+        """(key-portion node, its end in blocks) on `path` clipped to the first `upto` blocks (errata E5)."""
+        return self.tree.key_portion(path, upto, self.cfg.key_portion == "study")
 
     def key_of(self, block_hashes: tuple[int, ...]) -> Any:
         """The key-portion node of a prompt in the current tree (None when nothing of it is in the tree)."""
@@ -445,28 +437,21 @@ class PrebleE2(Policy):
             raise ValueError("_cheapest: no worker to price")
         return best, costs
 
-    def match(self, ctx: RoutingContext, pool: Sequence[WorkerView]) -> tuple[Any, dict[WorkerId, int], list[Any]]:
-        """(tree match or None, per-worker cached leading blocks, matched path) of a request's prompt."""
+    def prefix(
+        self, ctx: RoutingContext, pool: Sequence[WorkerView]
+    ) -> tuple[dict[WorkerId, int], int, list[Any]]:
+        """(per pool worker in pool order, the prompt's leading blocks it holds; the most any holds; the matched
+        path): one tree call, `_cached_blocks` for every pool worker (`RadixTree.match_cached`)."""
         hashes = ctx.block_hashes
-        cached = self._pool_index(pool)[0].copy()
+        zero = self._pool_index(pool)[0]
         if not hashes:
-            return None, cached, []
-        m = self.tree.match(hashes)
-        # NOTE: exact shortcuts of `_cached_blocks` (= max(r, a cut at an evicted block), r and a 0 when the match
-        # does not name the worker): a worker in neither run map has 0, one whose assigned run a <= r has r; only
-        # the rest need the evicted-block check. `cached` keeps the pool's order either way (updating a key keeps
-        # its place), and a bulk update does when every resident worker is in the pool (the usual case).
-        res = m.resident_blocks
-        if res.keys() <= cached.keys():
-            cached.update(res)
-        else:
-            for wid, r in res.items():
-                if wid in cached:
-                    cached[wid] = r
-        for wid, a in m.assigned_blocks.items():
-            if a > cached.get(wid, a):
-                cached[wid] = self._cached_blocks(wid, m, hashes)
-        return m, cached, m.path
+            return zero.copy(), 0, []
+        return self.tree.match_cached(hashes, zero, self.evicted)
+
+    def match(self, ctx: RoutingContext, pool: Sequence[WorkerView]) -> tuple[None, dict[WorkerId, int], list[Any]]:
+        """`prefix` in the shape the switchyard policy reads (None, cached, path)."""
+        cached, _, path = self.prefix(ctx, pool)
+        return None, cached, path
 
     def pool(self, ctx: RoutingContext, fleet: FleetView) -> Sequence[WorkerView]:
         """`candidates`, but the fleet's own routable sequence when nothing is excluded (no copy: the memos of
@@ -478,8 +463,7 @@ class PrebleE2(Policy):
         if not pool:
             return None
         self._remember(fleet, pool, ctx.model)
-        m, cached, path = self.match(ctx, pool)
-        best_blocks = max(cached.values())
+        cached, best_blocks, path = self.prefix(ctx, pool)
         bs = pool[0].block_size
         cached_len = min(best_blocks * bs, ctx.num_prompt_tokens)
         missed_len = ctx.num_prompt_tokens - cached_len

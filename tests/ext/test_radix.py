@@ -104,6 +104,24 @@ def test_match_leading_runs(impl) -> None:  # type: ignore[no-untyped-def]
     t.check_invariants()
 
 
+def test_match_cached_and_key_portion(impl) -> None:  # type: ignore[no-untyped-def]
+    t = impl.RadixTree()
+    path = t.insert([1, 2, 3, 4], now=0.0)  # one node of 4 blocks
+    t.insert([1, 2, 5, 6, 7, 8, 9], now=0.0)  # splits it: [1, 2] -> {[3, 4], [5, 6, 7, 8, 9]}
+    t.assign(t.insert([1, 2, 5, 6, 7, 8, 9], now=1.0), "a", now=1.0)
+    t.mark_resident("r", [1, 2, 5], None, now=1.0)
+    cached, best, path = t.match_cached([1, 2, 5, 6, 7, 8, 9], ["r", "a", "x"], {"a": {7, 99}})
+    assert list(cached.items()) == [("r", 3), ("a", 4), ("x", 0)] and best == 4  # a's run cut at evicted 7
+    assert blocks_of(path) == [(1, 2), (5, 6, 7, 8, 9)]
+    node, end = t.key_portion(path, 7, True)  # [5..9] has 5 blocks > its 2 predecessors
+    assert tuple(node.blocks) == (5, 6, 7, 8, 9) and end == 7
+    node, end = t.key_portion(path, 3, True)  # clipped to 3 blocks: [5] alone is 1 block, not > 2
+    assert tuple(node.blocks) == (1, 2) and end == 2
+    node, end = t.key_portion(path, 3, False)  # Alg 1's longest node: [1, 2] (2 blocks) beats [5] (1)
+    assert tuple(node.blocks) == (1, 2) and end == 2
+    assert t.key_portion([], 5, True) == (None, 0)
+
+
 def test_mark_resident_inserts_under_parent_and_ignores_unknown_parent(impl) -> None:  # type: ignore[no-untyped-def]
     t = impl.RadixTree()
     t.insert([1, 2, 3], now=0.0)
@@ -279,6 +297,27 @@ class SideBySide(RuleBasedStateMachine):
         # claim 10: a reported resident run is held by the worker's cache, block by block
         for w, r in results[0].resident_blocks.items():
             assert set(hashes[:r]) <= self.held.get(w, set()), (w, r)
+
+    @rule(
+        tokens=TOKENS,
+        evicted=st.dictionaries(WORKERS, st.sets(st.integers(min_value=0, max_value=6))),
+        upto=st.integers(min_value=0, max_value=8),
+        study=st.booleans(),
+    )
+    def match_cached(self, tokens: list[int], evicted: dict[str, set[int]], upto: int, study: bool) -> None:
+        hashes = self.chain(tokens)
+        ev = {w: {hashes[i] for i in idx if i < len(hashes)} for w, idx in evicted.items()}
+        workers = ["w2", "w0", "wx", "w1"]  # any order; "wx" never holds anything
+        results = [t.match_cached(hashes, workers, ev) for t in self.trees]
+        self.same([(list(c.items()), best, blocks_of(p)) for c, best, p in results])
+        assert results[0][1] == max(results[0][0].values())
+        m = self.trees[0].match(hashes)  # the definition, from match's runs
+        for w in workers:
+            r, a = m.resident_blocks.get(w, 0), m.assigned_blocks.get(w, 0)
+            a = next((k for k in range(r, a) if hashes[k] in ev.get(w, set())), a)
+            assert results[0][0][w] == max(r, a)
+        portions = [t.key_portion(p, upto, study) for t, (_, _, p) in zip(self.trees, results, strict=True)]
+        self.same([(None if n is None else tuple(n.blocks), end) for n, end in portions])
 
     @precondition(lambda self: self.paths)
     @rule(i=st.integers(min_value=0), worker=WORKERS, dt=st.sampled_from([0.0, 5.0]))

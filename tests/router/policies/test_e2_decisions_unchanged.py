@@ -45,15 +45,16 @@ class CheckedE2(PrebleE2):
         super().__init__(config)
         self.checks = {"match": 0, "exploit_set": 0, "argmin": 0, "loadcosts": 0, "pruned": 0}
 
-    def match(
-        self, ctx: RoutingContext, pool: list[WorkerView]
-    ) -> tuple[Any, dict[WorkerId, int], list[Any]]:
-        m, cached, path = super().match(ctx, pool)
+    def prefix(self, ctx: RoutingContext, pool: list[WorkerView]) -> tuple[dict[WorkerId, int], int, list[Any]]:
+        cached, best, path = super().prefix(ctx, pool)
         hashes = ctx.block_hashes
+        m = self.tree.match(hashes) if hashes else None
         plain = {w.worker_id: self._cached_blocks(w.worker_id, m, hashes) if m else 0 for w in pool}
         assert list(cached.items()) == list(plain.items())  # same values, same (pool) order
+        assert [id(n) for n in path] == [id(n) for n in (m.path if m else [])]
+        assert best == max(plain.values(), default=0)
         self.checks["match"] += 1
-        return m, cached, path
+        return cached, best, path
 
     def _exploit_set(
         self, key: Any, key_end: int, pool: list[WorkerView], cached: dict[WorkerId, int], now: float
