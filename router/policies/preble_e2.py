@@ -246,8 +246,8 @@ class PrebleE2(Policy):
         oldest live entry or move. The last value is kept per worker with that oldest time, and holds while that
         entry is still live by the sums' own test (t >= now - H), for a cost model whose answers never change
         (`ProfileCost`; `_remember`, `on_dispatch` and `on_worker_change` drop the memo when the model can
-        change). Exact: the same sums give the same float. `on_tick` refreshes it after expiring entries and
-        moves, off the selects' path.
+        change). Exact: the same sums give the same float. The hooks that change a history and `on_tick`
+        (expiry, moves) refresh it, off the selects' path.
         """
         h = self.history.get(w)
         hv = h.version if h is not None else -1
@@ -619,6 +619,7 @@ class PrebleE2(Policy):
         if out is None:
             out = self.outstanding[w] = Outstanding()
         out.add(ctx.request_id, missed, prefill_s)
+        self.load_s(w, now)  # its history changed: price L here, so the next selects read it from the memo
 
     def on_first_token(self, request_id: str, worker_id: WorkerId, now: float) -> None:
         rec = self.in_flight.get(request_id)
@@ -651,6 +652,7 @@ class PrebleE2(Policy):
         hist = self.history.get(worker_id)
         if hist is not None:
             hist.set_decode(request_id, num_output_tokens)
+            self.load_s(worker_id, now)  # as on_dispatch
         key = self.key_of(rec.block_hashes)
         if key is not None and isinstance(key.stats, NodeStats):
             key.stats.add_decode(num_output_tokens)
