@@ -485,7 +485,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--rates", default="25,50,100,200,400", help="offered loads, req/s")
     p.add_argument("--duration", type=float, default=15.0, help="seconds per rate step")
-    p.add_argument("--policy", default="least_request")
+    p.add_argument("--policy", default=None,
+                   help="Switchyard's routing policy (default: least_request, the cheapest, to measure the router's "
+                   "own overhead; with --peers the router's default, switchyard, to compare prefix-aware routing "
+                   "with the peers' on the same shared-prefix workload)")
     p.add_argument("--profile", default="llama2-70b-h100-tp4")
     p.add_argument("--time-scale", type=float, default=0.05, help="worker iteration-time multiplier")
     p.add_argument("--prompt-len", type=int, default=512)
@@ -510,6 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.policy is None:
+        args.policy = "switchyard" if args.peers else "least_request"
     try:
         import uvloop
 
