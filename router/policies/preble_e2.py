@@ -205,9 +205,9 @@ class PrebleE2(Policy):
         self.outstanding: dict[WorkerId, Outstanding] = {}
         self._turn = 0
         self._facts: dict[WorkerId, _Facts] = {}
-        # NOTE: select's hot-path memos, exact (see `load_s`, `_pool_index`): per worker (history version, moves
-        # version, valid from, valid until, L); per model the fleet's routable sequence last remembered, and per
-        # pool (by identity) its {worker id: 0} template and {worker id: view} map
+        # NOTE: select's hot-path memos, exact (see `cost_model`, `load_s`, `_remember`, `_pool_index`): per worker
+        # its cost model and (history version, moves version, valid from, oldest live entry's t, L); per model the
+        # fleet's routable sequence last remembered; per pool (by identity) {worker id: 0} and {worker id: view}
         self._load_memo: dict[WorkerId, tuple[int, int, float, float, float]] = {}
         self._cost_memo: dict[WorkerId, CostModel] = {}
         self._remembered: dict[str, Any] = {}
