@@ -18,7 +18,8 @@ between samples it extrapolates:
 
 - rate = 1 / PerfProfile.iteration_time_s(P=0, A=0, D=n, C=c) for a worker with a profile (simulated workers;
   an unknown profile name falls back to the default profile, as `preble_cost.profile_cost` does), where n is the
-  number of requests in the map and c their resident tokens: the decode iteration time at the current batch.
+  number of requests in the map and c their resident tokens: the decode iteration time at the current batch
+  (`ProfileCost.decode_iteration_s`: that call written out, the same floats without its call chain).
 - Workers with no profile (real vLLM, `perf_profile == ""`): the iterations per second observed between the last
   two Stats samples that showed progress [inferred]; the default profile until two such samples exist. NOTE: a
   worker idle for part of that interval is under-rated; the next sample corrects the clock.
@@ -36,12 +37,12 @@ fallback when neither is known. They are clamped to [1, max_len].
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from switchyard.ext.anticipator import Anticipator
 from switchyard.router.policies.base import RoutingContext, WorkerId, WorkerView
-from switchyard.router.policies.preble_cost import profile_cost
-from switchyard.workers.engine.perf_model import PerfProfile
+from switchyard.router.policies.preble_cost import ProfileCost, profile_cost
 from switchyard.workers.engine.profiles import DEFAULT_PROFILE
 
 
@@ -58,7 +59,7 @@ class _Worker:
     """One worker's map, its pending prefills, and its iteration clock."""
 
     anticipator: Anticipator | None = None  # created at the first sync (its capacity comes from the view)
-    profile: PerfProfile | None = None  # None: real vLLM, rate from observed Stats
+    cost: ProfileCost | None = None  # its profile's iteration time; None: real vLLM, rate from observed Stats
     queued_prefill_tokens: int = 0
     pending_decode_tokens: int = 0
     num_pending: int = 0
@@ -71,6 +72,10 @@ class _Worker:
     since_sample: float = 0.0  # iterations extrapolated from the sample up to `last_t`
     last_t: float = -math.inf
     observed_rate: float = 0.0  # iterations/s between the last two progressing samples (no-profile workers)
+    # the last profile rate and its batch (map size, resident tokens): the clock samples it at every select
+    rate_n: int = -1
+    rate_c: int = -1
+    rate: float = 0.0
 
 
 class AnticipationTracker:
@@ -90,7 +95,7 @@ class AnticipationTracker:
         self.ext_frac = ext_frac
         self._workers: dict[WorkerId, _Worker] = {}
         self._requests: dict[str, _Request] = {}
-        self._default_profile = profile_cost(DEFAULT_PROFILE).profile
+        self._default_cost = profile_cost(DEFAULT_PROFILE)
 
     # ------------------------------------------------------------------------------------------ hooks
     def on_dispatch(
@@ -152,13 +157,40 @@ class AnticipationTracker:
     # ------------------------------------------------------------------------------------------ queries
     def sync(self, worker: WorkerView, now: float) -> Anticipator:
         """The worker's map advanced to its estimated iteration at `now` (created on first sight)."""
-        st = self._worker(worker.worker_id)
+        st = self._workers.get(worker.worker_id)
+        if st is None:
+            st = self._workers[worker.worker_id] = _Worker()
         ant = st.anticipator
         if ant is None:
             ant = self._create(st, worker, now)
         self._observe_stats(st, worker, now)
         self._advance(st, now)
         return ant
+
+    def sync_all(self, workers: Iterable[WorkerView], now: float) -> list[Anticipator]:
+        """`sync` of each worker, in order: a policy that prices a pool moves every clock at every select (the
+        integration of the iteration rate depends on when it is sampled).
+
+        NOTE: the hottest loop of a select. `sync`'s common case is written out: a known worker whose Stats sample
+        is the one its clock is anchored on (`_same_sample`: `_observe_stats` would change nothing), so only
+        `_advance` runs, inlined here with its operations in its order. Any other worker goes through `sync`.
+        """
+        states, out, rate = self._workers, [], self._rate
+        for w in workers:
+            st = states.get(w.worker_id)
+            if st is None or st.anticipator is None or not self._same_sample(st, w):
+                out.append(self.sync(w, now))
+                continue
+            ant = st.anticipator
+            dt = now - st.last_t
+            if dt > 0:
+                st.since_sample += dt * rate(st)
+                st.last_t = now
+            target = st.base + st.sample_iterations + int(st.since_sample)
+            if target > ant.iteration:
+                ant.advance_to(target)
+            out.append(ant)
+        return out
 
     def queued_prefill_tokens(self, worker_id: WorkerId) -> int:
         """L_p's queued_p_i: prompt tokens dispatched to the worker whose prefill has not completed."""
@@ -211,7 +243,7 @@ class AnticipationTracker:
         st.anticipator = ant
         info = getattr(worker, "info", None)  # NOTE: WorkerView has no profile; the fleet's record carries it
         name = getattr(info, "perf_profile", "") or ""
-        st.profile = profile_cost(name).profile if name else None
+        st.cost = profile_cost(name) if name else None
         st.sample_at = st.last_t = now  # no Stats yet: count from 0 at first sight
         for rid, req in st.deferred.items():
             ant.add(rid, req.prompt_tokens, req.predicted_tokens)
@@ -219,7 +251,13 @@ class AnticipationTracker:
         return ant
 
     def _observe_stats(self, st: _Worker, worker: WorkerView, now: float) -> None:
-        """Re-anchor the clock on a new Stats sample."""
+        """Re-anchor the clock on a new Stats sample.
+
+        NOTE: runs for every pool worker at every select, and nearly always finds the sample it is anchored on:
+        `_same_sample` answers that before `stats_age_s` is read.
+        """
+        if self._same_sample(st, worker):
+            return
         age = worker.stats_age_s
         if not math.isfinite(age):
             return  # no sample yet
@@ -240,16 +278,38 @@ class AnticipationTracker:
         st.since_sample = max(0.0, now - at) * self._rate(st)
         st.last_t = now
 
+    @staticmethod
+    def _same_sample(st: _Worker, worker: WorkerView) -> bool:
+        """The worker's Stats sample is the one the clock is anchored on, by its exact time (`stats_at`) and count:
+        `_observe_stats` would return without a change (whatever the age: a non-finite one returns too)."""
+        at = getattr(worker, "stats_at", None)
+        return (
+            st.has_sample
+            and isinstance(at, (int, float))
+            and float(at) == st.sample_at
+            and worker.num_iterations == st.sample_iterations
+        )
+
     def _rate(self, st: _Worker) -> float:
         """Decode iterations per second at the map's current batch; 0 when the map is empty."""
         ant = st.anticipator
-        if ant is None or len(ant) == 0:
+        if ant is None:
             return 0.0
-        if st.profile is None and st.observed_rate > 0:
-            return st.observed_rate
-        profile = st.profile or self._default_profile
-        t = profile.iteration_time_s(0, 0, len(ant), ant.resident_tokens())
-        return 1.0 / t if t > 0 else 0.0
+        n = len(ant)
+        if n == 0:
+            return 0.0
+        cost = st.cost
+        if cost is None:
+            if st.observed_rate > 0:
+                return st.observed_rate
+            cost = self._default_cost
+        c = ant.resident_tokens()
+        if n == st.rate_n and c == st.rate_c:  # NOTE: exact, a function of (n, c) alone: a worker's cost is fixed
+            return st.rate
+        t = cost.decode_iteration_s(n, c)  # profile.iteration_time_s(0, 0, n, c), bit for bit
+        rate = 1.0 / t if t > 0 else 0.0
+        st.rate_n, st.rate_c, st.rate = n, c, rate
+        return rate
 
     def _advance(self, st: _Worker, now: float) -> None:
         ant = st.anticipator

@@ -65,7 +65,7 @@ class ProfileCost:
             t += prefill_ms
         return 0.001 * t
 
-    def _decode_iter_s(self, num_decode_reqs: int, context_tokens: int) -> float:
+    def decode_iteration_s(self, num_decode_reqs: int, context_tokens: int) -> float:
         """`profile.iteration_time_s(0, 0, D, C)`: one iteration of D decoding sequences holding C context tokens."""
         step, per_dec, ctx_ms, _, lin, knee, ratio = self._k
         d = num_decode_reqs
@@ -75,7 +75,7 @@ class ProfileCost:
         if num_tokens <= 0:
             return 0.0
         # iteration_time is linear in C, so one iteration at the mean context prices n tokens of growing context
-        return num_tokens * self._decode_iter_s(1, int(context_tokens))
+        return num_tokens * self.decode_iteration_s(1, int(context_tokens))
 
     def decode_marginal_s(self, num_tokens: float, context_tokens: float) -> float:
         """GPU time n decode tokens add to iterations that run anyway (continuous batching): the increment of one
@@ -83,7 +83,7 @@ class ProfileCost:
         if num_tokens <= 0:
             return 0.0
         c = int(context_tokens)
-        inc = self._decode_iter_s(2, 2 * c) - self._decode_iter_s(1, c)
+        inc = self.decode_iteration_s(2, 2 * c) - self.decode_iteration_s(1, c)
         return num_tokens * (inc if inc > 0.0 else 0.0)
 
 

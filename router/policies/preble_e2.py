@@ -448,11 +448,6 @@ class PrebleE2(Policy):
             return zero.copy(), 0, []
         return self.tree.match_cached(hashes, zero, self.evicted)
 
-    def match(self, ctx: RoutingContext, pool: Sequence[WorkerView]) -> tuple[None, dict[WorkerId, int], list[Any]]:
-        """`prefix` in the shape the switchyard policy reads (None, cached, path)."""
-        cached, _, path = self.prefix(ctx, pool)
-        return None, cached, path
-
     def pool(self, ctx: RoutingContext, fleet: FleetView) -> Sequence[WorkerView]:
         """`candidates`, but the fleet's own routable sequence when nothing is excluded (no copy: the memos of
         `_remember` and `_pool_index` key on its identity)."""

@@ -73,7 +73,8 @@ dispatches; no profile → the online fit (the default profile until it has samp
 `default_batched_tokens`. Ties: lowest cost, then E2's rotation (candidate index − dispatches) mod n; no RNG.
 Cost per decision: branch and bound over the pool (`prune`). Every worker gets an O(1) lower bound (R and D_self
 exact, Q's prefill part, I over its queued requests only; every other term >= 0); workers are then priced in
-bound order, O(requests on the worker + l) each, until the next bound exceeds the best cost found. Exact: the
+bound order, O(requests on the worker + l) each, until the next bound exceeds the best cost found; a priced
+worker whose cost without M, O and W already exceeds the best is dropped before those are priced. Exact: the
 same pick as pricing every worker (a test replays loaded runs both ways). It cuts most of the pricing where
 misses are dear (R spreads the bounds); where decode co-residency dominates (long answers, busy workers: the
 bound has no D_in) nearly every worker is still priced. bench decisions, 16 workers: see README.
@@ -86,13 +87,14 @@ switchyard-no_overflow, switchyard-no_kv_wait; and switchyard-e2_split (placemen
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from operator import add
 from typing import Any, Literal
 
 from pydantic import Field
 
+from switchyard.ext.anticipator import Anticipator
 from switchyard.router.policies.anticipation import AnticipationTracker
 from switchyard.router.policies.base import (
     Decision,
@@ -249,24 +251,21 @@ class Switchyard(PrebleE2):
 
     @staticmethod
     def occupancy(ant: Any, queued: list[tuple[int, int]], horizon: int) -> list[int]:
-        """U'[j], j < horizon, in tokens: the map plus each queued x holding P_x + j for j < D_x from offset 0."""
+        """U'[j], j < horizon, in tokens: the map plus each queued x holding P_x + j for j < D_x from offset 0.
+
+        Every x starts at offset 0, so the live set only shrinks: between consecutive ends it is fixed, and its
+        k members add c + k·j (c = Σ P_x) to U'[j]. One C-level slice update per such segment (integers: the same
+        sums in any order)."""
         u = ant.load_tokens(horizon)
         if queued:
             h = len(u)
-            const = [0] * (h + 1)  # difference arrays over offsets: Σ P_x and the number of live x
-            count = [0] * (h + 1)
-            for p, d in queued:
-                e = min(d, h)
-                const[0] += p
-                const[e] -= p
-                count[0] += 1
-                count[e] -= 1
-            c = k = 0
-            for j in range(h):
-                c += const[j]
-                k += count[j]
-                if k:
-                    u[j] += c + k * j
+            live, c, start = len(queued), sum(p for p, _ in queued), 0
+            for e, p in sorted((d if d < h else h, p) for p, d in queued):
+                if e > start:  # offsets [start, e): every x still live holds its prompt + j
+                    u[start:e] = map(add, u[start:e], range(c + live * start, c + live * e, live))
+                    start = e
+                live -= 1
+                c -= p
         return u
 
     def memory_s(
@@ -275,10 +274,18 @@ class Switchyard(PrebleE2):
         """(O_w s, W_w s, U_k): overflow risk and KV wait over the anticipated occupancy U' (module docstring)."""
         cfg = self.sy
         cap = ant.capacity_tokens
-        u = self.occupancy(ant, queued, cfg.horizon)
         p = prompt_tokens
+        if not queued:
+            # NOTE: the common case, without building U': with nothing queued U' is the map (exact ints >= 0), so
+            # U_k is the map's `virtual_peak` (the same max, divided as the int peak / cap is: both < 2^53).
+            # U_k < T_mem means peak < T_mem·cap, so peak <= fl(T_mem·cap) and O = 0; U'[0] is the resident
+            # tokens, so W = 0 when r's prompt fits beside them. Anything else is priced below.
+            frac = ant.virtual_peak(p, d, cfg.horizon)
+            if frac < cfg.t_mem and ant.resident_tokens() + p <= cap:
+                return 0.0, 0.0, frac
+        u = self.occupancy(ant, queued, cfg.horizon)
         e = min(d, len(u))  # r holds p + j at offsets j < D: one C-level pass over each part of the window
-        peak = max(max(map(add, u[:e], range(p, p + e)), default=0), max(u[e:], default=0))
+        peak = max(max(map(add, u, range(p, p + e)), default=0), max(u[e:], default=0))  # map stops at e
         k = len(ant)
         mean_ctx = max(1, ant.resident_tokens() // k if k else p)
         over = 0.0
@@ -329,41 +336,61 @@ class Switchyard(PrebleE2):
             q += (k + 1.5) * cost.decode_marginal_s(n, ctx / n)
         return q
 
-    def lower_bound_s(
-        self, w: WorkerView, ctx: RoutingContext, cached_blocks: int, d: int, memo: dict[Any, Any]
-    ) -> float:
-        """A cost no higher than `terms(...).total_s`, from O(1) state (no anticipator sync, no batch walk): R and
-        D_self exactly, Q without its decode part, I with the queued requests alone as co-runners, every other
-        term 0. `memo` shares R and D_self between workers of one cost model within one select."""
+    def lower_bounds(
+        self, pool: Sequence[WorkerView], ctx: RoutingContext, cached: dict[WorkerId, int], d: int
+    ) -> list[float]:
+        """Per pool worker, in pool order, a cost no higher than `terms(...).total_s`, from O(1) state (no
+        anticipator sync, no batch walk): R and D_self exactly, Q without its decode part, I with the queued
+        requests alone as co-runners, every other term 0. R is priced once per (cost model, cached blocks) and
+        D_self once per cost model.
+
+        NOTE: the loop every select runs over the whole pool: the config is read once and conditionals stand in
+        for min()/max(); each bound is the same sum of the same products, so the same float.
+        """
         cfg = self.sy
-        wid = w.worker_id
-        cost = self.cost_model(wid)
+        qw, pw, dw = cfg.queue_weight, cfg.prefix_weight, cfg.decode_weight
+        iw = cfg.interference_weight * cfg.externality_weight
+        by_sum = cfg.queue_pricing == "sum"
         p = ctx.num_prompt_tokens
-        key = (id(cost), cached_blocks)
-        r = memo.get(key)
-        if r is None:  # as E2's loadcost: the last prompt token is always computed
-            cached = min(cached_blocks * w.block_size, max(0, p - 1))
-            r = memo[key] = cost.prefill_s(p - cached, cached)
-        key = (id(cost), -1)
-        pair = memo.get(key)
-        if pair is None:
-            pair = memo[key] = cost.decode_s(d, p + (d - 1) / 2), cost.prefill_s(0, 0)
-        d_self, pt0 = pair
-        q = self.queue_s(wid) if cfg.queue_pricing == "sum" else self.queued_prefill_s(w, cost)[0]
-        interference = self.num_queued.get(wid, 0) * max(0.0, r - pt0)
-        return (
-            cfg.queue_weight * q
-            + cfg.prefix_weight * r
-            + cfg.decode_weight * d_self
-            + cfg.interference_weight * cfg.externality_weight * interference
-        )
+        last = p - 1 if p > 1 else 0  # as E2's loadcost: the last prompt token is always computed
+        cost_memo, num_queued, outstanding = self._cost_memo, self.num_queued, self.outstanding
+        r_memo: dict[tuple[int, int], float] = {}  # NOTE: keyed without the block size, as it always was
+        d_memo: dict[int, tuple[float, float]] = {}
+        out: list[float] = []
+        for w in pool:
+            wid = w.worker_id
+            cost = cost_memo.get(wid) or self.cost_model(wid)
+            cb = cached[wid]
+            key = (id(cost), cb)  # the cost objects outlive the select (held by E2's memo): ids are stable
+            r = r_memo.get(key)
+            if r is None:
+                tok = cb * w.block_size
+                if tok > last:
+                    tok = last
+                r = r_memo[key] = cost.prefill_s(p - tok, tok)
+            pair = d_memo.get(id(cost))
+            if pair is None:
+                pair = d_memo[id(cost)] = cost.decode_s(d, p + (d - 1) / 2), cost.prefill_s(0, 0)
+            d_self, pt0 = pair
+            if by_sum:
+                q = self.queue_s(wid)
+            else:  # `queued_prefill_s`, whose answer is 0 without queued missed tokens (most workers)
+                o = outstanding.get(wid)
+                q = self.queued_prefill_s(w, cost)[0] if o is not None and o.queued_tokens > 0 else 0.0
+            gain = r - pt0
+            interference = num_queued.get(wid, 0) * (gain if gain > 0.0 else 0.0)
+            out.append(qw * q + pw * r + dw * d_self + iw * interference)
+        return out
 
     def terms(
         self, w: WorkerView, ctx: RoutingContext, cached_blocks: int, path: list[Any], d: int, now: float,
-        beat: float | None = None,
+        beat: float | None = None, ant: Anticipator | None = None,
     ) -> Terms | None:
-        """Every term of w's cost; None when `beat` is given and the cost without M already exceeds it (M, an
-        LRU eviction simulation, is the dearest term, and M >= 0)."""
+        """Every term of w's cost; None when `beat` is given and the cost already exceeds it without M, or without
+        M, O and W (M, an LRU eviction simulation, is the dearest term, then O and W's walk over the occupancy;
+        all three are >= 0 and rounded float addition is monotone, so each partial sum is <= the total). `ant`:
+        w's map already synced at `now` in this select (a second sync at the same `now` and the same Stats
+        changes nothing), else it is synced here."""
         cfg = self.sy
         lam = cfg.externality_weight
         wid = w.worker_id
@@ -372,34 +399,36 @@ class Switchyard(PrebleE2):
         if evict > 0 and beat is None:
             e2 = self._with_evict(e2, w, evict, now, {id(n) for n in path})
         p = ctx.num_prompt_tokens
-        ant = self.tracker.sync(w, now)
+        if ant is None:
+            ant = self.tracker.sync(w, now)
         running, queued = self.batch(wid, ant)
         queue = e2.queue_s if cfg.queue_pricing == "sum" else self.batched_queue_s(w, running, queued, cost)
         d_self = cost.decode_s(d, p + (d - 1) / 2)
         in_run, out_run = self.co_residency_s(running, p, d, cost)
         in_q, out_q = self.co_residency_s([(dx, px) for px, _, dx in queued], p, d, cost)
         d_in, d_out = in_run + in_q, out_run + out_q
-        interference = (len(running) + len(queued)) * max(0.0, e2.prefill_s - cost.prefill_s(0, 0))
-        kv_p = p - min(cached_blocks * w.block_size, max(0, p - 1)) if cfg.discount_shared_prefix else p
+        gain = e2.prefill_s - cost.prefill_s(0, 0)
+        interference = (len(running) + len(queued)) * (gain if gain > 0.0 else 0.0)
+        # the total's sum, left to right: head + e·M + d·D + i·λ·I + β·O + W (the same float as one expression);
+        # the checks against `beat` price the terms not known yet at 0, in the same sum
+        head = e2.load_s + cfg.queue_weight * queue + cfg.prefix_weight * e2.prefill_s
+        dec = cfg.decode_weight * (d_self + d_in + lam * d_out)
+        inter = cfg.interference_weight * lam * interference
+        ew, ow, kw = cfg.eviction_weight, cfg.overflow_weight, cfg.kv_wait_weight
+        if beat is not None and head + ew * 0.0 + dec + inter + ow * 0.0 + kw * 0.0 > beat:
+            return None  # loses before M, O and W are priced
+        if cfg.discount_shared_prefix:
+            shared = cached_blocks * w.block_size
+            last = p - 1 if p > 1 else 0
+            kv_p = p - (shared if shared <= last else last)
+        else:
+            kv_p = p
         over, wait, peak = self.memory_s(ant, [(kx, dx) for _, kx, dx in queued], kv_p, d, cost)
-
-        def total_s(evict_s: float) -> float:
-            return (
-                e2.load_s
-                + cfg.queue_weight * queue
-                + cfg.prefix_weight * e2.prefill_s
-                + cfg.eviction_weight * evict_s
-                + cfg.decode_weight * (d_self + d_in + lam * d_out)
-                + cfg.interference_weight * lam * interference
-                + cfg.overflow_weight * over
-                + cfg.kv_wait_weight * wait
-            )
-
         if evict > 0 and beat is not None:
-            if total_s(0.0) > beat:
+            if head + ew * 0.0 + dec + inter + ow * over + kw * wait > beat:
                 return None
             e2 = self._with_evict(e2, w, evict, now, {id(n) for n in path})
-        total = total_s(e2.evict_s)
+        total = head + ew * e2.evict_s + dec + inter + ow * over + kw * wait
         return Terms(
             queue,
             e2.prefill_s,
@@ -421,10 +450,9 @@ class Switchyard(PrebleE2):
         if not pool:
             return None
         self._remember(fleet, pool, ctx.model)
-        m, cached, path = self.match(ctx, pool)
+        cached, best_blocks, path = self.prefix(ctx, pool)
         why = "argmin"
         if self.sy.placement == "e2":
-            best_blocks = max(cached.values())
             cached_len = min(best_blocks * pool[0].block_size, ctx.num_prompt_tokens)
             if cached_len > ctx.num_prompt_tokens - cached_len:
                 key, key_end = self._key_end(path, best_blocks)
@@ -437,34 +465,32 @@ class Switchyard(PrebleE2):
                 why = "explore"
         d = self.predicted_tokens(ctx)
         n = len(pool)
-        rot = {w.worker_id: (i - self._turn) % n for i, w in enumerate(pool)}
+        turn = self._turn
+        rot = [(i - turn) % n for i in range(n)]  # E2's rotation, a permutation: no two (bound, rot) keys tie
+        ants: list[Anticipator] | list[None]
         if self.sy.prune:
             # every clock moves now, priced or not: the anticipator's integration of the iteration rate depends
             # on when it is sampled, so a pruned worker synced later would drift from the reference
-            sync = self.tracker.sync
-            for w in pool:
-                sync(w, now)
-            memo: dict[Any, Any] = {}
-            order = sorted(
-                ((self.lower_bound_s(w, ctx, cached[w.worker_id], d, memo), w) for w in pool),
-                key=lambda bw: (bw[0], rot[bw[1].worker_id]),
-            )
+            ants = self.tracker.sync_all(pool, now)
+            order = sorted(zip(self.lower_bounds(pool, ctx, cached, d), rot, range(n), strict=True))
         else:
-            order = [(0.0, w) for w in pool]
+            ants = [None] * n  # the reference: each worker synced as it is priced
+            order = [(0.0, r, i) for i, r in enumerate(rot)]
         terms: dict[WorkerId, Terms] = {}
         best: tuple[float, int] | None = None
         pick = pool[0]
-        for bound, w in order:
+        for bound, r, i in order:
             # exact: an unpriced worker costs >= its bound > the best cost (the margin absorbs float rounding
             # between the bound's and the total's sums, so a tie is always priced and broken by rotation)
             beat = None if best is None else best[0] + 1e-9 * max(1.0, best[0])
             if beat is not None and bound > beat:
                 break
-            got = self.terms(w, ctx, cached[w.worker_id], path, d, now, beat if self.sy.prune else None)
+            w = pool[i]
+            got = self.terms(w, ctx, cached[w.worker_id], path, d, now, beat if self.sy.prune else None, ants[i])
             if got is None:
-                continue  # its cost without M already exceeds the best: M is not priced
+                continue  # its cost without M (or M, O and W) already exceeds the best: they are not priced
             t = terms[w.worker_id] = got
-            key = (t.total_s, rot[w.worker_id])
+            key = (t.total_s, r)
             if best is None or key < best:
                 best, pick = key, w
         t = terms[pick.worker_id]

@@ -184,3 +184,60 @@ def test_clock_is_monotonic_under_random_samples(rate_source: str) -> None:
         it = tr.sync(w, now).iteration
         assert it >= last
         last = it
+
+
+@pytest.mark.parametrize("rate_source", [PROFILE, ""])
+def test_sync_all_moves_every_clock_as_sync_does(rate_source: str) -> None:
+    """`sync_all` (a select's loop over its pool, `sync`'s common case written out) leaves every worker's map and
+    clock where `sync`, one worker at a time, does: through new samples, restarts, dispatches and finishes."""
+    import random
+
+    rng = random.Random(11)
+    fleet = Fleet()
+    ws = [
+        fleet.add_worker(
+            dataclasses.replace(make_worker_info(i, kv_capacity_blocks=1000, block_size=16), perf_profile=rate_source),
+            state=WorkerState.READY,
+            healthy=True,
+        )
+        for i in range(3)
+    ]
+    one, many = AnticipationTracker(), AnticipationTracker()
+    now, counts = 0.0, [0, 0, 0]
+    for i in range(400):
+        now += rng.uniform(0.0, 0.03)
+        fleet.set_time(now)
+        for k, w in enumerate(ws):
+            if rng.random() < 0.1:
+                counts[k] = max(0, counts[k] + rng.randint(-5, 20))  # a drop is a restart
+                fleet.apply_stats(w.worker_id, stats(counts[k]), now=now)
+        if rng.random() < 0.4:
+            w, rid = rng.choice(ws), f"q{i}"
+            ctx = dataclasses.replace(make_requests(1, prompt_len=rng.randint(1, 300))[0], request_id=rid)
+            d = rng.randint(1, 60)
+            for tr in (one, many):
+                tr.on_dispatch(ctx, w.worker_id, d, now)
+                tr.on_first_token(rid, w.worker_id, now)
+        if rng.random() < 0.1 and i:
+            rid = f"q{rng.randrange(i)}"
+            for tr in (one, many):
+                for w in ws:
+                    tr.on_finish(rid, w.worker_id, now)
+        got = many.sync_all(ws, now)
+        want = [one.sync(w, now) for w in ws]
+        assert [(a.iteration, a.load_tokens(64)) for a in got] == [(a.iteration, a.load_tokens(64)) for a in want]
+        clock = [(s.since_sample, s.last_t, s.base, s.sample_at) for s in many._workers.values()]
+        assert clock == [(s.since_sample, s.last_t, s.base, s.sample_at) for s in one._workers.values()]
+
+
+def test_profile_rate_is_the_profile_iteration_time_bit_for_bit() -> None:
+    """The clock's rate prices an iteration with `ProfileCost.decode_iteration_s`: the same float as the profile's
+    `iteration_time_s(0, 0, D, C)` (which it writes out), so the clock is the one the profile defines."""
+    from switchyard.router.policies.preble_cost import profile_cost
+    from switchyard.workers.engine.profiles import PROFILES
+
+    for name in PROFILES:
+        cost = profile_cost(name)
+        for n in (1, 2, 3, 17, 256, 1000, 5000):
+            for c in (0, 1, 999, 16_000, 123_457, 2_000_000):
+                assert cost.decode_iteration_s(n, c) == cost.profile.iteration_time_s(0, 0, n, c)

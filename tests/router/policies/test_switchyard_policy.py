@@ -194,6 +194,65 @@ def test_kv_wait_term_counts_iterations_until_the_prompt_fits() -> None:
     assert t[W1].kv_wait_s == 0.0
 
 
+def test_occupancy_adds_each_queued_request_over_its_own_offsets() -> None:
+    """U'[j] = the map + Σ over queued x with j < D_x of (P_x + j): the segment updates match the sum offset by
+    offset (ties of D, D beyond the horizon, zero prompts)."""
+    import random
+
+    from switchyard.ext.anticipator import Anticipator
+
+    rng = random.Random(5)
+    for _ in range(300):
+        ant = Anticipator(10**6, max_len=rng.choice([8, 64, 4096]))
+        for i in range(rng.randint(0, 4)):
+            ant.add(f"x{i}", rng.randint(0, 3000), rng.randint(1, 200))
+        ant.advance_to(rng.randint(0, 30))
+        queued = [(rng.choice([0, rng.randint(1, 3000)]), rng.choice([1, 2, 50, 150])) for _ in range(rng.randint(0, 6))]
+        h = rng.choice([1, 10, 100, 200])
+        want = ant.load_tokens(h)
+        for px, dx in queued:
+            for j in range(min(dx, len(want))):
+                want[j] += px + j
+        assert Switchyard.occupancy(ant, queued, h) == want
+
+
+def test_memory_terms_without_queued_requests_match_the_walk_over_the_occupancy() -> None:
+    """`memory_s` with nothing queued reads the map's virtual peak and skips U' when O and W are 0 (NOTE in it):
+    the same (O, W, U_k) floats as the general path, forced here by a queued (P=0, D=1) that adds 0 to U'."""
+    import random
+
+    from switchyard.ext.anticipator import Anticipator
+
+    rng = random.Random(9)
+    for _ in range(2000):
+        p = Switchyard(SwitchyardConfig(t_mem=rng.choice([0.1, 0.5, 0.8, 1.0]), horizon=rng.choice([1, 50, 100])))
+        cap = rng.choice([97, 1000, 1600, 16_000])
+        ant = Anticipator(cap, max_len=rng.choice([64, 4096]))
+        for i in range(rng.randint(0, 3)):
+            ant.add(f"x{i}", rng.randint(0, cap // 2), rng.randint(1, 120))
+        ant.advance_to(rng.randint(0, 20))
+        prompt = rng.choice([0, 1, rng.randint(0, cap), int(p.sy.t_mem * cap) - rng.randint(0, 3)])
+        d = rng.randint(1, 150)
+        fast = p.memory_s(ant, [], max(0, prompt), d, COST)
+        assert fast == p.memory_s(ant, [(0, 1)], max(0, prompt), d, COST)
+
+
+def test_terms_against_a_beat_are_dropped_only_when_the_total_loses() -> None:
+    """With `beat`, a worker is dropped (None) before M, or before M, O and W, only when its whole cost exceeds the
+    beat; otherwise its terms are the ones priced without a beat."""
+    p, fleet = policy(kv_capacity_blocks=100)
+    ctx = _loaded(p, fleet)
+    m = p.tree.match(ctx.block_hashes)
+    d = p.predicted_tokens(ctx)
+    for w in fleet.routable(ctx.model):
+        cb = p._cached_blocks(w.worker_id, m, ctx.block_hashes)
+        full = p.terms(w, ctx, cb, m.path, d, NOW)
+        assert full is not None
+        for beat in (0.0, full.total_s / 2, full.total_s - full.evict_s, full.total_s - 1e-9, full.total_s, 2 * full.total_s):
+            got = p.terms(w, ctx, cb, m.path, d, NOW, beat)
+            assert got == full if got is not None else full.total_s > beat
+
+
 def test_shared_prefix_is_not_counted_twice_in_the_map() -> None:
     # two 1024-token prompts sharing 992 tokens on a 1600-token worker: without the discount the map would hold
     # 2 × 1024 > capacity; with it, r's private KV is 1024 − 992 = 32 tokens
