@@ -190,7 +190,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             idle_cpu_frac = (router.cpu_seconds() - cpu0) / (time.perf_counter() - t0)
             result["router_idle_cpu_frac"] = idle_cpu_frac
             for rate in rates:
-                prompts = _prompts(rng, int(rate * args.duration) + 1, args.prompt_len, args.prefix_groups)
+                # each pass gets its own prompts (fresh prefixes): the routed pass must not find the direct pass's
+                # prompts in the workers' caches, so its hit ratio compares with the peers' (caches flushed)
+                count = int(rate * args.duration) + 1
+                prompts = _prompts(rng, count, args.prompt_len, args.prefix_groups)
+                routed_prompts = _prompts(rng, count, args.prompt_len, args.prefix_groups)
                 rr = itertools.cycle(stubs)
                 t0 = time.perf_counter()
                 direct = await _drive(
@@ -202,7 +206,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 routed = await _drive(
                     lambda s, p: _via_router(client, s, p, args.output_len),
-                    rate, args.duration, prompts, f"r{rate:g}", rng,
+                    rate, args.duration, routed_prompts, f"r{rate:g}", rng,
                 )
                 routed_wall = time.perf_counter() - t0
                 cpu_s = router.cpu_seconds() - cpu0
