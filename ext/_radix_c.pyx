@@ -79,6 +79,7 @@ cdef class Node:
     cdef readonly double last_access
     cdef public object stats
     cdef readonly bint is_attached
+    cdef readonly long long seq  # creation order in its tree (see radix_py)
 
     def __dealloc__(self):
         PyMem_Free(self._blocks)
@@ -209,6 +210,7 @@ cdef class RadixTree:
     cdef Node _root
     cdef dict _index  # block hash -> Node
     cdef Py_ssize_t _num_nodes
+    cdef long long _next_seq
     cdef dict _worker_to_slot
     cdef list _slot_names
     cdef int64_t _slot_refs[64]
@@ -220,6 +222,7 @@ cdef class RadixTree:
         self._worker_to_slot = {}
         self._index = {}
         self._num_nodes = 0
+        self._next_seq = 0  # the root takes 0, as in the reference
         self._used_mask = 0
         for s in range(_MAX_SLOTS):
             self._slot_refs[s] = 0
@@ -275,6 +278,8 @@ cdef class RadixTree:
         node.last_access = now
         node.stats = None
         node.is_attached = True
+        node.seq = self._next_seq
+        self._next_seq += 1
         return node
 
     cpdef list nodes(self):

@@ -87,6 +87,9 @@ children, resident and assigned; only `stats` is writable; never mutate the othe
     node.parent: Node | None               # None for a top-level node (the root is internal, never returned)
                                            # and for a node gc detached
     node.is_attached: bool                 # False once gc removed the node
+    node.seq: int                          # creation order in its tree (1, 2, ...; a split's new upper half
+                                           # gets the next one): unique per tree, the same in both builds, a
+                                           # deterministic tie-break where ids would follow memory addresses
     node.children: dict[int, Node]         # first block hash -> child
     node.resident: dict[str, int]          # worker -> leading resident blocks of this node
     node.assigned: set[str]                # workers the router assigned requests through this node
@@ -122,9 +125,13 @@ class Node:
         "last_access",
         "stats",
         "is_attached",
+        "seq",
     )
 
-    def __init__(self, blocks: tuple[int, ...], context_blocks: int, parent: Node | None, now: float) -> None:
+    def __init__(
+        self, blocks: tuple[int, ...], context_blocks: int, parent: Node | None, now: float, seq: int = 0
+    ) -> None:
+        self.seq: int = seq  # the tree's creation counter: a deterministic tie-break (ids are allocation order)
         self.blocks: tuple[int, ...] = blocks  # this node's run of block hashes (>= 1)
         self.context_blocks: int = context_blocks  # blocks from the root to this node's start
         self.parent: Node | None = parent  # None for a top-level node (the root is never returned)
@@ -174,6 +181,7 @@ class RadixTree:
 
     def __init__(self) -> None:
         self._root = Node((), 0, None, 0.0)
+        self._next_seq = 1
         self._index: dict[int, tuple[Node, int]] = {}  # block hash -> (node, offset in node.blocks)
         self._num_nodes = 0
 
@@ -201,6 +209,11 @@ class RadixTree:
         return out
 
     key_node = staticmethod(key_node)
+
+    def _new_seq(self) -> int:
+        seq = self._next_seq
+        self._next_seq += 1
+        return seq
 
     def _walk(self, block_hashes: Sequence[int]) -> tuple[list[Node], int, int]:
         """(path, matched blocks, matched blocks of the last path node)."""
@@ -278,7 +291,7 @@ class RadixTree:
         """Split `node` after its first k blocks (0 < k < n); returns the new upper half (see the docstring)."""
         assert 0 < k < node.num_blocks
         parent = node.parent if node.parent is not None else self._root
-        upper = Node(node.blocks[:k], node.context_blocks, node.parent, node.last_access)
+        upper = Node(node.blocks[:k], node.context_blocks, node.parent, node.last_access, self._new_seq())
         upper.assigned = set(node.assigned)
         for w, d in node.resident.items():
             upper.resident[w] = min(d, k)
@@ -307,7 +320,7 @@ class RadixTree:
         if not run:
             return None
         context = parent.context_blocks + parent.num_blocks
-        leaf = Node(tuple(run), context, parent if parent is not self._root else None, now)
+        leaf = Node(tuple(run), context, parent if parent is not self._root else None, now, self._new_seq())
         parent.children[run[0]] = leaf
         for off, h in enumerate(run):
             self._index[h] = (leaf, off)

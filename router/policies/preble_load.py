@@ -334,12 +334,14 @@ def lru_victims(
         p = n.parent
         if p is not None and id(p) in resident:
             held_children[id(p)] = held_children.get(id(p), 0) + 1
-    heap = [(n.last_access, id(n), n) for k, n in resident.items() if not held_children.get(k)]
+    # ties of last_access break by the node's creation order (`seq`), never by id (a memory address)
+    heap = [(n.last_access, n.seq, n) for k, n in resident.items() if not held_children.get(k)]
     heapq.heapify(heap)
     out: list[tuple[Any, int]] = []
     left = need_blocks
     while heap and left > 0:
-        _, k, n = heapq.heappop(heap)
+        _, _, n = heapq.heappop(heap)
+        k = id(n)
         if k in protected:
             continue  # about to be reused by this request: never a victim, and its ancestors neither
         take = min(n.resident[worker], left)
@@ -349,7 +351,7 @@ def lru_victims(
         if take == n.resident[worker] and p is not None and id(p) in resident:
             held_children[id(p)] -= 1
             if held_children[id(p)] == 0:
-                heapq.heappush(heap, (p.last_access, id(p), p))
+                heapq.heappush(heap, (p.last_access, p.seq, p))
     return out
 
 
@@ -454,8 +456,9 @@ class LruIndex:
 
     Per worker it keeps, from the hooks, every node resident on it with the parent it was recorded under, the
     number of its resident children (`held`), and a heap of the current eviction candidates (resident, no
-    resident child) keyed by (last_access, id); entries are lazy: one whose node left the candidates or whose
-    last_access moved is skipped (and the heap is compacted in the hooks once stale entries dominate).
+    resident child) keyed by (last_access, node.seq: creation order, so ties do not follow memory addresses);
+    entries are lazy: one whose node left the candidates or whose last_access moved is skipped (and the heap is
+    compacted in the hooks once stale entries dominate).
     `touch(nodes)` reconciles the given nodes for every tracked worker after any tree change that can alter
     their residency, parent or last_access; the hooks pass every node such a change can reach.
 
@@ -474,7 +477,7 @@ class LruIndex:
     def __init__(self) -> None:
         self.entries: dict[int, tuple[Any, Any]] = {}  # id(node) -> (node, recorded parent or None)
         self.held: dict[int, int] = {}  # id(node) -> resident children recorded under it
-        self.heap: list[tuple[float, int, Any]] = []  # (last_access, id, node), lazy
+        self.heap: list[tuple[float, int, Any]] = []  # (last_access, node.seq, node), lazy
         self.keyed: dict[int, float] = {}  # id -> last_access of its live heap entry
         self._order: _EvictionOrder | None = None  # the eviction order, simulated lazily; None after a change
 
@@ -484,7 +487,7 @@ class LruIndex:
             la = node.last_access
             if self.keyed.get(k) != la:
                 self.keyed[k] = la
-                heapq.heappush(self.heap, (la, k, node))
+                heapq.heappush(self.heap, (la, node.seq, node))
         else:
             self.keyed.pop(k, None)
 
@@ -537,10 +540,10 @@ class LruIndex:
         """
         heap, keyed = self.heap, self.keyed
         if len(heap) > 2 * len(keyed) + 64:
-            self.heap = [e for e in heap if keyed.get(e[1]) == e[0]]
+            self.heap = [e for e in heap if keyed.get(id(e[2])) == e[0]]
             heapq.heapify(self.heap)
             return
-        while heap and keyed.get(heap[0][1]) != heap[0][0]:
+        while heap and keyed.get(id(heap[0][2])) != heap[0][0]:
             heapq.heappop(heap)
 
     def victims(self, worker: Any, need_blocks: int, protected: set[int]) -> list[tuple[Any, int]]:
@@ -638,8 +641,9 @@ class _EvictionOrder:
     def __init__(self, idx: LruIndex, worker: Any) -> None:
         self.idx, self.worker = idx, worker
         self.steps: list[tuple[Any, int, int]] = []
-        # NOTE: entries with equal (last_access, id) hold the same node, so tuple comparison never reaches the
-        # node (identity makes them equal) and popping the copy gives exactly the key order of the candidates.
+        # NOTE: entries with equal (last_access, seq) hold the same node (seq is unique in a tree), so tuple
+        # comparison never reaches the node (identity makes them equal) and popping the copy gives exactly the
+        # key order of the candidates; ties of last_access go by creation order, the same in every run.
         self.heap = idx.heap.copy()
         self.unlocked: dict[int, float] = {}  # id -> last_access of a parent this simulation made a candidate
         self.done: set[int] = set()
@@ -670,7 +674,8 @@ class _EvictionOrder:
         idx, heap, unlocked, done = self.idx, self.heap, self.unlocked, self.done
         keyed, entries = idx.keyed, idx.entries
         while heap:
-            la, k, n = heapq.heappop(heap)
+            la, _, n = heapq.heappop(heap)
+            k = id(n)
             if (keyed.get(k) != la and unlocked.get(k) != la) or k in done:
                 continue  # stale (the node left the candidates or was accessed since), or seen already
             done.add(k)
@@ -689,6 +694,6 @@ class _EvictionOrder:
                 self.local_held[kp] = c
                 if c == 0:
                     unlocked[kp] = p.last_access
-                    heapq.heappush(heap, (p.last_access, kp, p))
+                    heapq.heappush(heap, (p.last_access, p.seq, p))
             return True
         return False

@@ -244,6 +244,7 @@ def snapshot(tree) -> tuple:  # type: ignore[no-untyped-def]
                 n.last_access,
                 n.is_attached,
                 n.stats,
+                n.seq,
             )
         )
     return tree.num_nodes, tree.num_blocks, sorted(nodes)

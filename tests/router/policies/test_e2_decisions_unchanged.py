@@ -9,6 +9,7 @@ Unit tests cover the per-worker moved-load table and the cost model's memo.
 
 from __future__ import annotations
 
+import builtins
 import random
 from collections import deque
 from typing import Any
@@ -16,8 +17,10 @@ from typing import Any
 import pytest
 
 import switchyard.bench.micro.decisions as bench
+from switchyard.bench.sim import SimConfig, Simulator
+from switchyard.bench.workloads import WorkloadSpec, make_workload
 from switchyard.ext import radix, radix_py
-from switchyard.router.policies import preble_e2
+from switchyard.router.policies import preble_e2, preble_load, registry
 from switchyard.router.policies.base import RoutingContext, WorkerId, WorkerView
 from switchyard.router.policies.preble_cost import ProfileCost
 from switchyard.router.policies.preble_e2 import Cost, E2Config, PrebleE2
@@ -254,3 +257,34 @@ def _check_profile_cost(cost: ProfileCost) -> None:
     assert cost == ProfileCost(cost.profile) and hash(cost) == hash(
         ProfileCost(cost.profile)
     )  # the constants are not compared
+
+
+def test_decisions_do_not_depend_on_memory_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eviction-order ties (requests prefilled in one engine iteration store their blocks in KV events of one
+    timestamp) break by the nodes' creation order, not by id(): a simulation in which every id() the policy and
+    its eviction bookkeeping see is negated (a stand-in for nodes at other addresses, which a test cannot arrange
+    reliably) prices the same M and places every request on the same worker."""
+
+    spec = WorkloadSpec(rate=40.0, num_requests=300, prompt_len="lognormal:512:0.4", output_len="lognormal:32:0.5",
+                        prefix_groups=24, prefix_len=256)
+
+    def simulate(flip: bool) -> list[Any]:
+        priced: list[Any] = []
+
+        class Recording(PrebleE2):
+            def _with_evict(self, c: Cost, w: WorkerView, evict: int, now: float, protected: set[int]) -> Cost:
+                got = super()._with_evict(c, w, evict, now, protected)
+                priced.append((w.worker_id, evict, got.evict_s))
+                return got
+
+        with monkeypatch.context() as m:
+            m.setitem(registry.POLICIES, "e2", Recording)
+            if flip:  # every id() of the policy and its eviction bookkeeping reversed in order (still unique)
+                for module in (preble_e2, preble_load):
+                    m.setattr(module, "id", lambda o: -builtins.id(o), raising=False)
+            cfg = SimConfig(policy="e2", num_workers=3, engine_overrides={"num_kv_blocks": 300})
+            res = Simulator(make_workload(spec, seed=2), cfg).run()
+        assert any(x[2] > 0 for x in priced)  # M was priced, and not always 0
+        return [priced, sorted((r.request_id, r.worker_id) for r in res.records)]
+
+    assert simulate(False) == simulate(True)
