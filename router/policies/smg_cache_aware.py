@@ -31,6 +31,7 @@ Knobs (CLI defaults, not the struct defaults 0.5/32/1.1/30 s/10000): cache_thres
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -58,9 +59,12 @@ class SmgCacheAwareConfig:
 
 
 class _Node:
-    __slots__ = ("children", "key", "parent", "tenants")
+    __slots__ = ("children", "key", "parent", "tenants", "seq")
+
+    _count = itertools.count()  # creation order: the eviction heap's tie-break (an id() would follow addresses)
 
     def __init__(self, key: tuple[int, ...], parent: _Node | None) -> None:
+        self.seq = next(_Node._count)
         self.key = key  # the edge label: tokens from the parent to this node
         self.parent = parent
         self.children: dict[int, _Node] = {}  # first token -> child
@@ -138,7 +142,7 @@ class ApproxTree:
         for tenant, size in list(self.tenant_size.items()):
             if size <= max_size:
                 continue
-            heap = [(n.tenants[tenant], id(n), n) for n in self._leaves_of(tenant)]
+            heap = [(n.tenants[tenant], n.seq, n) for n in self._leaves_of(tenant)]
             heapq.heapify(heap)
             while size > max_size and heap:
                 _, _, node = heapq.heappop(heap)
@@ -152,7 +156,7 @@ class ApproxTree:
                 if parent is not self.root and tenant in parent.tenants and not any(
                     tenant in c.tenants for c in parent.children.values()
                 ):
-                    heapq.heappush(heap, (parent.tenants[tenant], id(parent), parent))
+                    heapq.heappush(heap, (parent.tenants[tenant], parent.seq, parent))
             self.tenant_size[tenant] = size
         return evicted
 
