@@ -352,12 +352,37 @@ def run_one(
     }
 
 
+def cpu_times() -> tuple[int, int] | None:
+    """(steal, total) jiffies of the whole machine from /proc/stat; None where there is none (not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def steal_frac(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """Share of the machine's CPU time the hypervisor took between two `cpu_times` (None when unknown)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median select p50 (the lower middle for an even count), with every run's figures."""
+    row = dict(sorted(runs, key=lambda r: r["select_p50_us"])[(len(runs) - 1) // 2])
+    row["runs"] = {k: [r[k] for r in runs] for k in ("select_p50_us", "select_p99_us", "decisions_per_s",
+                                                     "cpu_steal_frac")}
+    return row
+
+
 # ---------------------------------------------------------------------------------------------------- report
 def to_markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| workload | workers | policy | requests | decisions/s | Preble | ratio | select p50 / p99 / mean µs, max ms "
-        "| on_dispatch p50 / p99 µs | with hooks /s | state at start → end |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| on_dispatch p50 / p99 µs | with hooks /s | state at start → end | runs: select p50 µs (CPU stolen) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         paper = r["paper_decisions_per_s"]
@@ -367,9 +392,15 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
             f"| {paper:,.0f} | {ratio} | {r['select_p50_us']} / {r['select_p99_us']} / {r['select_mean_us']}, "
             f"{r['select_max_ms']} "
             f"| {r['dispatch_p50_us']} / {r['dispatch_p99_us']} | {r['with_hooks_per_s']:,.0f} "
-            f"| {r['state_size_at_start']:,} → {r['state_size']:,} {r['state_kind']} |"
+            f"| {r['state_size_at_start']:,} → {r['state_size']:,} {r['state_kind']} | {_runs_cell(r)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _runs_cell(r: dict[str, Any]) -> str:
+    runs = r.get("runs") or {"select_p50_us": [r["select_p50_us"]], "cpu_steal_frac": [r.get("cpu_steal_frac")]}
+    return ", ".join(f"{p50}" + ("" if st is None else f" ({st:.0%})")
+                     for p50, st in zip(runs["select_p50_us"], runs["cpu_steal_frac"], strict=True))
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> Path:
@@ -416,6 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preload-nodes", type=int, default=0,
                     help="grow the state by this many cold tree nodes (resident 2-block prompts) before the stream; "
                          "the issue's goal is stated at 100k nodes")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs per (workload, workers, policy), the policies interleaved; each row is the run with "
+                         "the median select p50, and lists every run's figures (a shared VM's timings drift)")
     ap.add_argument("--out", type=Path, default=Path("results/decisions"), help="output folder")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
@@ -439,13 +473,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{w}: {len(prep.trace.requests)} requests, {prep.trace.source}; prompts built in {prep.prep_s:.1f} s",
               flush=True)
         for nw in sizes:
-            for p in policies:
-                t0 = time.perf_counter()
-                row = run_one(prep, wl, p, nw, args.preload_nodes)
-                rows.append(row)
-                print(f"  {nw:>2} workers {p:<16} {row['decisions_per_s']:>10,.0f} decisions/s  select p50 "
-                      f"{row['select_p50_us']} µs p99 {row['select_p99_us']} µs  ({time.perf_counter() - t0:.1f} s)",
-                      flush=True)
+            runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+            for _ in range(max(1, args.repeat)):
+                for p in policies:  # interleaved: every repeat runs each policy once, under the same conditions
+                    t0 = time.perf_counter()
+                    cpu0 = cpu_times()
+                    row = run_one(prep, wl, p, nw, args.preload_nodes)
+                    row["cpu_steal_frac"] = steal_frac(cpu0, cpu_times())
+                    runs[p].append(row)
+                    steal = "" if row["cpu_steal_frac"] is None else f", {row['cpu_steal_frac']:.0%} CPU stolen"
+                    print(f"  {nw:>2} workers {p:<16} {row['decisions_per_s']:>10,.0f} decisions/s  select p50 "
+                          f"{row['select_p50_us']} µs p99 {row['select_p99_us']} µs  "
+                          f"({time.perf_counter() - t0:.1f} s{steal})", flush=True)
+            rows += [median_run(runs[p]) for p in policies]
         del prep
         gc.collect()
     md = to_markdown(rows)

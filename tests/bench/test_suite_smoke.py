@@ -52,3 +52,21 @@ def test_suite_smoke(tmp_path: Path) -> None:
             "ttft_warm_s"]["p99"]
     assert {r["policy"] for r in data["ablation"]["runs"]} == {"e2_base", "e2_rebal", "e2", "e2 + preble_groups"}
     assert (tmp_path / "workloads" / "toolbench" / "results.json").is_file()
+
+
+def test_decisions_repeat_reports_the_median_run(tmp_path: Path) -> None:
+    """--repeat N: one row per policy, the run with the median select p50, listing every run's figures."""
+    rc = decisions.main(["--num-requests", "30", "--workloads", "toolbench-200", "--workers", "2",
+                         "--policies", "e2,round_robin", "--repeat", "3", "--out", str(tmp_path), "--no-plot"])
+    assert rc == 0
+    rows = json.loads((tmp_path / "decisions.json").read_text())["rows"]
+    assert [r["policy"] for r in rows] == ["e2", "round_robin"]
+    for r in rows:
+        p50s = r["runs"]["select_p50_us"]
+        assert len(p50s) == 3 and r["select_p50_us"] == sorted(p50s)[1]
+        assert len(r["runs"]["decisions_per_s"]) == 3
+
+
+def test_steal_share_from_cpu_times() -> None:
+    assert decisions.steal_frac((10, 1000), (40, 1100)) == 0.3
+    assert decisions.steal_frac(None, (40, 1100)) is None and decisions.steal_frac((0, 5), (0, 5)) is None
