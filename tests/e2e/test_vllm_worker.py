@@ -59,11 +59,18 @@ class VllmProc:
         with grpc.insecure_channel(self.address) as ch:
             return worker_pb2_grpc.WorkerStub(ch).Info(worker_pb2.InfoRequest(), timeout=10)
 
+    def freeze(self) -> None:
+        """SIGSTOP the whole group (worker and EngineCore): no more tokens are made, so a test can kill the
+        worker mid-stream without racing the end of the generation."""
+        os.killpg(self.popen.pid, signal.SIGSTOP)
+
     def kill(self) -> None:
         """SIGKILL the worker process only; its orphan guard must then take vLLM's EngineCore down with it."""
         if self.popen.poll() is None:
             self.popen.kill()
             self.popen.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGCONT)  # a frozen EngineCore must run to notice its orphaning
         until(lambda: not group_members(self.popen.pid), timeout_s=20, what=f"{self.name}'s EngineCore exits")
 
     def stop(self) -> None:
@@ -457,7 +464,9 @@ def test_killed_vllm_worker_is_retried_before_the_first_token_then_unavailable_m
         with pytest.raises(grpc.RpcError) as e:
             for chunk in c.generate(MODEL, prompt="doomed", max_tokens=1500, ignore_eos=True, timeout=120):
                 received += len(chunk.token_ids)
-                if received >= 3 and v0.popen.poll() is None:
+                if received and v0.popen.poll() is None:
+                    # freeze first: on a slow machine the 1,500 tokens can all be made before a kill lands
+                    v0.freeze()
                     v0.kill()
     assert e.value.code() is grpc.StatusCode.UNAVAILABLE
     assert f"after {received} tokens were delivered" in e.value.details()
