@@ -135,6 +135,7 @@ class _Stream:
         "num_prompt_tokens",
         "num_cached_tokens",
         "num_output_tokens",
+        "num_streamed_tokens",
         "detok",
         "stops",
         "max_stop_len",
@@ -152,6 +153,7 @@ class _Stream:
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
         self.num_output_tokens = 0
+        self.num_streamed_tokens = 0  # token ids sent in chunks so far
         self.detok = detok
         self.stops = [s for s in stops if s]
         self.max_stop_len = max((len(s) for s in self.stops), default=0)
@@ -167,6 +169,15 @@ class _Stream:
             items.append(self.queue.get_nowait())
         return items
 
+    def _cut_at_stop(self) -> bool:
+        """Trim the text at the first stop string that the last token completed; True if one did."""
+        start = max(0, self.num_emitted_chars - self.max_stop_len)
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if not hits:
+            return False
+        self.text = self.text[: min(hits)]
+        return True
+
     def consume(
         self, items: list[RequestOutput | _Aborted | _Failed]
     ) -> worker_pb2.WorkerGenerateChunk | None:
@@ -180,27 +191,40 @@ class _Stream:
                 break
             if isinstance(item, _Failed):
                 raise RuntimeError("the engine loop failed")
-            new_ids.extend(item.new_token_ids)
             self.num_prompt_tokens = item.num_prompt_tokens or self.num_prompt_tokens
             self.num_cached_tokens = max(self.num_cached_tokens, item.num_cached_tokens)
+            last = item.finish_reason is not None
+            if self.stops:
+                # token by token, as vLLM's output processor: where a stop string ends must not depend on how
+                # many engine steps this wake-up folds (a slow consumer would otherwise get the whole tail)
+                ids = item.new_token_ids
+                for j, tid in enumerate(ids):
+                    new_ids.append(tid)
+                    self.text += self.detok.add([tid], final=last and j == len(ids) - 1)
+                    if self._cut_at_stop():
+                        finish = FinishReason.STOP
+                        break
+                if finish is FinishReason.STOP:  # usage counts through the token that completed the stop
+                    self.num_output_tokens = self.num_streamed_tokens + len(new_ids)
+                    break
+                if not ids and last:
+                    self.text += self.detok.add([], final=True)
+            else:
+                new_ids.extend(item.new_token_ids)
             self.num_output_tokens = max(self.num_output_tokens, item.num_output_tokens)
-            if item.finish_reason is not None:
+            if last:
                 finish = item.finish_reason
                 self.is_engine_done = True
                 break
-        self.text += self.detok.add(new_ids, final=finish is not None)
-        if self.stops and finish is not FinishReason.ABORT:
-            start = max(0, self.num_emitted_chars - self.max_stop_len)
-            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-            if hits:
-                self.text = self.text[: min(hits)]
-                finish = FinishReason.STOP
+        if not self.stops:
+            self.text += self.detok.add(new_ids, final=finish is not None)
         if finish is not None or not self.stops:
             end = len(self.text)
         else:  # hold back what could be the start of a stop string until the next delta decides
             end = max(self.num_emitted_chars, len(self.text) - self.max_stop_len + 1)
         delta = self.text[self.num_emitted_chars : end]
         self.num_emitted_chars = max(self.num_emitted_chars, end)
+        self.num_streamed_tokens += len(new_ids)
         if not new_ids and not delta and finish is None:
             return None
         chunk = worker_pb2.WorkerGenerateChunk(

@@ -314,6 +314,30 @@ def test_stop_string_trims_text_and_finishes() -> None:
     assert not stream.is_engine_done  # the worker must still abort it in the engine
 
 
+@pytest.mark.parametrize("fold", [1, 3, 64])
+def test_stop_string_ends_at_the_same_token_however_many_steps_a_chunk_folds(fold: int) -> None:
+    # a slow consumer takes several engine steps per wake-up (all of them, when the engine ran ahead): the stop
+    # must still end the stream at the token that completed it, with that token count in usage
+    tok = load_tokenizer()
+    ids = tok.encode("Hello world. STOP and more text after the stop", add_bos=False)
+    stream = _Stream("r", 1.0, IncrementalDetokenizer(tok, [tok.bos_id]), ["STOP"])
+    outs = _outputs_for(ids)
+    chunks = []
+    for i in range(0, len(outs), fold):
+        chunk = stream.consume(outs[i : i + fold])
+        if chunk is not None:
+            chunks.append(chunk)
+        if stream.is_finished:
+            break
+    sent = [t for c in chunks for t in c.token_ids]
+    through_stop = next(k for k in range(1, len(ids) + 1) if "STOP" in tok.decode(ids[:k]))
+    assert "".join(c.text for c in chunks) == "Hello world. "
+    assert sent == ids[:through_stop]
+    assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    assert chunks[-1].usage.completion_tokens == through_stop < len(ids)
+    assert not stream.is_engine_done
+
+
 def test_kv_event_hub_replays_snapshots_and_drops_slow_subscribers() -> None:
     snapshot = [kv.BlockStored((11, 12), None, tuple(range(8)), 4)]
     hub = KvEventHub(lambda: snapshot)
