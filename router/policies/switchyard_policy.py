@@ -341,7 +341,7 @@ class Switchyard(PrebleE2):
     ) -> list[float]:
         """Per pool worker, in pool order, a cost no higher than `terms(...).total_s`, from O(1) state (no
         anticipator sync, no batch walk): R and D_self exactly, Q without its decode part, I with the queued
-        requests alone as co-runners, every other term 0. R is priced once per (cost model, cached blocks) and
+        requests alone as co-runners, every other term 0. R is priced once per (cost model, cached tokens) and
         D_self once per cost model.
 
         NOTE: the loop every select runs over the whole pool: the config is read once and conditionals stand in
@@ -354,17 +354,16 @@ class Switchyard(PrebleE2):
         p = ctx.num_prompt_tokens
         last = p - 1 if p > 1 else 0  # as E2's loadcost: the last prompt token is always computed
         cost_memo, num_queued, outstanding = self._cost_memo, self.num_queued, self.outstanding
-        r_memo: dict[tuple[int, int], float] = {}  # NOTE: keyed without the block size, as it always was
+        r_memo: dict[tuple[int, int], float] = {}  # (id(cost), cached tokens before the last-token cut) -> R
         d_memo: dict[int, tuple[float, float]] = {}
         out: list[float] = []
         for w in pool:
             wid = w.worker_id
             cost = cost_memo.get(wid) or self.cost_model(wid)
-            cb = cached[wid]
-            key = (id(cost), cb)  # the cost objects outlive the select (held by E2's memo): ids are stable
+            tok = cached[wid] * w.block_size
+            key = (id(cost), tok)  # the cost objects outlive the select (held by E2's memo): ids are stable
             r = r_memo.get(key)
             if r is None:
-                tok = cb * w.block_size
                 if tok > last:
                     tok = last
                 r = r_memo[key] = cost.prefill_s(p - tok, tok)

@@ -17,11 +17,11 @@ import dataclasses
 import zlib
 
 import pytest
-from factories import make_fleet, make_requests
+from factories import make_fleet, make_requests, make_worker_info
 
 from switchyard.bench.sim import SimConfig, Simulator
 from switchyard.bench.workloads import WorkloadSpec, make_workload
-from switchyard.router.fleet import Fleet
+from switchyard.router.fleet import Fleet, WorkerState
 from switchyard.router.policies.base import Decision, RoutingContext, WorkerId
 from switchyard.router.policies.preble_cost import profile_cost
 from switchyard.router.policies.registry import POLICIES, make_policy
@@ -527,3 +527,19 @@ def test_pruned_select_picks_what_pricing_every_worker_picks(
     assert priced[True] < priced[False]
     if tools:  # the point of it: where misses are dear, the bounds (R above all) cut most of the pricing
         assert priced[True] < priced[False] / 2
+
+
+def test_lower_bounds_price_cached_tokens_not_blocks() -> None:
+    """Two workers of one profile holding the same number of blocks of different sizes cache different token
+    counts: each bound prices its own R (a memo keyed on blocks alone gave both the first one's)."""
+    fleet = Fleet()
+    for i, bs in enumerate((16, 32)):
+        fleet.add_worker(make_worker_info(i, "m", 4096, bs, 1000, 8), state=WorkerState.READY, healthy=True)
+    pol = Switchyard()
+    ctx = req("mixed", prompt_len=512)
+    pool = fleet.routable(ctx.model)
+    pol.select(ctx, fleet, NOW)
+    bounds = pol.lower_bounds(pool, ctx, {W0: 8, W1: 8}, 50)
+    d_self = COST.decode_s(50, 512 + 49 / 2)
+    assert bounds[0] == pytest.approx(COST.prefill_s(512 - 128, 128) + d_self)
+    assert bounds[1] == pytest.approx(COST.prefill_s(512 - 256, 256) + d_self)
