@@ -51,13 +51,15 @@ class VllmProc:
     address: str
     log_path: Path
 
+    # NOTE: generous deadlines: they only guard against a hang. vLLM's EngineCore spins its core between steps,
+    # and on a loaded 2-core box the worker's event loop answered a Stats call in over 10 s once.
     def stats(self) -> worker_pb2.WorkerStats:
         with grpc.insecure_channel(self.address) as ch:
-            return worker_pb2_grpc.WorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=10)
+            return worker_pb2_grpc.WorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=60)
 
     def info(self) -> worker_pb2.WorkerInfo:
         with grpc.insecure_channel(self.address) as ch:
-            return worker_pb2_grpc.WorkerStub(ch).Info(worker_pb2.InfoRequest(), timeout=10)
+            return worker_pb2_grpc.WorkerStub(ch).Info(worker_pb2.InfoRequest(), timeout=60)
 
     def freeze(self) -> None:
         """SIGSTOP the whole group (worker and EngineCore): no more tokens are made, so a test can kill the
