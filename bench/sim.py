@@ -88,6 +88,7 @@ class SimConfig:
     # "oracle" (the true length), "fallback" (router/predictor/fallback.py, learning from finishes) or "table"
     # (request id -> tokens, precomputed offline; passed to the Simulator as `predictions`).
     predictor: str = "none"
+    policy_params: dict[str, Any] = field(default_factory=dict)  # the policy's knobs (`make_policy`'s params)
 
 
 # ---------------------------------------------------------------------------------------------------- predictors
@@ -233,7 +234,7 @@ class Simulator:
         self.trace = trace
         self.cfg = cfg
         self.prompts = prompts or PromptFactory(cfg.block_size, seed=cfg.seed)
-        self.policy: Policy = policy if policy is not None else make_policy(cfg.policy)
+        self.policy: Policy = policy if policy is not None else make_policy(cfg.policy, cfg.policy_params)
         self.lengths = make_length_source(cfg.predictor, predictions)
         self.clock = VirtualClock()  # the router's clock; advanced by the event loop
         self.fleet = Fleet()
@@ -585,6 +586,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tick-interval", type=float, default=0.1, help="policy on_tick period, s")
     g.add_argument("--no-queue", action="store_true", help="route at arrival; never hold in the router queue")
     g.add_argument(
+        "--param", action="append", default=[], metavar="POLICY.KEY=VALUE",
+        help="set one knob of one policy of --policies (its config's field), e.g. switchyard.externality_weight=1",
+    )
+    g.add_argument(
         "--predictor",
         choices=("none", "oracle", "fallback"),
         default="none",
@@ -685,6 +690,22 @@ def parse_policies(spec: str) -> list[str]:
     return policies
 
 
+def parse_params(items: Sequence[str], policies: Sequence[str]) -> dict[str, dict[str, str]]:
+    """`--param POLICY.KEY=VALUE` items -> {policy: {key: value}}, each checked by building the policy."""
+    out: dict[str, dict[str, str]] = {}
+    for item in items:
+        dotted, sep, raw = item.partition("=")
+        policy, dot, key = dotted.strip().rpartition(".")
+        if not sep or not dot:
+            raise ValueError(f"--param {item!r}: expected POLICY.KEY=VALUE")
+        if policy not in policies:
+            raise ValueError(f"--param {item!r}: {policy!r} is not one of --policies ({', '.join(policies)})")
+        out.setdefault(policy, {})[key] = raw.strip()
+    for policy, params in out.items():
+        make_policy(policy, params)
+    return out
+
+
 def _sim_config(args: argparse.Namespace, policy: str) -> SimConfig:
     overrides: dict[str, Any] = {}
     if args.max_num_seqs:
@@ -709,6 +730,7 @@ def _sim_config(args: argparse.Namespace, policy: str) -> SimConfig:
         seed=args.seed,
         engine_overrides=overrides,
         predictor=args.predictor,
+        policy_params=parse_params(args.param, parse_policies(args.policies)).get(policy, {}),
     )
 
 
@@ -795,6 +817,7 @@ def run_sweep(args: argparse.Namespace, base: Trace) -> dict[str, Any]:
             "predictor": args.predictor,
             "engine_scheduling": args.engine_scheduling or "fcfs",
             "policies": policies,
+            "policy_params": parse_params(args.param, policies),
             "slo_ttft_s": args.slo_ttft,
             "slo_tpot_s": args.slo_tpot,
         },
@@ -805,7 +828,7 @@ def run_sweep(args: argparse.Namespace, base: Trace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        parse_policies(args.policies)
+        parse_params(args.param, parse_policies(args.policies))
         base = load_workload(args)
     except (FileNotFoundError, ValueError) as e:
         print(f"bench sim: {e}", file=sys.stderr)

@@ -2,7 +2,8 @@
 
 Sources, later wins: defaults < TOML file (`--config`) < environment (`SWITCHYARD_<SECTION>_<KEY>`) < CLI flags
 (`--port`, ..., or the generic `--set section.key=value`). Unknown sections and keys are rejected from every
-source with a message that names the source and lists the valid keys.
+source with a message that names the source and lists the valid keys. Tables (`routing.params`,
+`tokenizer.models`) merge key by key across sources; `--set section.table.key=value` sets one key of one.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ class WorkersConfig(_Section):
 class RoutingConfig(_Section):
     policy: str = DEFAULT_POLICY  # a key of router.policies.registry.POLICIES
     tick_interval_ms: int = Field(default=100, gt=0)  # Policy.on_tick period
+    # the policy's own knobs, its config's fields (e.g. switchyard: externality_weight = 1.0); checked at load
+    params: dict[str, Any] = Field(default_factory=dict)
 
 
 class QueueConfig(_Section):
@@ -113,10 +116,12 @@ class RouterConfig(BaseModel):
     @field_validator("routing")
     @classmethod
     def _known_policy(cls, v: RoutingConfig) -> RoutingConfig:
-        from switchyard.router.policies.registry import POLICIES
+        from switchyard.router.policies.registry import POLICIES, make_policy
 
         if v.policy not in POLICIES:
             raise ValueError(f"unknown policy {v.policy!r}; known: {', '.join(sorted(POLICIES))}")
+        if v.params:
+            make_policy(v.policy, v.params)  # a wrong key or value fails here, at load, not at startup
         return v
 
 
@@ -191,24 +196,35 @@ def from_env(environ: Mapping[str, str]) -> dict[str, Any]:
 
 
 def parse_assignments(items: list[str]) -> dict[str, Any]:
-    """CLI `--set section.key=value` items."""
+    """CLI `--set section.key=value` items, and `--set section.table.key=value` for one key of a table field
+    (its value a string, converted by whoever reads the table: the policy's config for `routing.params`)."""
     out: dict[str, dict[str, Any]] = {}
     for item in items:
         dotted, sep, raw = item.partition("=")
         section, dot, key = dotted.strip().partition(".")
         if not sep or not dot:
             raise ConfigError(f"--set {item!r}: expected section.key=value")
+        key, dot2, sub = key.partition(".")
         _check_keys("--set", {section: {key: None}})
+        if dot2:
+            if typing.get_origin(typing.get_type_hints(SECTIONS[section])[key]) is not dict:
+                raise ConfigError(f"--set {item!r}: {section}.{key} is not a table")
+            out.setdefault(section, {}).setdefault(key, {})[sub] = raw
+            continue
         out.setdefault(section, {})[key] = _parse_str(section, key, raw)
     return out
 
 
 def merge(*layers: Mapping[str, Any]) -> dict[str, Any]:
-    """Section-wise merge; a later layer's key replaces an earlier one's (lists are replaced, not appended)."""
+    """Section-wise merge; a later layer's key replaces an earlier one's (lists are replaced, not appended), but
+    tables merge key by key (a `--set routing.params.x=...` keeps the file's other params)."""
     out: dict[str, dict[str, Any]] = {}
     for layer in layers:
         for section, body in layer.items():
-            out.setdefault(section, {}).update(body)
+            sec = out.setdefault(section, {})
+            for key, value in body.items():
+                old = sec.get(key)
+                sec[key] = {**old, **value} if isinstance(old, Mapping) and isinstance(value, Mapping) else value
     return out
 
 

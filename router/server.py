@@ -168,7 +168,7 @@ class RouterDaemon:
         self.clock = RealClock()
         self.metrics = RouterMetrics()
         self.fleet = Fleet()
-        self.policy = make_policy(config.routing.policy)
+        self.policy = make_policy(config.routing.policy, config.routing.params)
         self.tokenizer_for = make_tokenizer_for(config)
         self.registry = WorkerRegistry(
             config.workers, self.fleet, self.policy, self.tokenizer_for, self.clock, self.metrics,
@@ -240,8 +240,9 @@ class RouterDaemon:
             predictor_providers=tuple(model.providers) if model is not None else (),
         )
         log.info(
-            "serving on %s:%d (admin %s, metrics %s) policy=%s workers=%d predictor=%s",
-            cfg.host, port, bound.admin, metrics_addr, self.config.routing.policy, len(self.fleet.all_workers()),
+            "serving on %s:%d (admin %s, metrics %s) policy=%s%s workers=%d predictor=%s",
+            cfg.host, port, bound.admin, metrics_addr, self.config.routing.policy,
+            "".join(f" {k}={v}" for k, v in self.config.routing.params.items()), len(self.fleet.all_workers()),
             self.predictor.describe(),
         )
         return bound

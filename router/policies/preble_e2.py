@@ -777,8 +777,10 @@ class PrebleE2Base(PrebleE2):
 
     name = "e2_base"
 
-    def __init__(self) -> None:
-        super().__init__(E2Config(enable_rebalancing=False, enable_replication=False, enable_pd_balancing=False))
+    def __init__(self, config: E2Config | None = None) -> None:
+        super().__init__(
+            config or E2Config(enable_rebalancing=False, enable_replication=False, enable_pd_balancing=False)
+        )
 
 
 class PrebleE2Rebal(PrebleE2):
@@ -786,8 +788,8 @@ class PrebleE2Rebal(PrebleE2):
 
     name = "e2_rebal"
 
-    def __init__(self) -> None:
-        super().__init__(E2Config(enable_pd_balancing=False))
+    def __init__(self, config: E2Config | None = None) -> None:
+        super().__init__(config or E2Config(enable_pd_balancing=False))
 
 
 __all__ = ["E2Config", "PrebleE2", "PrebleE2Base", "PrebleE2Rebal"]

@@ -1,8 +1,18 @@
-"""Policy name -> constructor. A policy's registry key matches its file name."""
+"""Policy name -> constructor. A policy's registry key matches its file name.
+
+`make_policy(name, params)` also sets a policy's own knobs (the fields of the config it is built with: E2Config,
+SwitchyardConfig, PreserveConfig, ...) from a mapping, e.g. the daemon's `[routing.params]`: an unknown key or a
+value of the wrong kind is a ValueError that names the policy and its keys.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
 
 from switchyard.router.policies.aibrix_prefix import AibrixPrefix
 from switchyard.router.policies.base import Policy
@@ -44,8 +54,75 @@ POLICIES: dict[str, Callable[[], Policy]] = {
 DEFAULT_POLICY = "switchyard"  # README "Switchyard's default policy": measured against e2, smg_cache_aware, least_request
 
 
-def make_policy(name: str) -> Policy:
+def make_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy:
+    """The policy registered as `name`, its config's fields overridden by `params` (none: the defaults)."""
     try:
-        return POLICIES[name]()
+        ctor = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
+    policy = ctor()
+    if not params:
+        return policy
+    base = config_of(policy)
+    if base is None:
+        raise ValueError(f"policy {name!r} has no parameters (got {', '.join(params)})")
+    configured = type(policy)(with_params(name, base, params))  # type: ignore[call-arg]
+    configured.name = policy.name  # an ablation's registry key (set on the instance)
+    return configured
+
+
+def config_of(policy: Policy) -> Any | None:
+    """The config object `policy` was built with (E2's `cfg`, the baselines' `config`), or None."""
+    cfg = getattr(policy, "cfg", None) or getattr(policy, "config", None)
+    return cfg if isinstance(cfg, BaseModel) or dataclasses.is_dataclass(cfg) else None
+
+
+def policy_params(policy: Policy) -> dict[str, Any]:
+    """Every knob of `policy` and its value (empty for a policy without a config)."""
+    cfg = config_of(policy)
+    if cfg is None:
+        return {}
+    return cfg.model_dump() if isinstance(cfg, BaseModel) else dataclasses.asdict(cfg)
+
+
+def with_params(name: str, base: Any, params: Mapping[str, Any]) -> Any:
+    """A copy of `base` with `params` set, validated: pydantic configs by their own field constraints, dataclass
+    configs by their fields' types (strings from a command line or an environment are converted)."""
+    if isinstance(base, BaseModel):
+        try:
+            return type(base).model_validate({**base.model_dump(), **params})
+        except ValidationError as e:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors(include_url=False)
+            )
+            raise ValueError(f"policy {name!r}: {problems}; its keys: {', '.join(type(base).model_fields)}") from None
+    hints = typing.get_type_hints(type(base))
+    fields = [f.name for f in dataclasses.fields(base)]
+    unknown = [k for k in params if k not in fields]
+    if unknown:
+        raise ValueError(f"policy {name!r}: unknown parameters {', '.join(unknown)}; its keys: {', '.join(fields)}")
+    return dataclasses.replace(base, **{k: _convert(name, k, v, hints[k]) for k, v in params.items()})
+
+
+def _convert(name: str, key: str, value: Any, kind: Any) -> Any:
+    """`value` as a dataclass field of type `kind` (bool, int, float, str; other types are taken as given)."""
+    try:
+        if kind is bool:
+            if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+                return value.strip().lower() in ("true", "1")
+            if isinstance(value, bool):
+                return value
+            raise ValueError
+        if kind is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if kind is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if kind is str:
+            return str(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"policy {name!r}: {key} expects {kind.__name__}, got {value!r}") from None
+    return value

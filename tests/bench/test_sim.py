@@ -167,3 +167,14 @@ def test_router_queue_holds_while_every_worker_is_saturated():
 def test_no_queue_routes_at_arrival():
     res = sim.Simulator(_workload(n=40), _cfg(use_queue=False, engine_overrides={"max_num_seqs": 2})).run()
     assert all(r.status == OK and r.dispatch_s == r.arrival_s for r in res.records)
+
+
+def test_param_sets_one_policys_knob_and_is_recorded(tmp_path, capsys):
+    trace = make_workload(WorkloadSpec(arrival="poisson", rate=5.0, num_requests=5), seed=1)
+    cfg = sim.SimConfig(policy="switchyard", num_workers=2, profile=PROFILE, policy_params={"externality_weight": "1"})
+    assert sim.Simulator(trace, cfg).policy.sy.externality_weight == 1.0
+    assert sim.Simulator(trace, sim.SimConfig(policy="switchyard")).policy.sy.externality_weight == 0.1
+    data = _run_cli(tmp_path, "p", "--policies", "round_robin,e2", "--param", "e2.history_window_s=30")
+    assert data["config"]["policy_params"] == {"e2": {"history_window_s": "30"}}
+    assert sim.main(["--trace", "poisson", "--policies", "e2", "--param", "e2.nope=1"]) == 2
+    assert "policy 'e2': nope: Extra inputs are not permitted" in capsys.readouterr().err

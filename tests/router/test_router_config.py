@@ -113,3 +113,39 @@ def test_print_config_round_trips(tmp_path: Path) -> None:
     c = config_from_args(["--worker", "a:1", "--set", 'tokenizer.models={"m": "/x.model"}', "--port", "7"], environ={})
     path = write(tmp_path, to_toml(c))
     assert load_config(path, environ={}) == c
+
+
+def test_policy_params_merge_across_sources_and_reach_the_policy(tmp_path: Path) -> None:
+    from switchyard.router.policies.registry import make_policy, policy_params
+
+    path = write(tmp_path, "[routing]\npolicy = 'switchyard'\n[routing.params]\nexternality_weight = 0.5\nt_mem = 0.7\n")
+    env = {"SWITCHYARD_ROUTING_PARAMS": '{"horizon": 50}'}
+    c = config_from_args(["--config", str(path), "--set", "routing.params.externality_weight=1"], environ=env)
+    # tables merge key by key: the file's t_mem, the environment's horizon, the command line's weight
+    assert c.routing.params == {"externality_weight": "1", "t_mem": 0.7, "horizon": 50}
+    knobs = policy_params(make_policy(c.routing.policy, c.routing.params))
+    assert (knobs["externality_weight"], knobs["t_mem"], knobs["horizon"]) == (1.0, 0.7, 50)
+    assert knobs["queue_weight"] == 1.0  # untouched knobs keep their defaults
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--set", "routing.params.externality_wieght=1"], r"policy 'switchyard': externality_wieght: Extra inputs"),
+        (["--set", "routing.params.externality_weight=-1"], r"externality_weight: Input should be greater than"),
+        (["--set", "routing.policy=preserve", "--set", "routing.params.horizon=soon"], r"horizon expects int"),
+        (["--set", "routing.policy=round_robin", "--set", "routing.params.x=1"], r"'round_robin' has no parameters"),
+        (["--set", "routing.tick_interval_ms.x=1"], r"routing\.tick_interval_ms is not a table"),
+    ],
+)
+def test_bad_policy_params_fail_at_load(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config_from_args(argv, environ={})
+
+
+def test_the_daemon_builds_its_policy_with_the_configured_params() -> None:
+    from switchyard.router.server import RouterDaemon
+
+    c = config_from_args(["--set", "routing.params.externality_weight=1", "--set", "routing.params.t_mem=0.9"], environ={})
+    daemon = RouterDaemon(c)
+    assert (daemon.policy.name, daemon.policy.sy.externality_weight, daemon.policy.sy.t_mem) == ("switchyard", 1.0, 0.9)
