@@ -310,7 +310,7 @@ def run_one(profile: str, rate: float, policy: str, predictor: str) -> dict[str,
     mode = predictor
     if predictor == "trained":
         table, mode = wl.per_request(st["trained"]), "table"
-    cfg = fleet.sim_config(policy, mode, st["seed"])
+    cfg = fleet.sim_config(policy, mode, st["seed"], policy_params=st["params"].get(policy, {}))
     res = sim.Simulator(wl.trace, cfg, st["prompts"], predictions=table).run()
     m = summarize(
         res.records,
@@ -556,6 +556,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated; the baselines are {', '.join(BASELINES)}",
     )
     p.add_argument(
+        "--param", action="append", default=[], metavar="POLICY.KEY=VALUE",
+        help="set one knob of one policy of --policies, e.g. switchyard.externality_weight=1",
+    )
+    p.add_argument(
         "--predictors",
         default="trained,fallback,oracle",
         help=f"for {', '.join(PREDICTIVE)}: {', '.join(PREDICTORS)}",
@@ -623,6 +627,7 @@ def main(argv: list[str] | None = None) -> int:
         for prof in profiles:
             get_profile(prof)
         policies = parse_policies(args.policies)
+        params = sim.parse_params(args.param, policies)
         predictors = [p.strip() for p in args.predictors.split(",") if p.strip()]
         bad = [p for p in predictors if p not in PREDICTORS]
         if bad:
@@ -696,6 +701,7 @@ def main(argv: list[str] | None = None) -> int:
         fleets=fleets,
         workloads=workloads,
         seed=args.seed,
+        params=params,
         slo={},
         slo_median={},
         prompts=TokenizedPrompts(list(workloads.values()), BLOCK_SIZE),
@@ -741,6 +747,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {
             "profiles": profiles,
             "policies": policies,
+            "policy_params": params,
             "predictors": predictors,
             "workers": args.workers,
             "duration_s": args.duration,

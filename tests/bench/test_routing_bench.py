@@ -307,8 +307,10 @@ def test_quick_smoke_writes_every_file(tmp_path: Path, capsys: pytest.CaptureFix
         "--predictor-name",
         str(tmp_path / "nowhere"),
     ]
+    argv_missing += ["--param", "preserve.t_mem=0.7"]
     assert routing.main(argv_missing) == 0
     data2 = json.loads((tmp_path / "out2" / "results.json").read_text())
+    assert data2["config"]["policy_params"] == {"preserve": {"t_mem": "0.7"}}
     assert "no trained predictor" in data2["predictors"]["trained"]["skipped"]
     assert {r["predictor"] for r in data2["runs"]} == {"-", "fallback", "oracle"}
     assert "Predictor 'trained' skipped" in (tmp_path / "out2" / "results.md").read_text()
@@ -318,6 +320,8 @@ def test_unknown_policy_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> 
     assert routing.main(["--policies", "preserve,telepathy"]) == 2
     err = capsys.readouterr().err
     assert "telepathy" in err and "round_robin" in err and "least_request" in err
+    assert routing.main(["--policies", "preserve", "--param", "preserve.t_memory=0.7"]) == 2
+    assert "policy 'preserve': unknown parameters t_memory; its keys: t_mem" in capsys.readouterr().err
 
 
 def test_paper_kv_sizes() -> None:
