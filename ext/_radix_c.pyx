@@ -335,90 +335,17 @@ cdef class RadixTree:
 
     # ---- match ---------------------------------------------------------------------------------------------
 
-    def match(self, block_hashes):
-        cdef object seq = _fast_seq(block_hashes)
-        cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
-        cdef Py_ssize_t last_m = 0, m, cum = 0, j, num_path
-        cdef list path = []
-        cdef MatchResult res = MatchResult.__new__(MatchResult)
-        cdef dict resident = {}
-        cdef dict assigned = {}
-        cdef list names = self._slot_names
+    cdef void _runs(self, list path, Py_ssize_t last_m, Py_ssize_t* res_run, Py_ssize_t* asg_run):
+        """Per slot, the leading run of the matched path's blocks it holds resident and assigned (0: none; a run,
+        when recorded, is > 0): a run ends where its worker drops out of a node, or holds fewer of its blocks."""
+        cdef Py_ssize_t m, cum = 0, j, num_path = PyList_GET_SIZE(path)
         cdef uint64_t res_alive = self._used_mask, asg_alive = self._used_mask, bits, live
         cdef uint32_t d
         cdef int s
         cdef Node node
-        cdef object key = None
-        res.matched_blocks = self._walk(PySequence_Fast_ITEMS(seq), n, path, &last_m)
-        num_path = PyList_GET_SIZE(path)
+        memset(res_run, 0, _MAX_SLOTS * sizeof(Py_ssize_t))
+        memset(asg_run, 0, _MAX_SLOTS * sizeof(Py_ssize_t))
         for j in range(num_path):
-            node = <Node>PyList_GET_ITEM(path, j)
-            m = last_m if j == num_path - 1 else node._n
-            if node._n > node.context_blocks:
-                key = node
-            # Resident: a worker's leading run ends here when it is absent, or holds fewer than m blocks.
-            if cum:
-                bits = res_alive & ~node._res_mask
-                while bits:
-                    s = _ctz(bits)
-                    bits &= bits - 1
-                    resident[names[s]] = cum
-            res_alive &= node._res_mask
-            live = res_alive
-            while live:
-                s = _ctz(live)
-                live &= live - 1
-                d = _run(node, s)
-                if d < m:
-                    res_alive &= ~_bit(s)
-                    resident[names[s]] = cum + d  # d > 0: the bit is set only for runs > 0
-            # Assigned: all-or-nothing per node.
-            if cum:
-                bits = asg_alive & ~node._asg_mask
-                while bits:
-                    s = _ctz(bits)
-                    bits &= bits - 1
-                    assigned[names[s]] = cum
-            asg_alive &= node._asg_mask
-            cum += m
-        if cum:
-            while res_alive:
-                s = _ctz(res_alive)
-                res_alive &= res_alive - 1
-                resident[names[s]] = cum
-            while asg_alive:
-                s = _ctz(asg_alive)
-                asg_alive &= asg_alive - 1
-                assigned[names[s]] = cum
-        res.path = path
-        res.resident_blocks = resident
-        res.assigned_blocks = assigned
-        res.key_node = key
-        return res
-
-    def match_cached(self, block_hashes, workers, evicted):
-        """(per worker of `workers`: max(resident run, assigned run cut at its first block in evicted[worker]),
-        the largest of those, the matched path): `match` plus E2's per-worker reconciliation, with the runs kept in per-slot C arrays
-        instead of result dicts (see radix_py)."""
-        cdef object seq = _fast_seq(block_hashes)
-        cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
-        cdef PyObject** items = PySequence_Fast_ITEMS(seq)
-        cdef Py_ssize_t last_m = 0, m, cum = 0, j, num_path, k
-        cdef list path = []
-        cdef dict cached = {}
-        cdef Py_ssize_t res_run[64]
-        cdef Py_ssize_t asg_run[64]
-        cdef uint64_t res_alive = self._used_mask, asg_alive = self._used_mask, bits, live
-        cdef uint32_t d
-        cdef int s
-        cdef Py_ssize_t r, a, best = 0
-        cdef Node node
-        cdef object sl, ev
-        memset(res_run, 0, sizeof(res_run))
-        memset(asg_run, 0, sizeof(asg_run))
-        self._walk(items, n, path, &last_m)
-        num_path = PyList_GET_SIZE(path)
-        for j in range(num_path):  # the runs as `match` computes them (a run ends where its worker drops out)
             node = <Node>PyList_GET_ITEM(path, j)
             m = last_m if j == num_path - 1 else node._n
             if cum:
@@ -435,7 +362,8 @@ cdef class RadixTree:
                 d = _run(node, s)
                 if d < m:
                     res_alive &= ~_bit(s)
-                    res_run[s] = cum + d
+                    res_run[s] = cum + d  # d > 0: the bit is set only for runs > 0
+            # Assigned: all-or-nothing per node.
             if cum:
                 bits = asg_alive & ~node._asg_mask
                 while bits:
@@ -453,6 +381,58 @@ cdef class RadixTree:
                 s = _ctz(asg_alive)
                 asg_alive &= asg_alive - 1
                 asg_run[s] = cum
+
+    def match(self, block_hashes):
+        cdef object seq = _fast_seq(block_hashes)
+        cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
+        cdef Py_ssize_t last_m = 0, j
+        cdef list path = []
+        cdef MatchResult res = MatchResult.__new__(MatchResult)
+        cdef dict resident = {}
+        cdef dict assigned = {}
+        cdef list names = self._slot_names
+        cdef Py_ssize_t res_run[64]  # _MAX_SLOTS
+        cdef Py_ssize_t asg_run[64]
+        cdef uint64_t used = self._used_mask
+        cdef int s
+        cdef Node node
+        cdef object key = None
+        res.matched_blocks = self._walk(PySequence_Fast_ITEMS(seq), n, path, &last_m)
+        for j in range(PyList_GET_SIZE(path)):
+            node = <Node>PyList_GET_ITEM(path, j)
+            if node._n > node.context_blocks:
+                key = node
+        self._runs(path, last_m, res_run, asg_run)
+        while used:
+            s = _ctz(used)
+            used &= used - 1
+            if res_run[s]:
+                resident[names[s]] = res_run[s]
+            if asg_run[s]:
+                assigned[names[s]] = asg_run[s]
+        res.path = path
+        res.resident_blocks = resident
+        res.assigned_blocks = assigned
+        res.key_node = key
+        return res
+
+    def match_cached(self, block_hashes, workers, evicted):
+        """(per worker of `workers`: max(resident run, assigned run cut at its first block in evicted[worker]),
+        the largest of those, the matched path): `match` plus E2's per-worker reconciliation, with the runs kept in per-slot C arrays
+        instead of result dicts (see radix_py)."""
+        cdef object seq = _fast_seq(block_hashes)
+        cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
+        cdef PyObject** items = PySequence_Fast_ITEMS(seq)
+        cdef Py_ssize_t last_m = 0, k
+        cdef list path = []
+        cdef dict cached = {}
+        cdef Py_ssize_t res_run[64]  # _MAX_SLOTS
+        cdef Py_ssize_t asg_run[64]
+        cdef int s
+        cdef Py_ssize_t r, a, best = 0
+        cdef object sl, ev
+        self._walk(items, n, path, &last_m)
+        self._runs(path, last_m, res_run, asg_run)
         for w in workers:
             sl = self._worker_to_slot.get(w)
             if sl is None:
