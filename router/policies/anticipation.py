@@ -171,25 +171,18 @@ class AnticipationTracker:
         """`sync` of each worker, in order: a policy that prices a pool moves every clock at every select (the
         integration of the iteration rate depends on when it is sampled).
 
-        NOTE: the hottest loop of a select. `sync`'s common case is written out: a known worker whose Stats sample
-        is the one its clock is anchored on (`_same_sample`: `_observe_stats` would change nothing), so only
-        `_advance` runs, inlined here with its operations in its order. Any other worker goes through `sync`.
+        NOTE: the hottest loop of a select. `sync`'s common case is taken directly: a known worker whose Stats
+        sample is the one its clock is anchored on (`_same_sample`: `_observe_stats` would change nothing), so only
+        `_advance` runs. Any other worker goes through `sync`.
         """
-        states, out, rate = self._workers, [], self._rate
+        states, out, advance = self._workers, [], self._advance
         for w in workers:
             st = states.get(w.worker_id)
             if st is None or st.anticipator is None or not self._same_sample(st, w):
                 out.append(self.sync(w, now))
                 continue
-            ant = st.anticipator
-            dt = now - st.last_t
-            if dt > 0:
-                st.since_sample += dt * rate(st)
-                st.last_t = now
-            target = st.base + st.sample_iterations + int(st.since_sample)
-            if target > ant.iteration:
-                ant.advance_to(target)
-            out.append(ant)
+            advance(st, now)
+            out.append(st.anticipator)
         return out
 
     def queued_prefill_tokens(self, worker_id: WorkerId) -> int:
