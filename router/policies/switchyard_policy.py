@@ -16,6 +16,8 @@ M and O, kept at E2's and PreServe's weight 1. For r (P prompt tokens, D predict
              iterations (B = max_num_batched_tokens), and every iteration until r's first token carries w's n
              decoders (running + queued ahead, mean context c̄): half the one in flight, then r's own:
                  Q_w = k × PREFILLTIME(T/k, 0) + (k + 1.5) × decode_marginal_s(n, c̄)
+             When r's m missed tokens fit beside T in one iteration (T + m <= B, `joint_prefill`), the engine
+             schedules them together: Q_w = PREFILLTIME(T + m, 0) − PREFILLTIME(m, 0) + 1.5 × decode_marginal_s.
              (`queue_pricing="sum"`: E2's Σ single-request PT; it over-prices bursts of short prefills that the
              engine batches into one iteration.)
     R_w      E2's R: PREFILLTIME(P − cached_w, cached_w), r's prefill of the tokens w does not hold (KV events,
@@ -38,6 +40,14 @@ M and O, kept at E2's and PreServe's weight 1. For r (P prompt tokens, D predict
     I_w      prefill-decode interference: r's prefill rides in iterations that carry w's n decoders (chunked
              prefill) and delays each by what it adds to the step: I_w = n × max(0, R_w − PREFILLTIME(0, 0)).
              A miss is dear on a busy worker, a hit cheap anywhere: Preble's P/D balancing (§5.3) as a price.
+             With T missed tokens already queued on w and T + m <= B, r's prefill grows the iteration w runs
+             for them instead of adding its own (`joint_prefill`), so the step is the marginal
+             PREFILLTIME(T + m, 0) − PREFILLTIME(T, 0), plus r's attention over its cached prefix,
+             R_w − PREFILLTIME(m, 0): a per-iteration prefill overhead (llama3-8b-a100: 16.2 ms, and its first
+             400 tokens under the knee) is paid once per iteration, not once per prompt. Spreading short prompts
+             over the fleet multiplies slow prefill iterations; this lets them share one. Beyond B (long prompts,
+             chunked over several iterations, likely already under way) r is priced as running alone: pricing
+             those jointly too cost Mooncake's long-prompt traffic 3-12% TPOT in bench sim.
     O_w      overflow risk: U_k = max_{j<l} (U'[j] + (P_priv + j)·[j < D]) / M_kv, the virtual peak over the next
              l iterations of the anticipated occupancy U' = the anticipator's map + the requests queued ahead
              (P_x + j for j < D_x from offset 0: PreServe leaves them out, but they will be admitted before r);
@@ -129,6 +139,8 @@ class SwitchyardConfig(E2Config):
     default_batched_tokens: int = Field(default=8192, ge=1)  # B when a worker does not report it (vLLM's)
     # the map holds prompt − the prefix the worker already caches (PreServe §5.5 [project] flag)
     discount_shared_prefix: bool = True
+    # I_w: r's prefill joins the prompts already queued on w (one set of chunked iterations) instead of adding its own
+    joint_prefill: bool = True
     t_mem: float = Field(default=0.8, gt=0, le=1)  # T_mem: KV fraction where overflow starts (PreServe §6)
     horizon: int = Field(default=100, ge=1)  # l: iterations of the virtual peak (PreServe §5.1)
     max_len: int = Field(default=4096, ge=1)  # L: longest record the anticipator keeps (PreServe §5.1)
@@ -304,15 +316,47 @@ class Switchyard(PrebleE2):
             wait = j * (cost.decode_s(1, mean_ctx) + cost.decode_marginal_s(max(0, k - 1), mean_ctx))
         return over, wait, peak / cap
 
-    def queued_prefill_s(self, w: WorkerView, cost: CostModel) -> tuple[float, int]:
-        """(k × PREFILLTIME(T/k, 0), k): Q_w's prefill part, the T missed tokens queued on w in k = ceil(T / B)
-        chunked iterations."""
+    def prefill_step_gain_s(self, w: WorkerView, cost: CostModel, r: float, cached_blocks: int, p: int) -> float:
+        """What r's prefill adds to each iteration it rides in, for I_w: R_w − PREFILLTIME(0, 0) alone; with
+        `joint_prefill`, when the T missed tokens already queued on w and r's m fit one iteration (T + m <= B),
+        the growth of that iteration, PREFILLTIME(T + m, 0) − PREFILLTIME(T, 0), so a per-iteration prefill
+        overhead the queued prompts pay anyway is not charged twice; r's attention over its cached prefix,
+        R_w − PREFILLTIME(m, 0), either way."""
+        o = self.outstanding.get(w.worker_id)
+        t = o.queued_tokens if o is not None and self.sy.joint_prefill else 0
+        if t > 0:
+            m = self.missed_tokens(w, cached_blocks, p)
+            if t + m <= self.batched_tokens(w):
+                gain = cost.prefill_s(t + m, 0) - cost.prefill_s(t, 0) + r - cost.prefill_s(m, 0)
+                return gain if gain > 0.0 else 0.0
+        gain = r - cost.prefill_s(0, 0)
+        return gain if gain > 0.0 else 0.0
+
+    @staticmethod
+    def missed_tokens(w: WorkerView, cached_blocks: int, p: int) -> int:
+        """r's prompt tokens w must compute: those past the prefix it caches (the last one always)."""
+        shared = cached_blocks * w.block_size
+        last = p - 1 if p > 1 else 0
+        return p - (shared if shared <= last else last)
+
+    def batched_tokens(self, w: WorkerView) -> int:
+        """B: w's max_num_batched_tokens, or `default_batched_tokens` when it does not report it."""
+        info = getattr(w, "info", None)
+        return max(1, int(getattr(info, "max_num_batched_tokens", 0) or self.sy.default_batched_tokens))
+
+    def queued_prefill_s(self, w: WorkerView, cost: CostModel, missed: int) -> tuple[float, int]:
+        """(Q_w's prefill part, k iterations ahead of r's own): the T missed tokens queued on w run in
+        k = ceil(T / B) chunked iterations, k × PREFILLTIME(T/k, 0), before r's. With `joint_prefill`, when r's
+        `missed` tokens fit beside them in one iteration (T + missed <= B), they run together: r waits
+        PREFILLTIME(T + missed, 0) − PREFILLTIME(missed, 0) beyond its own prefill, and k = 0."""
         o = self.outstanding.get(w.worker_id)
         t = max(0, o.queued_tokens) if o is not None else 0
         if not t:
             return 0.0, 0
-        info = getattr(w, "info", None)
-        b = max(1, int(getattr(info, "max_num_batched_tokens", 0) or self.sy.default_batched_tokens))
+        b = self.batched_tokens(w)
+        if self.sy.joint_prefill and t + missed <= b:
+            q = cost.prefill_s(t + missed, 0) - cost.prefill_s(missed, 0)
+            return (q if q > 0.0 else 0.0), 0
         k = -(-t // b)
         return k * cost.prefill_s(-(-t // k), 0), k
 
@@ -322,6 +366,7 @@ class Switchyard(PrebleE2):
         running: list[tuple[int, int]],
         queued: list[tuple[int, int, int]],
         cost: CostModel,
+        missed: int,
     ) -> float:
         """Q_w: r's wait for its first token beyond its own prefill, as the engine batches it.
 
@@ -329,7 +374,7 @@ class Switchyard(PrebleE2):
         every iteration until r's first token also carries w's n decoders (running + queued ahead, mean
         context c̄): r waits half an iteration on average for the one in flight, then runs its own:
             Q_w = k × PREFILLTIME(T/k, 0) + (k + 1.5) × decode_marginal_s(n, c̄)."""
-        q, k = self.queued_prefill_s(w, cost)
+        q, k = self.queued_prefill_s(w, cost, missed)
         n = len(running) + len(queued)
         if n:
             ctx = sum(c for _, c in running) + sum(p for p, _, _ in queued)
@@ -351,6 +396,7 @@ class Switchyard(PrebleE2):
         qw, pw, dw = cfg.queue_weight, cfg.prefix_weight, cfg.decode_weight
         iw = cfg.interference_weight * cfg.externality_weight
         by_sum = cfg.queue_pricing == "sum"
+        joint = cfg.joint_prefill
         p = ctx.num_prompt_tokens
         last = p - 1 if p > 1 else 0  # as E2's loadcost: the last prompt token is always computed
         cost_memo, num_queued, outstanding = self._cost_memo, self.num_queued, self.outstanding
@@ -375,9 +421,15 @@ class Switchyard(PrebleE2):
                 q = self.queue_s(wid)
             else:  # `queued_prefill_s`, whose answer is 0 without queued missed tokens (most workers)
                 o = outstanding.get(wid)
-                q = self.queued_prefill_s(w, cost)[0] if o is not None and o.queued_tokens > 0 else 0.0
-            gain = r - pt0
-            interference = num_queued.get(wid, 0) * (gain if gain > 0.0 else 0.0)
+                q = (self.queued_prefill_s(w, cost, self.missed_tokens(w, cached[wid], p))[0]
+                     if o is not None and o.queued_tokens > 0 else 0.0)
+            nq = num_queued.get(wid, 0)
+            if nq and joint:
+                gain = self.prefill_step_gain_s(w, cost, r, cached[wid], p)
+            else:
+                gain = r - pt0
+                gain = gain if gain > 0.0 else 0.0
+            interference = nq * gain
             out.append(qw * q + pw * r + dw * d_self + iw * interference)
         return out
 
@@ -401,13 +453,13 @@ class Switchyard(PrebleE2):
         if ant is None:
             ant = self.tracker.sync(w, now)
         running, queued = self.batch(wid, ant)
-        queue = e2.queue_s if cfg.queue_pricing == "sum" else self.batched_queue_s(w, running, queued, cost)
+        queue = (e2.queue_s if cfg.queue_pricing == "sum"
+                 else self.batched_queue_s(w, running, queued, cost, self.missed_tokens(w, cached_blocks, p)))
         d_self = cost.decode_s(d, p + (d - 1) / 2)
         in_run, out_run = self.co_residency_s(running, p, d, cost)
         in_q, out_q = self.co_residency_s([(dx, px) for px, _, dx in queued], p, d, cost)
         d_in, d_out = in_run + in_q, out_run + out_q
-        gain = e2.prefill_s - cost.prefill_s(0, 0)
-        interference = (len(running) + len(queued)) * (gain if gain > 0.0 else 0.0)
+        interference = (len(running) + len(queued)) * self.prefill_step_gain_s(w, cost, e2.prefill_s, cached_blocks, p)
         # the total's sum, left to right: head + e·M + d·D + i·λ·I + β·O + W (the same float as one expression);
         # the checks against `beat` price the terms not known yet at 0, in the same sum
         head = e2.load_s + cfg.queue_weight * queue + cfg.prefix_weight * e2.prefill_s

@@ -103,7 +103,7 @@ def test_idle_fleet_costs_are_prefill_plus_own_decode() -> None:
 
 
 def test_queue_term_is_the_prefill_queued_ahead() -> None:
-    p, fleet = policy()
+    p, fleet = policy(joint_prefill=False)
     dispatch(p, fleet, req("a", 512), W0)  # no first token yet: its 512 missed tokens are queued on w0
     t = terms(p, fleet, req("r", 512))
     # one batch (512 <= 8192 tokens): PT(512, 0) = 31.20 ms; then a decodes in the k + 1.5 = 2.5 iterations until
@@ -118,8 +118,47 @@ def test_queue_term_is_the_prefill_queued_ahead() -> None:
     assert p.select(req("r", 512), fleet, NOW).worker_id == W1
 
 
+def test_joint_prefill_queue_is_the_joint_iteration_beyond_r_own_prefill() -> None:
+    p, fleet = policy()
+    dispatch(p, fleet, req("a", 512), W0)  # 512 missed tokens queued on w0
+    t = terms(p, fleet, req("r", 512))
+    # r's 512 join a's 512 in one 1024-token iteration (<= B = 8192): r waits PT(1024, 0) − PT(512, 0) beyond its
+    # own prefill, and its first token is 1.5 iterations of a's drag away (the one in flight, then the joint one)
+    joint = COST.prefill_s(1024, 0) - COST.prefill_s(512, 0)
+    assert t[W0].queue_s == pytest.approx(joint + 1.5 * COST.decode_marginal_s(1, 512))
+    assert joint < COST.prefill_s(512, 0)  # cheaper than waiting for a's prefill iteration, then r's own
+    assert t[W1].queue_s == 0.0
+    # past one iteration (8000 + 512 > B = 8192) r waits for the queued prompt's iteration, then runs its own
+    p2, fleet2 = policy()
+    dispatch(p2, fleet2, req("a", 8000), W0)
+    q = terms(p2, fleet2, req("r", 512))[W0].queue_s
+    assert q == pytest.approx(COST.prefill_s(8000, 0) + 2.5 * COST.decode_marginal_s(1, 8000))
+
+
+def test_joint_prefill_interference_charges_no_second_iteration_overhead() -> None:
+    """A worker that will run a prefill iteration anyway: r's prefill grows that iteration instead of adding one,
+    so its decoders lose PT(T + m) − PT(T), not PT(m) − PT(0): llama3-8b-a100's fixed 16.2 ms prefill overhead
+    (and its first 400 tokens, under the knee) are paid once."""
+    p, fleet = policy()
+    dispatch(p, fleet, req("x", 128, predicted=100), W0, running=True)  # a decoder on each worker
+    dispatch(p, fleet, req("y", 128, predicted=100), W1, running=True)
+    dispatch(p, fleet, req("a", 128), W0)  # and a prompt queued on w0
+    t = terms(p, fleet, req("r", 128))
+    alone = COST.prefill_s(128, 0) - COST.prefill_s(0, 0)
+    grown = COST.prefill_s(256, 0) - COST.prefill_s(128, 0)
+    assert alone > 0.016 > 0.001 > grown
+    assert t[W1].interference_s == pytest.approx(1 * alone)
+    assert t[W0].interference_s == pytest.approx(2 * grown)  # x and the queued a both ride in it
+    # past the knee a joint prompt can cost more than one alone: the marginal is priced, not assumed cheaper
+    assert COST.prefill_s(1024, 0) - COST.prefill_s(512, 0) > COST.prefill_s(512, 0) - COST.prefill_s(0, 0)
+    off, fleet_off = policy(joint_prefill=False)
+    dispatch(off, fleet_off, req("x", 128, predicted=100), W0, running=True)
+    dispatch(off, fleet_off, req("a", 128), W0)
+    assert terms(off, fleet_off, req("r", 128))[W0].interference_s == pytest.approx(2 * alone)
+
+
 def test_batched_queue_shares_the_iteration_overhead() -> None:
-    p, fleet = policy(n=1)
+    p, fleet = policy(n=1, joint_prefill=False)
     for i in range(4):
         dispatch(p, fleet, req(f"a{i}", 128), W0)
     # 4 × 128 = 512 queued tokens run as one 512-token batch: PT(512, 0), not 4 × PT(128, 0) = 4 × 24.4 ms;
