@@ -148,12 +148,17 @@ def parse_policies(spec: str) -> list[str]:
 
 
 def parse_rates(spec: str | None, profiles: Sequence[str]) -> dict[str, list[float]]:
-    """`R1,R2` for every profile, or `PROFILE=R1,R2` items separated by spaces/semicolons."""
+    """`R1,R2` for every profile, or `PROFILE=R1,R2` items separated by spaces/semicolons. A key that is not one
+    of `profiles` is a ValueError (`a=1,b=2` reads as profile `a=1,b`: without the check the run would quietly
+    fall back to the capacity probe)."""
     if not spec:
         return {}
     out: dict[str, list[float]] = {}
     for item in spec.replace(";", " ").split():
         key, sep, vals = item.rpartition("=")
+        if sep and key not in profiles:
+            raise ValueError(f"--rates: {key!r} is not one of the profiles {', '.join(profiles)} "
+                             "(separate PROFILE=R1,R2 items with ';' or spaces)")
         rates = [float(v) for v in vals.split(",") if v]
         for p in [key] if sep else profiles:
             out[p] = rates

@@ -337,3 +337,12 @@ def test_tokenized_prompts_reject_a_conflicting_workload() -> None:
     b = make_sharegpt_workload(s, rate=2.0, duration_s=5.0, seed=1)
     with pytest.raises(ValueError, match="differs between workloads"):
         TokenizedPrompts([a, b], 16)
+
+
+def test_parse_rates_per_profile_and_rejects_unknown_keys() -> None:
+    profiles = ["llama3-8b-a100", "llama2-70b-h100-tp4"]
+    assert routing.parse_rates("20,30", profiles) == {p: [20.0, 30.0] for p in profiles}
+    assert routing.parse_rates("llama3-8b-a100=27.7;llama2-70b-h100-tp4=19.5", profiles) == {
+        "llama3-8b-a100": [27.7], "llama2-70b-h100-tp4": [19.5]}
+    with pytest.raises(ValueError, match="not one of the profiles"):  # a comma instead of ';' between items
+        routing.parse_rates("llama3-8b-a100=27.7,llama2-70b-h100-tp4=19.5", profiles)
