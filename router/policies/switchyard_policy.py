@@ -139,7 +139,8 @@ class SwitchyardConfig(E2Config):
     default_batched_tokens: int = Field(default=8192, ge=1)  # B when a worker does not report it (vLLM's)
     # the map holds prompt − the prefix the worker already caches (PreServe §5.5 [project] flag)
     discount_shared_prefix: bool = True
-    # I_w: r's prefill joins the prompts already queued on w (one set of chunked iterations) instead of adding its own
+    # Q_w, I_w: r's prefill joins the prompts queued on w when they fit one iteration (T + m <= B), instead of
+    # running in an iteration of its own
     joint_prefill: bool = True
     t_mem: float = Field(default=0.8, gt=0, le=1)  # T_mem: KV fraction where overflow starts (PreServe §6)
     horizon: int = Field(default=100, ge=1)  # l: iterations of the virtual peak (PreServe §5.1)
@@ -373,7 +374,8 @@ class Switchyard(PrebleE2):
         The T missed tokens queued on w run in k = ceil(T / B) iterations of B = max_num_batched_tokens, and
         every iteration until r's first token also carries w's n decoders (running + queued ahead, mean
         context c̄): r waits half an iteration on average for the one in flight, then runs its own:
-            Q_w = k × PREFILLTIME(T/k, 0) + (k + 1.5) × decode_marginal_s(n, c̄)."""
+            Q_w = k × PREFILLTIME(T/k, 0) + (k + 1.5) × decode_marginal_s(n, c̄)
+        (`joint_prefill`: k = 0 when r fits beside T in one iteration, see `queued_prefill_s`)."""
         q, k = self.queued_prefill_s(w, cost, missed)
         n = len(running) + len(queued)
         if n:
@@ -396,12 +398,11 @@ class Switchyard(PrebleE2):
         qw, pw, dw = cfg.queue_weight, cfg.prefix_weight, cfg.decode_weight
         iw = cfg.interference_weight * cfg.externality_weight
         by_sum = cfg.queue_pricing == "sum"
-        joint = cfg.joint_prefill
         p = ctx.num_prompt_tokens
         last = p - 1 if p > 1 else 0  # as E2's loadcost: the last prompt token is always computed
         cost_memo, num_queued, outstanding = self._cost_memo, self.num_queued, self.outstanding
         r_memo: dict[tuple[int, int], float] = {}  # (id(cost), cached tokens before the last-token cut) -> R
-        d_memo: dict[int, tuple[float, float]] = {}
+        d_memo: dict[int, float] = {}  # id(cost) -> D_self
         out: list[float] = []
         for w in pool:
             wid = w.worker_id
@@ -413,10 +414,9 @@ class Switchyard(PrebleE2):
                 if tok > last:
                     tok = last
                 r = r_memo[key] = cost.prefill_s(p - tok, tok)
-            pair = d_memo.get(id(cost))
-            if pair is None:
-                pair = d_memo[id(cost)] = cost.decode_s(d, p + (d - 1) / 2), cost.prefill_s(0, 0)
-            d_self, pt0 = pair
+            d_self = d_memo.get(id(cost))
+            if d_self is None:
+                d_self = d_memo[id(cost)] = cost.decode_s(d, p + (d - 1) / 2)
             if by_sum:
                 q = self.queue_s(wid)
             else:  # `queued_prefill_s`, whose answer is 0 without queued missed tokens (most workers)
@@ -424,12 +424,7 @@ class Switchyard(PrebleE2):
                 q = (self.queued_prefill_s(w, cost, self.missed_tokens(w, cached[wid], p))[0]
                      if o is not None and o.queued_tokens > 0 else 0.0)
             nq = num_queued.get(wid, 0)
-            if nq and joint:
-                gain = self.prefill_step_gain_s(w, cost, r, cached[wid], p)
-            else:
-                gain = r - pt0
-                gain = gain if gain > 0.0 else 0.0
-            interference = nq * gain
+            interference = nq * self.prefill_step_gain_s(w, cost, r, cached[wid], p) if nq else 0.0
             out.append(qw * q + pw * r + dw * d_self + iw * interference)
         return out
 
