@@ -46,6 +46,7 @@ from switchyard.bench.traces import (
 )
 from switchyard.bench.workloads import ARRIVALS, WorkloadSpec, make_workload
 from switchyard.router.clock import VirtualClock
+from switchyard.router.config import split_assignment
 from switchyard.router.fleet import Fleet, StatsSample, WorkerInfo
 from switchyard.router.policies.base import Policy, RoutingContext, WorkerId
 from switchyard.router.policies.registry import POLICIES, make_policy
@@ -694,10 +695,7 @@ def parse_params(items: Sequence[str], policies: Sequence[str]) -> dict[str, dic
     """`--param POLICY.KEY=VALUE` items -> {policy: {key: value}}, each checked by building the policy."""
     out: dict[str, dict[str, str]] = {}
     for item in items:
-        dotted, sep, raw = item.partition("=")
-        policy, dot, key = dotted.strip().rpartition(".")
-        if not sep or not dot:
-            raise ValueError(f"--param {item!r}: expected POLICY.KEY=VALUE")
+        policy, key, raw = split_assignment(item, "--param", "POLICY.KEY=VALUE")
         if policy not in policies:
             raise ValueError(f"--param {item!r}: {policy!r} is not one of --policies ({', '.join(policies)})")
         out.setdefault(policy, {})[key] = raw.strip()
@@ -706,7 +704,8 @@ def parse_params(items: Sequence[str], policies: Sequence[str]) -> dict[str, dic
     return out
 
 
-def _sim_config(args: argparse.Namespace, policy: str) -> SimConfig:
+def _sim_config(args: argparse.Namespace, policy: str, params: Mapping[str, str] | None = None) -> SimConfig:
+    """The run's SimConfig; `params`: this policy's checked `--param` knobs (`parse_params`)."""
     overrides: dict[str, Any] = {}
     if args.max_num_seqs:
         overrides["max_num_seqs"] = args.max_num_seqs
@@ -730,7 +729,7 @@ def _sim_config(args: argparse.Namespace, policy: str) -> SimConfig:
         seed=args.seed,
         engine_overrides=overrides,
         predictor=args.predictor,
-        policy_params=parse_params(args.param, parse_policies(args.policies)).get(policy, {}),
+        policy_params=dict(params or {}),
     )
 
 
@@ -740,9 +739,10 @@ def run_one(
     policy: str,
     load: tuple[str, float],
     prompts: PromptFactory | None,
+    params: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """One (policy, load) run -> its report entry (module-level so a process pool can call it)."""
-    res = Simulator(trace, _sim_config(args, policy), prompts).run()
+    res = Simulator(trace, _sim_config(args, policy, params), prompts).run()
     sim_s = res.sim_end_s
     speed = sim_s / res.wall_s if res.wall_s > 0 else 0.0
     print(
@@ -779,6 +779,7 @@ def parallel_map(fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]], jobs:
 def run_sweep(args: argparse.Namespace, base: Trace) -> dict[str, Any]:
     """Every (load, policy) pair on the same trace slice; returns the report's data."""
     policies = parse_policies(args.policies)
+    params = parse_params(args.param, policies)  # checked once, not per run
     # --rates / --rate rescale to a mean rate and take precedence over --time-scale; a synthetic trace is
     # generated at --rate, so there --rate is not a rescale
     if args.rates:
@@ -793,10 +794,12 @@ def run_sweep(args: argparse.Namespace, base: Trace) -> dict[str, Any]:
         for policy in policies
     ]
     if args.jobs > 1 and len(jobs) > 1:
-        runs = parallel_map(run_one, [(args, t, p, load, None) for t, p, load in jobs], args.jobs)
+        runs = parallel_map(
+            run_one, [(args, t, p, load, None, params.get(p)) for t, p, load in jobs], args.jobs
+        )
     else:
         prompts = PromptFactory(args.block_size, seed=args.seed)  # shared: its hash memo carries over
-        runs = [run_one(args, t, p, load, prompts) for t, p, load in jobs]
+        runs = [run_one(args, t, p, load, prompts, params.get(p)) for t, p, load in jobs]
     return {
         "trace": {
             "name": base.name,
@@ -817,7 +820,7 @@ def run_sweep(args: argparse.Namespace, base: Trace) -> dict[str, Any]:
             "predictor": args.predictor,
             "engine_scheduling": args.engine_scheduling or "fcfs",
             "policies": policies,
-            "policy_params": parse_params(args.param, policies),
+            "policy_params": params,
             "slo_ttft_s": args.slo_ttft,
             "slo_tpot_s": args.slo_tpot,
         },

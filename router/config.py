@@ -195,15 +195,22 @@ def from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
+def split_assignment(item: str, flag: str, form: str) -> tuple[str, str, str]:
+    """`HEAD.REST=VALUE` -> (head, rest, value), the names stripped; a ConfigError naming `flag` and the expected
+    `form` otherwise (the CLI's `--set section.key=value` and the benches' `--param POLICY.KEY=VALUE`)."""
+    dotted, sep, raw = item.partition("=")
+    head, dot, rest = dotted.strip().partition(".")
+    if not sep or not dot:
+        raise ConfigError(f"{flag} {item!r}: expected {form}")
+    return head, rest, raw
+
+
 def parse_assignments(items: list[str]) -> dict[str, Any]:
     """CLI `--set section.key=value` items, and `--set section.table.key=value` for one key of a table field
     (its value a string, converted by whoever reads the table: the policy's config for `routing.params`)."""
     out: dict[str, dict[str, Any]] = {}
     for item in items:
-        dotted, sep, raw = item.partition("=")
-        section, dot, key = dotted.strip().partition(".")
-        if not sep or not dot:
-            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        section, key, raw = split_assignment(item, "--set", "section.key=value")
         key, dot2, sub = key.partition(".")
         _check_keys("--set", {section: {key: None}})
         if dot2:
