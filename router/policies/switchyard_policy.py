@@ -317,7 +317,7 @@ class Switchyard(PrebleE2):
             wait = j * (cost.decode_s(1, mean_ctx) + cost.decode_marginal_s(max(0, k - 1), mean_ctx))
         return over, wait, peak / cap
 
-    def prefill_step_gain_s(self, w: WorkerView, cost: CostModel, r: float, cached_blocks: int, p: int) -> float:
+    def prefill_step_gain_s(self, w: WorkerView, cost: CostModel, r: float, missed: int) -> float:
         """What r's prefill adds to each iteration it rides in, for I_w: R_w − PREFILLTIME(0, 0) alone; with
         `joint_prefill`, when the T missed tokens already queued on w and r's m fit one iteration (T + m <= B),
         the growth of that iteration, PREFILLTIME(T + m, 0) − PREFILLTIME(T, 0), so a per-iteration prefill
@@ -325,11 +325,9 @@ class Switchyard(PrebleE2):
         R_w − PREFILLTIME(m, 0), either way."""
         o = self.outstanding.get(w.worker_id)
         t = o.queued_tokens if o is not None and self.sy.joint_prefill else 0
-        if t > 0:
-            m = self.missed_tokens(w, cached_blocks, p)
-            if t + m <= self.batched_tokens(w):
-                gain = cost.prefill_s(t + m, 0) - cost.prefill_s(t, 0) + r - cost.prefill_s(m, 0)
-                return gain if gain > 0.0 else 0.0
+        if t > 0 and t + missed <= self.batched_tokens(w):
+            gain = cost.prefill_s(t + missed, 0) - cost.prefill_s(t, 0) + r - cost.prefill_s(missed, 0)
+            return gain if gain > 0.0 else 0.0
         gain = r - cost.prefill_s(0, 0)
         return gain if gain > 0.0 else 0.0
 
@@ -424,7 +422,8 @@ class Switchyard(PrebleE2):
                 q = (self.queued_prefill_s(w, cost, self.missed_tokens(w, cached[wid], p))[0]
                      if o is not None and o.queued_tokens > 0 else 0.0)
             nq = num_queued.get(wid, 0)
-            interference = nq * self.prefill_step_gain_s(w, cost, r, cached[wid], p) if nq else 0.0
+            interference = (nq * self.prefill_step_gain_s(w, cost, r, self.missed_tokens(w, cached[wid], p))
+                            if nq else 0.0)
             out.append(qw * q + pw * r + dw * d_self + iw * interference)
         return out
 
@@ -448,13 +447,14 @@ class Switchyard(PrebleE2):
         if ant is None:
             ant = self.tracker.sync(w, now)
         running, queued = self.batch(wid, ant)
+        missed = self.missed_tokens(w, cached_blocks, p)
         queue = (e2.queue_s if cfg.queue_pricing == "sum"
-                 else self.batched_queue_s(w, running, queued, cost, self.missed_tokens(w, cached_blocks, p)))
+                 else self.batched_queue_s(w, running, queued, cost, missed))
         d_self = cost.decode_s(d, p + (d - 1) / 2)
         in_run, out_run = self.co_residency_s(running, p, d, cost)
         in_q, out_q = self.co_residency_s([(dx, px) for px, _, dx in queued], p, d, cost)
         d_in, d_out = in_run + in_q, out_run + out_q
-        interference = (len(running) + len(queued)) * self.prefill_step_gain_s(w, cost, e2.prefill_s, cached_blocks, p)
+        interference = (len(running) + len(queued)) * self.prefill_step_gain_s(w, cost, e2.prefill_s, missed)
         # the total's sum, left to right: head + e·M + d·D + i·λ·I + β·O + W (the same float as one expression);
         # the checks against `beat` price the terms not known yet at 0, in the same sum
         head = e2.load_s + cfg.queue_weight * queue + cfg.prefix_weight * e2.prefill_s
@@ -463,12 +463,7 @@ class Switchyard(PrebleE2):
         ew, ow, kw = cfg.eviction_weight, cfg.overflow_weight, cfg.kv_wait_weight
         if beat is not None and head + ew * 0.0 + dec + inter + ow * 0.0 + kw * 0.0 > beat:
             return None  # loses before M, O and W are priced
-        if cfg.discount_shared_prefix:
-            shared = cached_blocks * w.block_size
-            last = p - 1 if p > 1 else 0
-            kv_p = p - (shared if shared <= last else last)
-        else:
-            kv_p = p
+        kv_p = missed if cfg.discount_shared_prefix else p
         over, wait, peak = self.memory_s(ant, [(kx, dx) for _, kx, dx in queued], kv_p, d, cost)
         if evict > 0 and beat is not None:
             if head + ew * 0.0 + dec + inter + ow * over + kw * wait > beat:
