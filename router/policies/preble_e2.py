@@ -316,11 +316,19 @@ class PrebleE2(Policy):
     def _bounds(
         self, ws: Sequence[WorkerView], ctx: RoutingContext, cached: dict[WorkerId, int], now: float
     ) -> list[tuple[Cost, int]]:
-        """`_bound` of each worker of `ws`, in order, with R priced once per (cached blocks, block size, cost
-        model): an explore prices every routable worker, and most of them hold the same prefix (often none).
+        """`_bound` of each worker of `ws`, in order (`_raw_bounds` as `Cost`s)."""
+        return [(Cost(load, 0.0, r, q), evict) for load, r, q, evict in self._raw_bounds(ws, ctx, cached, now)]
 
-        NOTE: the hot loop of every explore and multi-holder exploit: the config is read once, and conditionals
-        stand in for min()/max() calls.
+    def _raw_bounds(
+        self, ws: Sequence[WorkerView], ctx: RoutingContext, cached: dict[WorkerId, int], now: float
+    ) -> list[tuple[float, float, float, int]]:
+        """(L, R, Q, blocks R_k would evict) of each worker of `ws`, in order, with R priced once per (cached
+        blocks, block size, cost model): an explore prices every routable worker, and most of them hold the same
+        prefix (often none).
+
+        NOTE: the hot loop of every explore and multi-holder exploit: the config is read once, conditionals stand
+        in for min()/max() calls, and no record is built per worker
+        (`_cheapest` builds `Cost`s only for the workers it prices).
         """
         cfg = self.cfg
         n = len(ctx.prompt_token_ids)
@@ -328,7 +336,7 @@ class PrebleE2(Policy):
         with_l, with_q = cfg.load_signal != "outstanding", cfg.load_signal != "history"
         cost_memo, lru, resident_count, outstanding = self._cost_memo, self.lru, self.resident_count, self.outstanding
         r_memo: dict[tuple[int, int, int], tuple[int, float]] = {}
-        out: list[tuple[Cost, int]] = []
+        out: list[tuple[float, float, float, int]] = []
         for w in ws:
             wid = w.worker_id
             cost = cost_memo.get(wid) or self.cost_model(wid)
@@ -357,7 +365,7 @@ class PrebleE2(Policy):
                 o = outstanding.get(wid)
                 if o is not None and o.queued_s > 0:
                     q = o.queued_s
-            out.append((Cost(load, 0.0, r, q), evict))
+            out.append((load, r, q, evict))
         return out
 
     def _with_evict(self, c: Cost, w: WorkerView, evict: int, now: float, protected: set[int]) -> Cost:
@@ -415,16 +423,19 @@ class PrebleE2(Policy):
         order; float addition is monotone, so a bound above the best total cannot become the argmin.
         """
         n, turn = len(ws), self._turn
-        bounds = [(c.total_s, (i - turn) % n, i, c, evict) for i, (c, evict) in enumerate(self._bounds(ws, ctx, cached, now))]
-        bounds.sort(key=lambda b: (b[0], b[1]))
+        # (L + R + Q: Cost.total_s with M = 0, the same float; rotated index, unique, so the sort never reads on)
+        bounds = [(load + r + q, (i - turn) % n, i, load, r, q, evict)
+                  for i, (load, r, q, evict) in enumerate(self._raw_bounds(ws, ctx, cached, now))]
+        bounds.sort()
         protected: set[int] | None = None
         best: WorkerView | None = None
         best_key: tuple[float, int] = (0.0, 0)
         costs: dict[WorkerId, Cost] = {}
-        for lb, rot, i, c, evict in bounds:
+        for lb, rot, i, load, r, q, evict in bounds:
             if best is not None and (lb, rot) > best_key:
                 break  # this bound and every later one exceed the best total
             w = ws[i]
+            c = Cost(load, 0.0, r, q)
             if evict > 0:
                 if protected is None:
                     protected = {id(x) for x in path}
