@@ -115,6 +115,18 @@ cdef class Node:
             k += 1
         return out
 
+    def resident_on(self, worker):
+        """`resident.get(worker, 0)` without building the dict (the eviction order asks once per step)."""
+        cdef uint64_t bits = self._res_mask
+        cdef int s, k = 0
+        while bits:
+            s = _ctz(bits)
+            bits &= bits - 1
+            if self._names[s] == worker:
+                return self._runs[k]
+            k += 1
+        return 0
+
     @property
     def assigned(self):
         cdef set out = set()

@@ -92,6 +92,7 @@ children, resident and assigned; only `stats` is writable; never mutate the othe
                                            # deterministic tie-break where ids would follow memory addresses
     node.children: dict[int, Node]         # first block hash -> child
     node.resident: dict[str, int]          # worker -> leading resident blocks of this node
+    node.resident_on(worker) -> int        # resident.get(worker, 0), without the Cython build's dict copy
     node.assigned: set[str]                # workers the router assigned requests through this node
     node.last_access: float
     node.stats: object                     # a slot the policy owns (e.g. windowed request counts); a split
@@ -145,6 +146,10 @@ class Node:
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
+
+    def resident_on(self, worker: Any) -> int:
+        """Leading blocks of this node resident on `worker` (0 when none)."""
+        return self.resident.get(worker, 0)
 
     def __repr__(self) -> str:
         return f"Node(blocks={len(self.blocks)}, context_blocks={self.context_blocks})"

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from switchyard.ext.lru_order import EvictionOrder
 from switchyard.router.policies.preble_cost import CostModel
 
 
@@ -462,7 +463,7 @@ class LruIndex:
     `touch(nodes)` reconciles the given nodes for every tracked worker after any tree change that can alter
     their residency, parent or last_access; the hooks pass every node such a change can reach.
 
-    `victims` is read-only: it reads the eviction order (`_EvictionOrder`), which walks the heap's array in key
+    `victims` is read-only: it reads the eviction order (`switchyard.ext.lru_order`), which walks the heap's array in key
     order without copying it (a small frontier heap of array positions; a full copy was O(N), ~100 µs at the
     100k-node preload) and merges in the parents the simulated evictions unlock, so it visits
     O(k + protected + stale) entries for k victims, and returns exactly what `lru_victims` returns over the same
@@ -481,7 +482,7 @@ class LruIndex:
         self.held: dict[int, int] = {}  # id(node) -> resident children recorded under it
         self.heap: list[tuple[float, int, Any]] = []  # (last_access, node.seq, node), lazy
         self.keyed: dict[int, float] = {}  # id -> last_access of its live heap entry
-        self._order: _EvictionOrder | None = None  # the eviction order, simulated lazily; None after a change
+        self._order: EvictionOrder | None = None  # the eviction order, simulated lazily; None after a change
 
     def _consider(self, node: Any) -> None:
         k = id(node)
@@ -558,7 +559,7 @@ class LruIndex:
             return out
         order = self._order
         if order is None:
-            order = self._order = _EvictionOrder(self, worker)
+            order = self._order = EvictionOrder(self, worker, NodeStats)
         i = 0
         while left > 0:
             step = order.at(i)
@@ -585,7 +586,7 @@ class LruIndex:
             return 0.0
         order = self._order
         if order is None:
-            order = self._order = _EvictionOrder(self, worker)
+            order = self._order = EvictionOrder(self, worker, NodeStats)
         steps, cum, pos = order.steps, order.cum, order.pos
         # protected steps (ancestor-closed: skipped, their blocks kept); simulate until the rest hold need_blocks
         prot_at: list[int] = []
@@ -630,98 +631,3 @@ class LruIndex:
             if dq:
                 m = _add_victim_cost(m, n, take, dq, worker, cutoff, block_size, cost, mode)
         return m
-
-
-class _EvictionOrder:
-    """One LruIndex's eviction order from its current state, simulated step by step as far as `victims` reads,
-    so selects between two changes of the index share one simulation (any change drops it).
-
-    `victims` with protected nodes is this order with the protected ones skipped: they are an ancestor-closed
-    path, so a protected node's eviction here can only unlock a protected parent, and every other node's
-    unlock is the same as in the protected simulation. Each step is (node, its resident blocks, id).
-
-    NOTE: the index's heap array is read in place, in key order: `frontier` holds (key, array position) of the
-    positions whose parents were taken, so popping it yields the array's entries in heap-key order while
-    touching O(k log k) of them for k taken (the heap property: an entry's key is at most its children's).
-    The unlocked parents go to `extra`, a heap of (key, node); each step takes the smaller of the two tops.
-    """
-
-    __slots__ = ("idx", "worker", "steps", "array", "frontier", "extra", "unlocked", "done", "local_held", "cum",
-                 "pos", "hot")
-
-    def __init__(self, idx: LruIndex, worker: Any) -> None:
-        self.idx, self.worker = idx, worker
-        self.steps: list[tuple[Any, int, int]] = []
-        # NOTE: entries with equal (last_access, seq) hold the same node (seq is unique in a tree), so their
-        # order among themselves does not matter (`done` skips the second); ties of last_access go by creation
-        # order, the same in every run.
-        self.array = idx.heap  # read only; the index drops this order before it mutates the array
-        self.frontier: list[tuple[float, int, int]] = [(self.array[0][0], self.array[0][1], 0)] if self.array else []
-        self.extra: list[tuple[float, int, Any]] = []
-        self.unlocked: dict[int, float] = {}  # id -> last_access of a parent this simulation made a candidate
-        self.done: set[int] = set()
-        self.local_held: dict[int, int] = {}
-        self.cum: list[int] = []  # resident blocks of steps[0..i]
-        self.pos: dict[int, int] = {}  # id -> its step
-        # steps whose node had requests through it on this worker when simulated (the only ones M prices): a
-        # node gains one only by a dispatch through it, which touches it and so drops this order
-        self.hot: list[int] = []
-
-    def at(self, i: int) -> tuple[Any, int, int] | None:
-        """The i-th node to evict, or None when fewer remain."""
-        steps = self.steps
-        while len(steps) <= i:
-            if not self._step():
-                return None
-        return steps[i]
-
-    def reach(self, blocks: int) -> bool:
-        """Simulate until the steps hold `blocks` resident blocks; False when the candidates ran out first."""
-        cum = self.cum
-        while not cum or cum[-1] < blocks:
-            if not self._step():
-                return False
-        return True
-
-    def _step(self) -> bool:
-        idx, unlocked, done = self.idx, self.unlocked, self.done
-        keyed, entries = idx.keyed, idx.entries
-        frontier, extra, array = self.frontier, self.extra, self.array
-        size = len(array)
-        while True:
-            # the next entry in key order: the array's (via the frontier) or an unlocked parent's
-            if frontier and (not extra or frontier[0] <= extra[0][:2]):
-                pos = heapq.heappop(frontier)[2]
-                c = 2 * pos + 1
-                if c < size:
-                    e = array[c]
-                    heapq.heappush(frontier, (e[0], e[1], c))
-                    if c + 1 < size:
-                        e = array[c + 1]
-                        heapq.heappush(frontier, (e[0], e[1], c + 1))
-                la, _, n = array[pos]
-            elif extra:
-                la, _, n = heapq.heappop(extra)
-            else:
-                return False
-            k = id(n)
-            if (keyed.get(k) != la and unlocked.get(k) != la) or k in done:
-                continue  # stale (the node left the candidates or was accessed since), or seen already
-            done.add(k)
-            d = n.resident.get(self.worker, 0)
-            i = len(self.steps)
-            self.steps.append((n, d, k))
-            self.cum.append(self.cum[-1] + d if i else d)
-            self.pos[k] = i
-            st = n.stats
-            if isinstance(st, NodeStats) and st.hits.get(self.worker):
-                self.hot.append(i)
-            p = entries[k][1]
-            if p is not None and id(p) in entries:  # its last resident child gone: the parent is a candidate
-                kp = id(p)
-                c = self.local_held.get(kp, idx.held.get(kp, 0)) - 1
-                self.local_held[kp] = c
-                if c == 0:
-                    unlocked[kp] = p.last_access
-                    heapq.heappush(extra, (p.last_access, p.seq, p))
-            return True

@@ -240,6 +240,7 @@ def snapshot(tree) -> tuple:  # type: ignore[no-untyped-def]
                 parent,
                 tuple(sorted(n.children)),
                 tuple(sorted(n.resident.items())),
+                tuple(n.resident_on(w) for w in ("w0", "w1", "w2", "absent")),  # = resident.get(w, 0)
                 tuple(sorted(n.assigned)),
                 n.last_access,
                 n.is_attached,

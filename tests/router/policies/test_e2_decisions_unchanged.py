@@ -19,7 +19,7 @@ import pytest
 import switchyard.bench.micro.decisions as bench
 from switchyard.bench.sim import SimConfig, Simulator
 from switchyard.bench.workloads import WorkloadSpec, make_workload
-from switchyard.ext import radix, radix_py
+from switchyard.ext import lru_order, lru_order_py, radix, radix_py
 from switchyard.router.policies import preble_e2, preble_load, registry
 from switchyard.router.policies.base import RoutingContext, WorkerId, WorkerView
 from switchyard.router.policies.preble_cost import ProfileCost
@@ -168,6 +168,7 @@ def test_select_shortcuts_equal_plain_code(
     """300 requests over 6 workers with caches of 1500 (videoqa, ~620-block prompts) or 300 (toolbench) blocks:
     every select's match, exploit set, LOADCOSTs, eviction victims and argmin equal the plain versions."""
     monkeypatch.setattr(preble_e2, "RadixTree", radix_py.RadixTree if impl == "py" else radix.RadixTree)
+    monkeypatch.setattr(preble_load, "EvictionOrder", lru_order_py.EvictionOrder if impl == "py" else lru_order.EvictionOrder)
     made: list[CheckedE2] = []
     num_victims = 0
 
@@ -279,8 +280,11 @@ def test_decisions_do_not_depend_on_memory_addresses(monkeypatch: pytest.MonkeyP
 
         with monkeypatch.context() as m:
             m.setitem(registry.POLICIES, "e2", Recording)
+            # the reference eviction order, whose id() can be replaced (the Cython build's ids are pointers; the
+            # twin test in tests/ext/test_lru_order.py holds it to the reference step for step)
+            m.setattr(preble_load, "EvictionOrder", lru_order_py.EvictionOrder)
             if flip:  # every id() of the policy and its eviction bookkeeping reversed in order (still unique)
-                for module in (preble_e2, preble_load):
+                for module in (preble_e2, preble_load, lru_order_py):
                     m.setattr(module, "id", lambda o: -builtins.id(o), raising=False)
             cfg = SimConfig(policy="e2", num_workers=3, engine_overrides={"num_kv_blocks": 300})
             res = Simulator(make_workload(spec, seed=2), cfg).run()

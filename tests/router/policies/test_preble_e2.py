@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 
 from switchyard.bench.sim import SimConfig, Simulator
 from switchyard.bench.workloads import WorkloadSpec, make_workload
-from switchyard.ext import radix, radix_py
+from switchyard.ext import lru_order, lru_order_py, radix, radix_py
 from switchyard.router.fleet import Fleet
-from switchyard.router.policies import preble_e2
+from switchyard.router.policies import preble_e2, preble_load
 from switchyard.router.policies.base import Decision, RoutingContext, WorkerId
 from switchyard.router.policies.preble_cost import OnlineFit, profile_cost
 from switchyard.router.policies.preble_e2 import E2Config, PrebleE2
@@ -37,9 +37,11 @@ IMPLS = ["py", pytest.param("c", marks=pytest.mark.c_extension)] if radix.IMPLEM
 
 @pytest.fixture(params=IMPLS)
 def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run the test on the reference radix tree and on the Cython build (when it loaded)."""
+    """Run the test on the reference radix tree and eviction order, and on the Cython builds (when they loaded)."""
     tree_cls = radix_py.RadixTree if request.param == "py" else radix.RadixTree
     monkeypatch.setattr(preble_e2, "RadixTree", tree_cls)
+    order_cls = lru_order_py.EvictionOrder if request.param == "py" else lru_order.EvictionOrder
+    monkeypatch.setattr(preble_load, "EvictionOrder", order_cls)
     return str(request.param)
 W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
 

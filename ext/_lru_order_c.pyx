@@ -1,0 +1,213 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""Cython build of `lru_order_py.EvictionOrder`: the same order, step for step (its docstring is the contract).
+
+Why a rewrite and not a compile of the reference: the reference spends its time in the calls of each step (heap,
+dict, tuple), which a plain Cython compile keeps. Here the frontier over the index's heap array is a C binary heap
+of (last_access, seq, position), the index's tables are read with the dict C API, and ids are pointer values
+(`id()` is `PyLong_FromVoidPtr`).
+"""
+
+from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
+from cpython.long cimport PyLong_FromVoidPtr
+from cpython.mem cimport PyMem_Free, PyMem_Realloc
+from cpython.ref cimport PyObject
+from cpython.set cimport PySet_Add, PySet_Contains
+
+import heapq
+
+
+cdef inline bint _before(double la, long long seq, Py_ssize_t pos,
+                         double la2, long long seq2, Py_ssize_t pos2) noexcept:
+    """(la, seq, pos) < (la2, seq2, pos2): the reference's frontier tuples' order."""
+    if la != la2:
+        return la < la2
+    if seq != seq2:
+        return seq < seq2
+    return pos < pos2
+
+
+cdef class EvictionOrder:
+    cdef readonly object idx, worker, stats_type
+    cdef readonly list steps, cum, hot, array, extra
+    cdef readonly dict unlocked, local_held, pos
+    cdef readonly set done
+    cdef dict _keyed, _entries, _held
+    cdef double* _f_la
+    cdef long long* _f_seq
+    cdef Py_ssize_t* _f_pos
+    cdef Py_ssize_t _f_n, _f_cap
+
+    def __cinit__(self):
+        self._f_la = NULL
+        self._f_seq = NULL
+        self._f_pos = NULL
+        self._f_n = 0
+        self._f_cap = 0
+
+    def __dealloc__(self):
+        PyMem_Free(self._f_la)
+        PyMem_Free(self._f_seq)
+        PyMem_Free(self._f_pos)
+
+    def __init__(self, idx, worker, stats_type):
+        self.idx, self.worker, self.stats_type = idx, worker, stats_type
+        self.steps = []
+        self.cum = []
+        self.hot = []
+        self.extra = []
+        self.unlocked = {}
+        self.local_held = {}
+        self.pos = {}
+        self.done = set()
+        # the index replaces none of these objects while an order lives (it drops the order before any change)
+        self.array = idx.heap
+        self._keyed = idx.keyed
+        self._entries = idx.entries
+        self._held = idx.held
+        if self.array:
+            self._push(0)
+
+    # ------------------------------------------------------------------------------------------ frontier heap
+    cdef int _push(self, Py_ssize_t p) except -1:
+        cdef tuple e = <tuple>self.array[p]
+        cdef double la = e[0]
+        cdef long long seq = e[1]
+        cdef Py_ssize_t i, parent, cap
+        if self._f_n == self._f_cap:
+            cap = self._f_cap * 2 if self._f_cap else 64
+            self._f_la = <double*>PyMem_Realloc(self._f_la, cap * sizeof(double))
+            self._f_seq = <long long*>PyMem_Realloc(self._f_seq, cap * sizeof(long long))
+            self._f_pos = <Py_ssize_t*>PyMem_Realloc(self._f_pos, cap * sizeof(Py_ssize_t))
+            if self._f_la == NULL or self._f_seq == NULL or self._f_pos == NULL:
+                raise MemoryError()
+            self._f_cap = cap
+        i = self._f_n
+        self._f_n += 1
+        while i > 0:
+            parent = (i - 1) >> 1
+            if not _before(la, seq, p, self._f_la[parent], self._f_seq[parent], self._f_pos[parent]):
+                break
+            self._f_la[i] = self._f_la[parent]
+            self._f_seq[i] = self._f_seq[parent]
+            self._f_pos[i] = self._f_pos[parent]
+            i = parent
+        self._f_la[i] = la
+        self._f_seq[i] = seq
+        self._f_pos[i] = p
+        return 0
+
+    cdef Py_ssize_t _pop(self) noexcept:
+        """The array position on top of the frontier (which must not be empty), removed."""
+        cdef Py_ssize_t top = self._f_pos[0]
+        cdef Py_ssize_t n = self._f_n - 1
+        cdef double la = self._f_la[n]
+        cdef long long seq = self._f_seq[n]
+        cdef Py_ssize_t p = self._f_pos[n]
+        cdef Py_ssize_t i = 0, c
+        self._f_n = n
+        if n == 0:
+            return top
+        while True:
+            c = 2 * i + 1
+            if c >= n:
+                break
+            if c + 1 < n and _before(self._f_la[c + 1], self._f_seq[c + 1], self._f_pos[c + 1],
+                                     self._f_la[c], self._f_seq[c], self._f_pos[c]):
+                c += 1
+            if not _before(self._f_la[c], self._f_seq[c], self._f_pos[c], la, seq, p):
+                break
+            self._f_la[i] = self._f_la[c]
+            self._f_seq[i] = self._f_seq[c]
+            self._f_pos[i] = self._f_pos[c]
+            i = c
+        self._f_la[i] = la
+        self._f_seq[i] = seq
+        self._f_pos[i] = p
+        return top
+
+    # ------------------------------------------------------------------------------------------ the order
+    def at(self, Py_ssize_t i):
+        """The i-th node to evict, or None when fewer remain."""
+        while len(self.steps) <= i:
+            if not self._step():
+                return None
+        return self.steps[i]
+
+    def reach(self, long long blocks):
+        """Simulate until the steps hold `blocks` resident blocks; False when the candidates ran out first."""
+        while not self.cum or <long long>self.cum[len(self.cum) - 1] < blocks:  # (no wraparound: no [-1])
+            if not self._step():
+                return False
+        return True
+
+    cdef bint _step(self) except -1:
+        cdef Py_ssize_t size = len(self.array)
+        cdef Py_ssize_t p, c, i
+        cdef double la
+        cdef tuple e, top
+        cdef object n, k, kp, par, st, hits
+        cdef PyObject* got
+        cdef long long d, held
+        while True:
+            # the next entry in key order: the array's (via the frontier) or an unlocked parent's
+            if self._f_n > 0:
+                if self.extra:
+                    top = <tuple>self.extra[0]
+                    if (self._f_la[0] < <double>top[0]
+                            or (self._f_la[0] == <double>top[0] and self._f_seq[0] < <long long>top[1])):
+                        p = -1
+                    else:
+                        p = -2
+                else:
+                    p = -1
+            elif self.extra:
+                p = -2
+            else:
+                return False
+            if p == -1:
+                p = self._pop()
+                c = 2 * p + 1
+                if c < size:
+                    self._push(c)
+                    if c + 1 < size:
+                        self._push(c + 1)
+                e = <tuple>self.array[p]
+            else:
+                e = <tuple>heapq.heappop(self.extra)
+            la = e[0]
+            n = e[2]
+            k = PyLong_FromVoidPtr(<void*>n)
+            got = PyDict_GetItem(self._keyed, k)
+            if got == NULL or <double>(<object>got) != la:
+                got = PyDict_GetItem(self.unlocked, k)
+                if got == NULL or <double>(<object>got) != la:
+                    continue  # stale: the node left the candidates or was accessed since
+            if PySet_Contains(self.done, k):
+                continue  # seen already
+            PySet_Add(self.done, k)
+            d = n.resident_on(self.worker)
+            i = len(self.steps)
+            self.steps.append((n, d, k))
+            self.cum.append(<long long>self.cum[i - 1] + d if i else d)
+            PyDict_SetItem(self.pos, k, i)
+            st = n.stats
+            if isinstance(st, self.stats_type):
+                hits = st.hits.get(self.worker)
+                if hits:
+                    self.hot.append(i)
+            par = (<tuple>self._entries[k])[1]
+            if par is not None:
+                kp = PyLong_FromVoidPtr(<void*>par)
+                if kp in self._entries:  # its last resident child gone: the parent is a candidate
+                    got = PyDict_GetItem(self.local_held, kp)
+                    if got != NULL:
+                        held = <long long>(<object>got) - 1
+                    else:
+                        got = PyDict_GetItem(self._held, kp)
+                        held = (<long long>(<object>got) if got != NULL else 0) - 1
+                    PyDict_SetItem(self.local_held, kp, held)
+                    if held == 0:
+                        la = par.last_access
+                        self.unlocked[kp] = la
+                        heapq.heappush(self.extra, (la, par.seq, par))
+            return True

@@ -1,0 +1,107 @@
+"""The eviction order of one worker's LRU index: which resident nodes its LRU would evict, in order (Preble §4.2).
+
+Reference build (obviously correct); `_lru_order_c.pyx` is the Cython build, `lru_order.py` the selector. The
+index is `router.policies.preble_load.LruIndex`; this module reads its `heap`, `keyed`, `entries` and `held`
+and never writes them. `stats_type` is the class of the per-node statistics whose `hits` (per worker) mark the
+nodes M prices (`hot`); passed in, as nothing here imports from `router/`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any
+
+
+class EvictionOrder:
+    """One LruIndex's eviction order from its current state, simulated step by step as far as `victims` reads,
+    so selects between two changes of the index share one simulation (any change drops it).
+
+    `victims` with protected nodes is this order with the protected ones skipped: they are an ancestor-closed
+    path, so a protected node's eviction here can only unlock a protected parent, and every other node's
+    unlock is the same as in the protected simulation. Each step is (node, its resident blocks, id).
+
+    NOTE: the index's heap array is read in place, in key order: `frontier` holds (key, array position) of the
+    positions whose parents were taken, so popping it yields the array's entries in heap-key order while
+    touching O(k log k) of them for k taken (the heap property: an entry's key is at most its children's).
+    The unlocked parents go to `extra`, a heap of (key, node); each step takes the smaller of the two tops.
+    """
+
+    __slots__ = ("idx", "worker", "stats_type", "steps", "array", "frontier", "extra", "unlocked", "done",
+                 "local_held", "cum", "pos", "hot")
+
+    def __init__(self, idx: Any, worker: Any, stats_type: type) -> None:
+        self.idx, self.worker, self.stats_type = idx, worker, stats_type
+        self.steps: list[tuple[Any, int, int]] = []
+        # NOTE: entries with equal (last_access, seq) hold the same node (seq is unique in a tree), so their
+        # order among themselves does not matter (`done` skips the second); ties of last_access go by creation
+        # order, the same in every run.
+        self.array = idx.heap  # read only; the index drops this order before it mutates the array
+        self.frontier: list[tuple[float, int, int]] = [(self.array[0][0], self.array[0][1], 0)] if self.array else []
+        self.extra: list[tuple[float, int, Any]] = []
+        self.unlocked: dict[int, float] = {}  # id -> last_access of a parent this simulation made a candidate
+        self.done: set[int] = set()
+        self.local_held: dict[int, int] = {}
+        self.cum: list[int] = []  # resident blocks of steps[0..i]
+        self.pos: dict[int, int] = {}  # id -> its step
+        # steps whose node had requests through it on this worker when simulated (the only ones M prices): a
+        # node gains one only by a dispatch through it, which touches it and so drops this order
+        self.hot: list[int] = []
+
+    def at(self, i: int) -> tuple[Any, int, int] | None:
+        """The i-th node to evict, or None when fewer remain."""
+        steps = self.steps
+        while len(steps) <= i:
+            if not self._step():
+                return None
+        return steps[i]
+
+    def reach(self, blocks: int) -> bool:
+        """Simulate until the steps hold `blocks` resident blocks; False when the candidates ran out first."""
+        cum = self.cum
+        while not cum or cum[-1] < blocks:
+            if not self._step():
+                return False
+        return True
+
+    def _step(self) -> bool:
+        idx, unlocked, done = self.idx, self.unlocked, self.done
+        keyed, entries = idx.keyed, idx.entries
+        frontier, extra, array = self.frontier, self.extra, self.array
+        size = len(array)
+        while True:
+            # the next entry in key order: the array's (via the frontier) or an unlocked parent's
+            if frontier and (not extra or frontier[0] <= extra[0][:2]):
+                pos = heapq.heappop(frontier)[2]
+                c = 2 * pos + 1
+                if c < size:
+                    e = array[c]
+                    heapq.heappush(frontier, (e[0], e[1], c))
+                    if c + 1 < size:
+                        e = array[c + 1]
+                        heapq.heappush(frontier, (e[0], e[1], c + 1))
+                la, _, n = array[pos]
+            elif extra:
+                la, _, n = heapq.heappop(extra)
+            else:
+                return False
+            k = id(n)
+            if (keyed.get(k) != la and unlocked.get(k) != la) or k in done:
+                continue  # stale (the node left the candidates or was accessed since), or seen already
+            done.add(k)
+            d = n.resident_on(self.worker)
+            i = len(self.steps)
+            self.steps.append((n, d, k))
+            self.cum.append(self.cum[-1] + d if i else d)
+            self.pos[k] = i
+            st = n.stats
+            if isinstance(st, self.stats_type) and st.hits.get(self.worker):
+                self.hot.append(i)
+            p = entries[k][1]
+            if p is not None and id(p) in entries:  # its last resident child gone: the parent is a candidate
+                kp = id(p)
+                c = self.local_held.get(kp, idx.held.get(kp, 0)) - 1
+                self.local_held[kp] = c
+                if c == 0:
+                    unlocked[kp] = p.last_access
+                    heapq.heappush(extra, (p.last_access, p.seq, p))
+            return True

@@ -1,0 +1,95 @@
+"""The LRU eviction order (E2's M): the Cython build against the reference, step for step, on indexes built
+through E2's hooks (dispatches, stored and removed blocks, clears, gc) on random prompts."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import zlib
+
+import pytest
+from ext_testlib import NO_EXTENSIONS
+from factories import make_requests
+
+from switchyard.ext import lru_order, lru_order_py
+from switchyard.router.policies.base import Decision, WorkerId
+from switchyard.router.policies.preble_e2 import E2Config, PrebleE2
+from switchyard.router.policies.preble_load import NodeStats
+from switchyard.workers.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
+
+try:
+    from switchyard.ext import _lru_order_c
+except ImportError:  # pragma: no cover - test_c_extension_loaded reports it
+    _lru_order_c = None
+
+WORKERS = [WorkerId("w0"), WorkerId("w1"), WorkerId("w2")]
+
+
+@pytest.mark.skip_in_ci_ok  # skipping is right when the opt-out is set on purpose
+def test_c_extension_loaded() -> None:
+    if NO_EXTENSIONS:
+        pytest.skip("SWITCHYARD_NO_EXTENSIONS is set")
+    assert _lru_order_c is not None, "switchyard.ext._lru_order_c did not build or import"
+    assert lru_order.IMPLEMENTATION == "c"
+    assert lru_order.EvictionOrder is _lru_order_c.EvictionOrder
+
+
+def _chain(labels: list[int]) -> tuple[int, ...]:
+    out, prev = [], 0
+    for lab in labels:
+        prev = zlib.crc32(f"{prev}:{lab}".encode()) * 65_537 + lab
+        out.append(prev & (2**64 - 1))
+    return tuple(out)
+
+
+def _walk(order: object, limit: int = 10_000) -> list[tuple[int, int]]:
+    """Every step of the order as (id, blocks), read through `at` as `victims` reads it."""
+    out = []
+    for i in range(limit):
+        step = order.at(i)  # type: ignore[attr-defined]
+        if step is None:
+            return out
+        out.append((step[2], step[1]))
+    raise AssertionError("the order did not end")
+
+
+@pytest.mark.c_extension
+@pytest.mark.skipif(_lru_order_c is None, reason="Cython extension not built")
+@pytest.mark.parametrize("seed", range(8))
+def test_cython_order_equals_reference(seed: int) -> None:
+    rng = random.Random(seed)
+    policy = PrebleE2(E2Config.paper(node_window_s=5.0))
+    base = make_requests(1, prompt_len=64, shared_prefix=0, max_tokens=4)[0]
+    prompts = [_chain([rng.randrange(3) if d < 4 else rng.randrange(60) for d in range(rng.randint(1, 10))])
+               for _ in range(50)]
+    seq, now, compared = 0, 0.0, 0
+    for step in range(250):
+        now += rng.choice([0.0, rng.random()])  # equal timestamps too: ties go by creation order
+        hashes = rng.choice(prompts)
+        w = rng.choice(WORKERS)
+        op = rng.random()
+        if op < 0.35:
+            ctx = dataclasses.replace(base, request_id=f"r{step}", block_hashes=hashes)
+            policy.on_dispatch(ctx, Decision(worker_id=w), now)
+        elif op < 0.75:
+            cut = rng.randrange(len(hashes))
+            ev = BlockStored(hashes[cut:rng.randint(cut + 1, len(hashes))], hashes[cut - 1] if cut else None, (), 16)
+            policy.on_kv_events(w, KvEventBatch(seq := seq + 1, now, (ev,)))
+        elif op < 0.95:
+            ev = BlockRemoved(hashes[-rng.randint(1, len(hashes)):])
+            policy.on_kv_events(w, KvEventBatch(seq := seq + 1, now, (ev,)))
+        elif op < 0.97:
+            policy.on_kv_events(w, KvEventBatch(seq := seq + 1, now, (AllBlocksCleared(),)))
+        else:
+            policy.gc(now)
+        for v, idx in policy.lru.items():
+            ref = lru_order_py.EvictionOrder(idx, v, NodeStats)
+            fast = _lru_order_c.EvictionOrder(idx, v, NodeStats)
+            # read part of the way first (`reach`), as eviction_cost does, then to the end
+            need = rng.choice([1, 4, 20])
+            assert fast.reach(need) == ref.reach(need)
+            assert _walk(fast) == _walk(ref)
+            assert (fast.cum, fast.hot, fast.pos) == (ref.cum, ref.hot, ref.pos)
+            assert (fast.done, fast.unlocked, fast.local_held) == (ref.done, ref.unlocked, ref.local_held)
+            compared += len(ref.steps)
+    assert compared > 500  # the indexes were not trivially empty
