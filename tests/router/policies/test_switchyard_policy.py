@@ -212,15 +212,20 @@ def test_queued_requests_count_as_co_runners_with_their_prediction() -> None:
     assert t[W0].decode_co_s == pytest.approx(2 * COST.decode_marginal_s(20, 521.5))
 
 
-def test_overflow_term_prices_the_tokens_above_t_mem() -> None:
+@pytest.mark.parametrize("overflow_wait", [True, False])
+def test_overflow_term_prices_the_tokens_above_t_mem(overflow_wait: bool) -> None:
     # 100 blocks = 1600 tokens; T_mem × capacity = 1280
-    p, fleet = policy(kv_capacity_blocks=100)
+    p, fleet = policy(kv_capacity_blocks=100, overflow_wait=overflow_wait)
     dispatch(p, fleet, req("x", 1024, predicted=200), W0, running=True)
     t = terms(p, fleet, req("r", 256, predicted=50))
     # peak over j < 100 of (1024 + j) + (256 + j)[j < 50]: j = 49 → 1073 + 305 = 1378 → U_k = 0.86125
     assert t[W0].peak_frac == pytest.approx(1378 / 1600)
     # (1378 − 1280) = 98 tokens over, priced as 98 / 1024 requests of the mean context 1024 re-prefilled
-    assert t[W0].overflow_s == pytest.approx(98 / 1024 * COST.prefill_s(1024, 0))
+    reprefill = 98 / 1024 * COST.prefill_s(1024, 0)
+    # and their wait for KV: U' − 1280 = 2j for 0 < j < 50 (x alone stays under 1280 after r's 50), an area of
+    # 2 × (1 + ... + 49) = 2450 token-iterations = 2450 / 1024 request-iterations of x's 1-request batch
+    wait = 2450 / 1024 * COST.decode_s(1, 1024) if overflow_wait else 0.0
+    assert t[W0].overflow_s == pytest.approx(reprefill + wait)
     assert t[W1].overflow_s == 0.0 and t[W1].peak_frac == pytest.approx(305 / 1600)
 
 
@@ -417,13 +422,16 @@ def test_overflow_makes_a_worker_over_t_mem_lose() -> None:
         return p, fleet
 
     ctx = req("r", 400, shared=320, predicted=50)
-    p, fleet = setup()
+    p, fleet = setup(overflow_wait=False)  # the re-prefill alone already decides it
     t = terms(p, fleet, ctx)
     # w0: (1200 + 49) + (80 private + 49) = 1378 tokens at j = 49 → 98 over 1280; w1: 64 + 49 + 400 + 49 = 562
     assert (t[W0].peak_frac, t[W1].peak_frac) == (pytest.approx(1378 / 1600), pytest.approx(562 / 1600))
     assert t[W0].overflow_s == pytest.approx(98 / 1200 * COST.prefill_s(1200, 0))
     assert t[W0].overflow_s > t[W1].prefill_s - t[W0].prefill_s > 0  # the penalty outweighs the cached prefix
     assert p.select(ctx, fleet, NOW).worker_id == W1
+    pw, fleetw = setup()  # with the victims' wait (default) O only grows
+    assert terms(pw, fleetw, ctx)[W0].overflow_s > t[W0].overflow_s
+    assert pw.select(ctx, fleetw, NOW).worker_id == W1
     p0, fleet0 = setup(overflow_weight=0.0)
     assert p0.select(ctx, fleet0, NOW).worker_id == W0
 
