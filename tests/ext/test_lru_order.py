@@ -3,19 +3,16 @@ through E2's hooks (dispatches, stored and removed blocks, clears, gc) on random
 
 from __future__ import annotations
 
-import dataclasses
 import random
-import zlib
 
 import pytest
 from ext_testlib import NO_EXTENSIONS
-from factories import make_requests
+from hook_fuzz import drive, random_prompts
 
 from switchyard.ext import lru_order, lru_order_py
-from switchyard.router.policies.base import Decision, WorkerId
+from switchyard.router.policies.base import WorkerId
 from switchyard.router.policies.preble_e2 import E2Config, PrebleE2
 from switchyard.router.policies.preble_load import NodeStats
-from switchyard.workers.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
 
 try:
     from switchyard.ext import _lru_order_c
@@ -32,14 +29,6 @@ def test_c_extension_loaded() -> None:
     assert _lru_order_c is not None, "switchyard.ext._lru_order_c did not build or import"
     assert lru_order.IMPLEMENTATION == "c"
     assert lru_order.EvictionOrder is _lru_order_c.EvictionOrder
-
-
-def _chain(labels: list[int]) -> tuple[int, ...]:
-    out, prev = [], 0
-    for lab in labels:
-        prev = zlib.crc32(f"{prev}:{lab}".encode()) * 65_537 + lab
-        out.append(prev & (2**64 - 1))
-    return tuple(out)
 
 
 def _walk(order: object, limit: int = 10_000) -> list[tuple[int, int]]:
@@ -59,29 +48,9 @@ def _walk(order: object, limit: int = 10_000) -> list[tuple[int, int]]:
 def test_cython_order_equals_reference(seed: int) -> None:
     rng = random.Random(seed)
     policy = PrebleE2(E2Config.paper(node_window_s=5.0))
-    base = make_requests(1, prompt_len=64, shared_prefix=0, max_tokens=4)[0]
-    prompts = [_chain([rng.randrange(3) if d < 4 else rng.randrange(60) for d in range(rng.randint(1, 10))])
-               for _ in range(50)]
-    seq, now, compared = 0, 0.0, 0
-    for step in range(250):
-        now += rng.choice([0.0, rng.random()])  # equal timestamps too: ties go by creation order
-        hashes = rng.choice(prompts)
-        w = rng.choice(WORKERS)
-        op = rng.random()
-        if op < 0.35:
-            ctx = dataclasses.replace(base, request_id=f"r{step}", block_hashes=hashes)
-            policy.on_dispatch(ctx, Decision(worker_id=w), now)
-        elif op < 0.75:
-            cut = rng.randrange(len(hashes))
-            ev = BlockStored(hashes[cut:rng.randint(cut + 1, len(hashes))], hashes[cut - 1] if cut else None, (), 16)
-            policy.on_kv_events(w, KvEventBatch(seq := seq + 1, now, (ev,)))
-        elif op < 0.95:
-            ev = BlockRemoved(hashes[-rng.randint(1, len(hashes)):])
-            policy.on_kv_events(w, KvEventBatch(seq := seq + 1, now, (ev,)))
-        elif op < 0.97:
-            policy.on_kv_events(w, KvEventBatch(seq := seq + 1, now, (AllBlocksCleared(),)))
-        else:
-            policy.gc(now)
+    prompts = random_prompts(rng, 50, labels=60)
+    compared = 0
+    for _ in drive(policy, rng, prompts, WORKERS, 250, tied_times=True):  # ties go by creation order
         for v, idx in policy.lru.items():
             ref = lru_order_py.EvictionOrder(idx, v, NodeStats)
             fast = _lru_order_c.EvictionOrder(idx, v, NodeStats)

@@ -15,6 +15,7 @@ import zlib
 
 import pytest
 from factories import make_fleet, make_requests
+from hook_fuzz import drive, random_prompts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -475,50 +476,19 @@ def test_exploit_overflow_is_opt_in(overflow: bool, expected: str, why: str) -> 
 
 
 # ---------------------------------------------------------------------------------------------- M's LRU index
-def _chain(labels: list[int]) -> tuple[int, ...]:
-    out, prev = [], 0
-    for lab in labels:
-        prev = zlib.crc32(f"{prev}:{lab}".encode()) * 65_537 + lab
-        out.append(prev & (2**64 - 1))
-    return tuple(out)
-
-
 @pytest.mark.usefixtures("impl")
 @pytest.mark.parametrize("seed", range(12))
 def test_lru_index_matches_lru_victims(seed: int) -> None:
     """The incremental per-worker LRU index gives exactly `lru_victims` (the straightforward scan) on random
-    trees built through the hooks: dispatches (inserts, splits, last_access), stores with parents, tail
-    evictions, clears and gc."""
+    trees built through the hooks (`hook_fuzz.drive`): dispatches (inserts, splits, last_access), stores with
+    parents, tail evictions, clears and gc."""
     import random
 
     rng = random.Random(seed)
     workers = [W0, W1, W2]
     policy = PrebleE2(E2Config.paper(node_window_s=5.0))
-    base = make_requests(1, prompt_len=64, shared_prefix=0, max_tokens=4)[0]
-    prompts = [_chain([rng.randrange(3) if d < 4 else rng.randrange(50) for d in range(rng.randint(1, 10))])
-               for _ in range(40)]
-    seq, now = 0, 0.0
-    for step in range(300):
-        now += rng.random()
-        hashes = rng.choice(prompts)
-        w = rng.choice(workers)
-        op = rng.random()
-        if op < 0.35:
-            ctx = dataclasses.replace(base, request_id=f"r{step}", block_hashes=hashes)
-            policy.on_dispatch(ctx, Decision(worker_id=w), now)
-        elif op < 0.7:
-            cut = rng.randrange(len(hashes))
-            parent = hashes[cut - 1] if cut else None
-            end = rng.randint(cut + 1, len(hashes))
-            ev = BlockStored(hashes[cut:end], parent, (), 16)
-            policy.on_kv_events(w, KvEventBatch(seq := seq + 1, now, (ev,)))
-        elif op < 0.93:
-            k = rng.randint(1, len(hashes))
-            policy.on_kv_events(w, KvEventBatch(seq := seq + 1, now, (BlockRemoved(hashes[-k:]),)))
-        elif op < 0.96:
-            policy.on_kv_events(w, KvEventBatch(seq := seq + 1, now, (AllBlocksCleared(),)))
-        else:
-            policy.gc(now)
+    prompts = random_prompts(rng, 40, labels=50)
+    for step in drive(policy, rng, prompts, workers, 300):
         for v in workers:
             for _ in range(3):
                 path = policy.tree.match(rng.choice(prompts)).path if rng.random() < 0.7 else []
