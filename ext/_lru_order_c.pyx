@@ -87,14 +87,18 @@ cdef class EvictionOrder:
             parent = (i - 1) >> 1
             if not _before(la, seq, p, self._f_la[parent], self._f_seq[parent], self._f_pos[parent]):
                 break
-            self._f_la[i] = self._f_la[parent]
-            self._f_seq[i] = self._f_seq[parent]
-            self._f_pos[i] = self._f_pos[parent]
+            self._move(i, parent)
             i = parent
+        self._put(i, la, seq, p)
+        return 0
+
+    cdef inline void _move(self, Py_ssize_t dst, Py_ssize_t src) noexcept:
+        self._put(dst, self._f_la[src], self._f_seq[src], self._f_pos[src])
+
+    cdef inline void _put(self, Py_ssize_t i, double la, long long seq, Py_ssize_t p) noexcept:
         self._f_la[i] = la
         self._f_seq[i] = seq
         self._f_pos[i] = p
-        return 0
 
     cdef Py_ssize_t _pop(self) noexcept:
         """The array position on top of the frontier (which must not be empty), removed."""
@@ -116,13 +120,9 @@ cdef class EvictionOrder:
                 c += 1
             if not _before(self._f_la[c], self._f_seq[c], self._f_pos[c], la, seq, p):
                 break
-            self._f_la[i] = self._f_la[c]
-            self._f_seq[i] = self._f_seq[c]
-            self._f_pos[i] = self._f_pos[c]
+            self._move(i, c)
             i = c
-        self._f_la[i] = la
-        self._f_seq[i] = seq
-        self._f_pos[i] = p
+        self._put(i, la, seq, p)
         return top
 
     # ------------------------------------------------------------------------------------------ the order
