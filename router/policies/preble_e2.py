@@ -253,7 +253,7 @@ class PrebleE2(Policy):
         hv = h.version if h is not None else -1
         memo = self._load_memo.get(w)
         win = self.cfg.history_window_s
-        if (memo is not None and memo[0] == hv and memo[1] == self.moved_load.version and memo[2] <= now
+        if (memo is not None and memo[0] == hv and memo[1] == self.moved_load.version(w) and memo[2] <= now
                 and now - win <= memo[3]):
             return memo[4]
         cost = self.cost_model(w)
@@ -262,7 +262,7 @@ class PrebleE2(Policy):
         v = base + self.moved_load.sum_s(w, cutoff)
         if type(cost) is ProfileCost:
             first = min(h.first_live_t(now) if h is not None else math.inf, self.moved_load.first_t(w, cutoff))
-            self._load_memo[w] = (hv, self.moved_load.version, now, first, v)
+            self._load_memo[w] = (hv, self.moved_load.version(w), now, first, v)
         return v
 
     def _cached_blocks(self, w: WorkerId, m: Any, hashes: tuple[int, ...]) -> int:
@@ -490,17 +490,18 @@ class PrebleE2(Policy):
                 alt, alt_costs = over
                 return self._decide(ctx, alt, "explore overflow", cached_len, missed_len, alt_costs)
         if self.cfg.enable_pd_balancing:
-            n = len(pool)
-            ratios = [(self._ratio(w.worker_id, now), -((i - self._turn) % n), w) for i, w in enumerate(pool)]
-            over_r = [x for x in ratios if x[0] > self.cfg.imbalance_ratio]
-            if over_r:
-                if self.cfg.pd_pick == "argmax":
-                    ratio, _, w = max(over_r, key=lambda x: (x[0], x[1]))
-                    costs = {}
+            ratios = self._ratios(pool, now)
+            thr = self.cfg.imbalance_ratio
+            over_i = [i for i, r in enumerate(ratios) if r > thr]
+            if over_i:
+                if self.cfg.pd_pick == "argmax":  # ties: the rotation (unique), as everywhere
+                    n = len(pool)
+                    i = max(over_i, key=lambda i: (ratios[i], -((i - self._turn) % n)))
+                    w, costs = pool[i], {}
                 else:  # the lightest of the decode-heavy workers
-                    sub = [x[2] for x in over_r]
-                    w, costs = self._cheapest(sub, ctx, cached, path, now)
-                    ratio = self._ratio(w.worker_id, now)
+                    w, costs = self._cheapest([pool[i] for i in over_i], ctx, cached, path, now)
+                    i = next(i for i in over_i if pool[i] is w)
+                ratio = ratios[i]
                 return self._decide(ctx, w, f"explore P/D ratio={ratio:.2f}>{self.cfg.imbalance_ratio}",
                                     cached_len, missed_len, costs)
         pick, costs = self._cheapest(pool, ctx, cached, path, now)
@@ -532,12 +533,13 @@ class PrebleE2(Policy):
             return None
         return alt, alt_costs
 
-    def _ratio(self, w: WorkerId, now: float) -> float:
+    def _ratios(self, pool: Sequence[WorkerView], now: float) -> list[float]:
+        """DECODERATIO of each pool worker, in pool order (every explore reads the whole pool's: one pass)."""
         if self.cfg.decode_ratio == "decode_tokens":
-            o = self.outstanding.get(w)
-            return o.decode_fraction() if o is not None else 0.0
-        hw = self.hit_ratio.get(w)
-        return hw.ratio(now) if hw is not None else 0.0
+            get = self.outstanding.get
+            return [o.decode_fraction() if (o := get(w.worker_id)) is not None else 0.0 for w in pool]
+        get_hw = self.hit_ratio.get
+        return [hw.ratio(now) if (hw := get_hw(w.worker_id)) is not None else 0.0 for w in pool]
 
     def _exploit_set(
         self, key: Any, key_end: int, pool: list[WorkerView], cached: dict[WorkerId, int], now: float

@@ -134,20 +134,28 @@ class MovedLoad:
 
     NOTE: each worker's last sum is kept with the cutoffs it holds for (moves are made in time order, so those
     since a cutoff are a suffix; the sum stands while the cutoff stays between the one it was taken at and the
-    suffix's first move) until a move is added, expired or dropped. Exact: the same moves in the same order.
+    suffix's first move) until a move of that worker is added, expired or dropped. Exact: the same moves in the
+    same order. `version(worker)` changes with that worker's moves only, so a move onto one worker leaves the
+    other workers' memos of L (`PrebleE2.load_s`) standing.
     """
 
-    __slots__ = ("by_worker", "memo", "unordered", "version")
+    __slots__ = ("by_worker", "memo", "unordered", "versions")
 
     def __init__(self) -> None:
-        self.version = 0  # bumped by every change of the moves (callers' memos compare it)
+        self.versions: dict[str, int] = {}  # worker -> count of changes of its moves (callers' memos compare it)
         self.by_worker: dict[str, deque[tuple[float, float]]] = {}
         self.memo: dict[str, tuple[float, float, float]] = {}  # worker -> (cutoff, first move counted t, Σ)
         self.unordered: set[str] = set()  # workers given a move older than their last (never memoised)
 
-    def add(self, now: float, worker: str, delta_s: float) -> None:
-        self.version += 1
+    def version(self, worker: str) -> int:
+        return self.versions.get(worker, 0)
+
+    def _changed(self, worker: str) -> None:
+        self.versions[worker] = self.versions.get(worker, 0) + 1
         self.memo.pop(worker, None)
+
+    def add(self, now: float, worker: str, delta_s: float) -> None:
+        self._changed(worker)
         dq = self.by_worker.get(worker)
         if dq is None:
             dq = self.by_worker[worker] = deque()
@@ -177,19 +185,18 @@ class MovedLoad:
         return next((t for t, _ in dq if t >= cutoff), math.inf)  # in time order: the first one past the cutoff
 
     def expire(self, cutoff: float) -> None:
-        self.memo.clear()
         for w, dq in list(self.by_worker.items()):
-            while dq and dq[0][0] < cutoff:
-                dq.popleft()
-                self.version += 1
+            if dq and dq[0][0] < cutoff:
+                self._changed(w)
+                while dq and dq[0][0] < cutoff:
+                    dq.popleft()
             if not dq:
                 del self.by_worker[w]
                 self.unordered.discard(w)
 
     def drop(self, worker: str) -> None:
-        self.version += 1
+        self._changed(worker)
         self.by_worker.pop(worker, None)
-        self.memo.pop(worker, None)
         self.unordered.discard(worker)
 
 

@@ -441,7 +441,7 @@ def test_pd_balancing_takes_the_lightest_decode_heavy_worker() -> None:
     place(policy, fleet, req("b", shared=0), "w1", now=0.0)
     first_token(policy, fleet, "b", "w1", 0.1)
     place(policy, fleet, req("c", shared=0), "w2", now=0.0)  # w2 is prefilling: decode fraction 0
-    assert [policy._ratio(w, 1.0) for w in (W0, W1, W2)] == [1.0, 1.0, 0.0]
+    assert policy._ratios(fleet.routable("m"), 1.0) == [1.0, 1.0, 0.0]  # w0, w1, w2
     d = route(policy, fleet, req("new", shared=0), 1.0)
     # both w0 and w1 are decode-only (ratio 1 > IMBALR): the lighter one, not a pile-on onto one argmax
     assert d.worker_id == "w1" and d.reason.startswith("explore P/D")
