@@ -13,6 +13,10 @@ Compares with Preble's global scheduler [specs/preble.md §8, §10 claim 12]: To
 sequentially on CPU, 2 GPUs). e2 runs with the Cython radix tree and again with the Python reference (`e2-py`,
 what SWITCHYARD_NO_EXTENSIONS=1 selects).
 
+This VM's timings drift by up to ±30% between runs. `--paired` runs the listed policies side by side in one pass
+over the same states (the first one's decisions are dispatched to all) and reports, per policy, the median of its
+per-request select time over the first policy's: e.g. `--policies e2,e2-py --paired` for the Cython tree's speed-up.
+
 Quick: `switchyard bench decisions --num-requests 2000`. Paper size (50k toolbench requests; VideoQA ~12.9k
 requests = 1500 videos at 8.6 questions each), all policies, 8 and 16 workers: `switchyard bench decisions`
 (minutes; mostly e2-py). Writes results/decisions/decisions.{json,md,png} and prints the table.
@@ -201,7 +205,7 @@ def _state_size(policy: Policy, fleet: Fleet) -> tuple[str, int]:
     return "indexed blocks", len(getattr(index, "_hash_to_mask", {}))
 
 
-def preload(fleet: Fleet, policy: Policy, workers: dict[WorkerId, WorkerModel], num_nodes: int) -> None:
+def preload(fleet: Fleet, policies: list[Policy], workers: dict[WorkerId, WorkerModel], num_nodes: int) -> None:
     """Grow the state to `num_nodes` more tree nodes before the stream: unrelated 2-block prompts, each with a
     fresh first block (one leaf node each), stored round-robin on the workers and sent as their KV events. They
     are cold (never requested), so the workers' LRUs evict them first once the workload fills the caches."""
@@ -216,13 +220,31 @@ def preload(fleet: Fleet, policy: Policy, workers: dict[WorkerId, WorkerModel], 
         batch = workers[wid].store(ctx, 0.0)
         if batch is not None:
             fleet.apply_kv_events(wid, batch)
-            policy.on_kv_events(wid, batch)
+            for policy in policies:
+                policy.on_kv_events(wid, batch)
 
 
 def run_one(
     prep: Prepared, wl: WorkloadDef, policy_name: str, num_workers: int, preload_nodes: int = 0
 ) -> dict[str, Any]:
-    policy = make_bench_policy(policy_name)
+    """One policy's run: its row."""
+    return run_side_by_side(prep, wl, [policy_name], num_workers, preload_nodes)[0]
+
+
+def run_side_by_side(
+    prep: Prepared, wl: WorkloadDef, policy_names: list[str], num_workers: int, preload_nodes: int = 0
+) -> list[dict[str, Any]]:
+    """Each policy's row, all of them run in one pass over the same states (`--paired`).
+
+    Every policy gets every hook; at each arrival each one selects on the same fleet state, timed on its own, in
+    an order that rotates by request (so none is always the first after a hook's cache misses); the first
+    policy's decision is dispatched, to the fleet and to every policy's `on_dispatch`. The others are thus
+    priced on the first one's trajectory: the paired ratios compare the cost of the same decisions (two builds or
+    configurations of one policy decide alike) free of this VM's run-to-run drift. With one policy this is the
+    plain run.
+    """
+    policies = [make_bench_policy(name) for name in policy_names]
+    k = len(policies)
     fleet = Fleet()
     workers: dict[WorkerId, WorkerModel] = {}
     for i in range(num_workers):
@@ -234,17 +256,18 @@ def run_one(
             healthy=True,
         )
         workers[wid] = WorkerModel(wl.kv_capacity_blocks)
-        policy.on_worker_change(wid, 0.0)
+        for policy in policies:
+            policy.on_worker_change(wid, 0.0)
     if preload_nodes:
-        preload(fleet, policy, workers, preload_nodes)
-    start_state = _state_size(policy, fleet)[1]
+        preload(fleet, policies, workers, preload_nodes)
+    start_states = [_state_size(policy, fleet)[1] for policy in policies]
 
     n = len(prep.trace.requests)
-    select_ns = np.zeros(n, dtype=np.int64)
-    dispatch_ns = np.zeros(n, dtype=np.int64)
-    hooks_ns = 0  # on_kv_events + fleet KV ingestion + on_first_token + on_finish
-    tick_ns = 0
-    max_tick_ns = 0
+    select_ns = np.zeros((k, n), dtype=np.int64)
+    dispatch_ns = np.zeros((k, n), dtype=np.int64)
+    hooks_ns = [0] * k  # on_kv_events + fleet KV ingestion (charged to every policy) + on_first_token + on_finish
+    tick_ns = [0] * k
+    max_tick_ns = [0] * k
     pending: list[tuple[float, int, int, Any]] = []  # (t, kind 0=first token 1=finish, seq, payload)
     seq = 0
     next_stats = 0.0
@@ -271,9 +294,13 @@ def run_one(
                         t0 = clock()
                         if batch is not None:
                             fleet.apply_kv_events(wid, batch)
-                            policy.on_kv_events(wid, batch)
-                        policy.on_first_token(c.request_id, wid, t)
-                        hooks_ns += clock() - t0
+                        fleet_ns = clock() - t0
+                        for j, policy in enumerate(policies):
+                            t0 = clock()
+                            if batch is not None:
+                                policy.on_kv_events(wid, batch)
+                            policy.on_first_token(c.request_id, wid, t)
+                            hooks_ns[j] += clock() - t0 + fleet_ns
                         seq += 1
                         heapq.heappush(pending, (t_fin, 1, seq, (c.request_id, wid, outs)))
                     else:
@@ -281,8 +308,11 @@ def run_one(
                         workers[wid].in_flight -= 1
                         t0 = clock()
                         fleet.note_done(wid)
-                        policy.on_finish(rid, wid, t, outs)
-                        hooks_ns += clock() - t0
+                        fleet_ns = clock() - t0
+                        for j, policy in enumerate(policies):
+                            t0 = clock()
+                            policy.on_finish(rid, wid, t, outs)
+                            hooks_ns[j] += clock() - t0 + fleet_ns
                 elif t == next_stats:
                     for wid, wm in workers.items():
                         fleet.apply_stats(
@@ -293,63 +323,76 @@ def run_one(
                         )
                     next_stats = t + STATS_INTERVAL_S
                 else:
-                    t0 = clock()
-                    policy.on_tick(t)
-                    dt = clock() - t0
-                    tick_ns += dt
-                    max_tick_ns = max(max_tick_ns, dt)
+                    for j, policy in enumerate(policies):
+                        t0 = clock()
+                        policy.on_tick(t)
+                        dt = clock() - t0
+                        tick_ns[j] += dt
+                        max_tick_ns[j] = max(max_tick_ns[j], dt)
                     next_tick = t + TICK_INTERVAL_S
             fleet.set_time(now)
-            t0 = clock()
-            decision = policy.select(ctx, fleet, now)
-            t1 = clock()
+            decisions: list[Any] = [None] * k
+            for r in range(k):
+                j = (i + r) % k
+                t0 = clock()
+                decisions[j] = policies[j].select(ctx, fleet, now)
+                select_ns[j, i] = clock() - t0
+            decision = decisions[0]
             if decision is None:
-                raise RuntimeError(f"{policy_name} chose no worker for {ctx.request_id}")
+                raise RuntimeError(f"{policy_names[0]} chose no worker for {ctx.request_id}")
             fleet.note_dispatch(decision.worker_id)
-            t2 = clock()
-            policy.on_dispatch(ctx, decision, now)
-            t3 = clock()
-            select_ns[i] = t1 - t0
-            dispatch_ns[i] = t3 - t2
+            for j, policy in enumerate(policies):
+                t0 = clock()
+                policy.on_dispatch(ctx, decision, now)
+                dispatch_ns[j, i] = clock() - t0
             wid = decision.worker_id
             wm = workers[wid]
             wm.in_flight += 1
             # prefill against what this worker really holds (its LRU), then decode
             hs = ctx.block_hashes
-            k = 0
-            while k < len(hs) and hs[k] in wm.lru:
-                k += 1
-            t_first = now + prefill_s(ctx.num_prompt_tokens, k)
+            h = 0
+            while h < len(hs) and hs[h] in wm.lru:
+                h += 1
+            t_first = now + prefill_s(ctx.num_prompt_tokens, h)
             seq += 1
             heapq.heappush(pending, (t_first, 0, seq, (ctx, wid, t_first + DECODE_S_PER_TOKEN * out_tokens, out_tokens)))
     finally:
         if gc_was:
             gc.enable()
-    decide_s = (select_ns.sum() + dispatch_ns.sum()) / 1e9
-    state_kind, state = _state_size(policy, fleet)
-    return {
-        "workload": wl.name,
-        "workers": num_workers,
-        "policy": policy_name,
-        "requests": n,
-        "decisions_per_s": n / decide_s if decide_s > 0 else float("inf"),
-        "select_only_per_s": n / (select_ns.sum() / 1e9) if select_ns.sum() else float("inf"),
-        "with_hooks_per_s": n / (decide_s + hooks_ns / 1e9),
-        "select_p50_us": round(_pct_us(select_ns, 50), 1),
-        "select_p99_us": round(_pct_us(select_ns, 99), 1),
-        "select_mean_us": round(float(select_ns.mean()) / 1000, 1) if n else 0.0,
-        "select_max_ms": round(float(select_ns.max()) / 1e6, 2) if n else 0.0,
-        "dispatch_p50_us": round(_pct_us(dispatch_ns, 50), 1),
-        "dispatch_p99_us": round(_pct_us(dispatch_ns, 99), 1),
-        "hooks_us_per_request": round(hooks_ns / 1000 / n, 1),
-        "tick_total_ms": round(tick_ns / 1e6, 1),
-        "tick_max_ms": round(max_tick_ns / 1e6, 2),
-        "state_kind": state_kind,
-        "state_size": state,
-        "state_size_at_start": start_state,
-        "virtual_s": round(prep.trace.duration_s, 1),
-        "paper_decisions_per_s": PAPER.get(wl.name),
-    }
+    rows = []
+    for j, (name, policy) in enumerate(zip(policy_names, policies, strict=True)):
+        sel, dis = select_ns[j], dispatch_ns[j]
+        decide_s = (sel.sum() + dis.sum()) / 1e9
+        state_kind, state = _state_size(policy, fleet)
+        row = {
+            "workload": wl.name,
+            "workers": num_workers,
+            "policy": name,
+            "requests": n,
+            "decisions_per_s": n / decide_s if decide_s > 0 else float("inf"),
+            "select_only_per_s": n / (sel.sum() / 1e9) if sel.sum() else float("inf"),
+            "with_hooks_per_s": n / (decide_s + hooks_ns[j] / 1e9),
+            "select_p50_us": round(_pct_us(sel, 50), 1),
+            "select_p99_us": round(_pct_us(sel, 99), 1),
+            "select_mean_us": round(float(sel.mean()) / 1000, 1) if n else 0.0,
+            "select_max_ms": round(float(sel.max()) / 1e6, 2) if n else 0.0,
+            "dispatch_p50_us": round(_pct_us(dis, 50), 1),
+            "dispatch_p99_us": round(_pct_us(dis, 99), 1),
+            "hooks_us_per_request": round(hooks_ns[j] / 1000 / n, 1),
+            "tick_total_ms": round(tick_ns[j] / 1e6, 1),
+            "tick_max_ms": round(max_tick_ns[j] / 1e6, 2),
+            "state_kind": state_kind,
+            "state_size": state,
+            "state_size_at_start": start_states[j],
+            "virtual_s": round(prep.trace.duration_s, 1),
+            "paper_decisions_per_s": PAPER.get(wl.name),
+        }
+        if k > 1:
+            # per request, this policy's select time over the first one's, on the same state
+            row["paired_with"] = policy_names[0]
+            row["paired_select_ratio_median"] = round(float(np.median(sel / np.maximum(select_ns[0], 1))), 3)
+        rows.append(row)
+    return rows
 
 
 def cpu_times() -> tuple[int, int] | None:
@@ -372,8 +415,10 @@ def steal_frac(before: tuple[int, int] | None, after: tuple[int, int] | None) ->
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The run with the median select p50 (the lower middle for an even count), with every run's figures."""
     row = dict(sorted(runs, key=lambda r: r["select_p50_us"])[(len(runs) - 1) // 2])
-    row["runs"] = {k: [r[k] for r in runs] for k in ("select_p50_us", "select_p99_us", "decisions_per_s",
-                                                     "cpu_steal_frac")}
+    keys = ["select_p50_us", "select_p99_us", "decisions_per_s", "cpu_steal_frac"]
+    if "paired_select_ratio_median" in row:
+        keys.append("paired_select_ratio_median")
+    row["runs"] = {k: [r[k] for r in runs] for k in keys}
     return row
 
 
@@ -394,6 +439,21 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
             f"| {r['dispatch_p50_us']} / {r['dispatch_p99_us']} | {r['with_hooks_per_s']:,.0f} "
             f"| {r['state_size_at_start']:,} → {r['state_size']:,} {r['state_kind']} | {_runs_cell(r)} |"
         )
+    paired = [r for r in rows if "paired_with" in r]
+    if paired:
+        lines += [
+            "",
+            "Paired (`--paired`): every policy selected on the same states in one pass, the first one's decisions "
+            "dispatched; the ratio is the median over requests of its select time over the first policy's.",
+            "",
+            "| workload | workers | policy | vs | median select ratio, each run | select p50 / p99 µs |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in paired:
+            ratios = ", ".join(f"{x:.3f}" for x in r["runs"]["paired_select_ratio_median"]) if "runs" in r else (
+                f"{r['paired_select_ratio_median']:.3f}")
+            lines.append(f"| {r['workload']} | {r['workers']} | {r['policy']} | {r['paired_with']} | {ratios} "
+                         f"| {r['select_p50_us']} / {r['select_p99_us']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -450,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs per (workload, workers, policy), the policies interleaved; each row is the run with "
                          "the median select p50, and lists every run's figures (a shared VM's timings drift)")
+    ap.add_argument("--paired", action="store_true",
+                    help="run the policies side by side in one pass over the same states (the first one's decisions "
+                         "dispatched) and report each one's median per-request select ratio to the first")
     ap.add_argument("--out", type=Path, default=Path("results/decisions"), help="output folder")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
@@ -474,17 +537,24 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         for nw in sizes:
             runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+            # each repeat runs every policy once, under the same conditions: one after the other (interleaved
+            # across repeats), or all in one pass with --paired
+            passes = [policies] if args.paired else [[p] for p in policies]
             for _ in range(max(1, args.repeat)):
-                for p in policies:  # interleaved: every repeat runs each policy once, under the same conditions
+                for group in passes:
                     t0 = time.perf_counter()
                     cpu0 = cpu_times()
-                    row = run_one(prep, wl, p, nw, args.preload_nodes)
-                    row["cpu_steal_frac"] = steal_frac(cpu0, cpu_times())
-                    runs[p].append(row)
-                    steal = "" if row["cpu_steal_frac"] is None else f", {row['cpu_steal_frac']:.0%} CPU stolen"
-                    print(f"  {nw:>2} workers {p:<16} {row['decisions_per_s']:>10,.0f} decisions/s  select p50 "
-                          f"{row['select_p50_us']} µs p99 {row['select_p99_us']} µs  "
-                          f"({time.perf_counter() - t0:.1f} s{steal})", flush=True)
+                    got = run_side_by_side(prep, wl, group, nw, args.preload_nodes)
+                    steal = steal_frac(cpu0, cpu_times())
+                    for row in got:
+                        row["cpu_steal_frac"] = steal
+                        runs[row["policy"]].append(row)
+                        paired = (f", x{row['paired_select_ratio_median']:.3f} of {row['paired_with']}"
+                                  if "paired_with" in row else "")
+                        print(f"  {nw:>2} workers {row['policy']:<16} {row['decisions_per_s']:>10,.0f} decisions/s  "
+                              f"select p50 {row['select_p50_us']} µs p99 {row['select_p99_us']} µs{paired}  "
+                              f"({time.perf_counter() - t0:.1f} s"
+                              f"{'' if steal is None else f', {steal:.0%} CPU stolen'})", flush=True)
             rows += [median_run(runs[p]) for p in policies]
         del prep
         gc.collect()

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from switchyard.bench import suite
 from switchyard.bench.micro import decisions
@@ -70,3 +73,42 @@ def test_decisions_repeat_reports_the_median_run(tmp_path: Path) -> None:
 def test_steal_share_from_cpu_times() -> None:
     assert decisions.steal_frac((10, 1000), (40, 1100)) == 0.3
     assert decisions.steal_frac(None, (40, 1100)) is None and decisions.steal_frac((0, 5), (0, 5)) is None
+
+
+def test_decisions_paired_runs_every_policy_on_the_first_ones_decisions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--paired: one pass, every policy selects on the same states and gets the first policy's decision."""
+    selected: dict[str, list[str]] = {}
+    dispatched: dict[str, list[str]] = {}
+    make = decisions.make_bench_policy
+
+    def recording(name: str) -> Any:
+        pol = make(name)
+        select, on_dispatch = pol.select, pol.on_dispatch
+
+        def sel(ctx: Any, fleet: Any, now: float) -> Any:
+            d = select(ctx, fleet, now)
+            selected.setdefault(name, []).append(d.worker_id)
+            return d
+
+        def dis(ctx: Any, decision: Any, now: float) -> None:
+            dispatched.setdefault(name, []).append(decision.worker_id)
+            on_dispatch(ctx, decision, now)
+
+        pol.select, pol.on_dispatch = sel, dis  # type: ignore[method-assign]
+        return pol
+
+    monkeypatch.setattr(decisions, "make_bench_policy", recording)
+    rc = decisions.main(["--num-requests", "40", "--workloads", "toolbench-200", "--workers", "4", "--paired",
+                         "--policies", "round_robin,e2,e2-py", "--out", str(tmp_path), "--no-plot"])
+    assert rc == 0
+    assert len(selected["round_robin"]) == 40
+    assert selected["round_robin"] == dispatched["round_robin"] == dispatched["e2"] == dispatched["e2-py"]
+    assert selected["e2"] == selected["e2-py"]  # one policy, two tree builds, the same states: the same picks
+    assert selected["e2"] != selected["round_robin"]  # so the check above is not vacuous
+    rows = json.loads((tmp_path / "decisions.json").read_text())["rows"]
+    assert [r["paired_with"] for r in rows] == ["round_robin"] * 3
+    assert rows[0]["paired_select_ratio_median"] == 1.0
+    assert rows[1]["state_size"] == rows[2]["state_size"]
+    assert "| toolbench-200 | 4 | e2 | round_robin |" in (tmp_path / "decisions.md").read_text()
