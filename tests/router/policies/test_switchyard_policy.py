@@ -81,9 +81,12 @@ def holder(p: Switchyard, fleet: Fleet, ctx: RoutingContext, worker: WorkerId) -
 def terms(p: Switchyard, fleet: Fleet, ctx: RoutingContext) -> dict[str, Terms]:
     m = p.tree.match(ctx.block_hashes)
     d = p.predicted_tokens(ctx)
+    pool = fleet.routable(ctx.model)
+    per_worker = p.arrivals.rate(NOW) / len(pool)  # B's arrival rate, as select passes it
     return {
-        w.worker_id: p.terms(w, ctx, p._cached_blocks(w.worker_id, m, ctx.block_hashes), m.path, d, NOW)
-        for w in fleet.routable(ctx.model)
+        w.worker_id: p.terms(w, ctx, p._cached_blocks(w.worker_id, m, ctx.block_hashes), m.path, d, NOW,
+                             arrivals_per_s=per_worker)
+        for w in pool
     }
 
 
@@ -319,6 +322,7 @@ DROPPED = {
     "switchyard-no_evict": lambda t: t.evict_s,
     "switchyard-no_decode": lambda t: t.decode_self_s + t.decode_in_s + LAM * t.decode_out_s,
     "switchyard-no_interference": lambda t: LAM * t.interference_s,
+    "switchyard-no_behind": lambda t: LAM * t.behind_s,
     "switchyard-no_overflow": lambda t: t.overflow_s,
     "switchyard-no_kv_wait": lambda t: t.kv_wait_s,
 }
@@ -349,6 +353,7 @@ def test_each_ablation_drops_exactly_its_term(name: str) -> None:
             full.evict_s,
             full.decode_co_s,
             full.interference_s,
+            full.behind_s,
             full.overflow_s,
             full.kv_wait_s,
         )
@@ -367,7 +372,7 @@ def test_total_is_own_latency_plus_weighted_externalities() -> None:
     p, fleet = policy(kv_capacity_blocks=100)
     t = terms(p, fleet, _loaded(p, fleet))[W0]
     own = t.queue_s + t.prefill_s + t.decode_self_s + t.decode_in_s + t.kv_wait_s
-    others = t.evict_s + LAM * (t.decode_out_s + t.interference_s) + t.overflow_s
+    others = t.evict_s + LAM * (t.decode_out_s + t.interference_s + t.behind_s) + t.overflow_s
     assert t.total_s == pytest.approx(own + others)
     assert LAM == 0.1
 
@@ -590,3 +595,50 @@ def test_lower_bounds_price_cached_tokens_not_blocks() -> None:
     d_self = COST.decode_s(50, 512 + 49 / 2)
     assert bounds[0] == pytest.approx(COST.prefill_s(512 - 128, 128) + d_self)
     assert bounds[1] == pytest.approx(COST.prefill_s(512 - 256, 256) + d_self)
+
+
+# ---------------------------------------------------------------------------------------------- arrivals behind
+def test_arrivals_behind_is_the_step_of_every_request_expected_before_rs_first_token() -> None:
+    p, fleet = policy(kv_capacity_blocks=100)
+    t = terms(p, fleet, _loaded(p, fleet))[W0]
+    rate = p.arrivals.rate(NOW)
+    assert rate == 3.0  # a, x and q over the 1-s floor of the window
+    w0 = fleet.get(W0)
+    step = p.prefill_step_gain_s(w0, COST, t.prefill_s, Switchyard.missed_tokens(w0, 0, 512))  # r: 512 missed
+    assert t.queue_s > 0 and step > 0
+    # an even share of the arrivals (2 workers) reaches w0 before r's first token, each delayed one step
+    assert t.behind_s == pytest.approx(rate / 2 * (t.queue_s + t.prefill_s) * step)
+
+
+def test_arrival_rate_counts_first_attempts_over_its_window() -> None:
+    p, fleet = policy()
+    assert p.arrivals.rate(NOW) == 0.0
+    a = req("a", 64)
+    dispatch(p, fleet, a, W0, now=0.0)
+    dispatch(p, fleet, dataclasses.replace(a, attempt=1), W1, now=0.0)  # its retry is not an arrival
+    for i in range(3):
+        dispatch(p, fleet, req(f"b{i}", 64), W0, now=4.0)
+    assert p.arrivals.rate(4.0) == 4 / 4.0  # the window is not full yet: over the time since the first
+    assert p.arrivals.rate(0.5) == 4 / 1.0  # ... never under 1 s
+    assert p.arrivals.rate(12.0) == 3 / 10.0  # the first one left the 10-s window; reading drops nothing
+    assert len(p.arrivals.times) == 4
+
+
+@pytest.mark.parametrize(("behind_weight", "expected"), [(0.0, W1), (1.0, W0)])
+def test_arrivals_behind_keep_a_follow_up_on_the_worker_prefilling_its_prefix(
+    behind_weight: float, expected: WorkerId
+) -> None:
+    """w0 is still prefilling c1 (2,048 tokens) with one more prompt queued; w1 has one queued prompt. c1's
+    follow-up waits less on w1 even recomputing the prefix, so without B it spills; but its 2,048-token
+    recompute there delays every request that reaches w1 meanwhile (13 arrivals/s over 2 workers), so with B it
+    waits for the prefix on w0 and the fleet prefills it once."""
+    p, fleet = policy(behind_weight=behind_weight)
+    dispatch(p, fleet, req("c1", 2048, shared=2048), W0)
+    dispatch(p, fleet, req("h", 2048), W0)
+    dispatch(p, fleet, req("o", 2048), W1)
+    for _ in range(10):
+        p.arrivals.add(NOW - 0.5)
+    follow_up = req("r", 2048 + 64, shared=2048)
+    t = terms(p, fleet, follow_up)
+    assert t[W1].prefill_s > 4 * t[W0].prefill_s and t[W1].queue_s < t[W0].queue_s
+    assert p.select(follow_up, fleet, NOW).worker_id == expected
