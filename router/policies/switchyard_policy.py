@@ -215,7 +215,11 @@ class _Req:
 class ArrivalRate:
     """Requests per second this router dispatched over the last `window_s` (B_w's arrival rate): the count in the
     window over the window, or over the time since the first dispatch while the window is not yet full (at least
-    1 s, so the first few dispatches do not read as a burst). Retries are not arrivals (the caller skips them)."""
+    `MIN_SPAN_S`, about one prefill, under which a count is noise). A cold start is when B matters most: the
+    first seconds' burst must read as a burst, not as a count over a long floor. Retries are not arrivals (the
+    caller skips them)."""
+
+    MIN_SPAN_S = 0.1
 
     __slots__ = ("window_s", "times", "first")
 
@@ -242,7 +246,7 @@ class ArrivalRate:
             if t >= cutoff:
                 break
             n -= 1
-        return n / min(self.window_s, max(1.0, now - self.first))
+        return n / min(self.window_s, max(self.MIN_SPAN_S, now - self.first))
 
 
 class Switchyard(PrebleE2):

@@ -602,7 +602,7 @@ def test_arrivals_behind_is_the_step_of_every_request_expected_before_rs_first_t
     p, fleet = policy(kv_capacity_blocks=100)
     t = terms(p, fleet, _loaded(p, fleet))[W0]
     rate = p.arrivals.rate(NOW)
-    assert rate == 3.0  # a, x and q over the 1-s floor of the window
+    assert rate == 3.0  # a, x and q over the 1 s since the first of them
     w0 = fleet.get(W0)
     step = p.prefill_step_gain_s(w0, COST, t.prefill_s, Switchyard.missed_tokens(w0, 0, 512))  # r: 512 missed
     assert t.queue_s > 0 and step > 0
@@ -619,7 +619,7 @@ def test_arrival_rate_counts_first_attempts_over_its_window() -> None:
     for i in range(3):
         dispatch(p, fleet, req(f"b{i}", 64), W0, now=4.0)
     assert p.arrivals.rate(4.0) == 4 / 4.0  # the window is not full yet: over the time since the first
-    assert p.arrivals.rate(0.5) == 4 / 1.0  # ... never under 1 s
+    assert p.arrivals.rate(0.05) == 4 / 0.1  # ... never under MIN_SPAN_S
     assert p.arrivals.rate(12.0) == 3 / 10.0  # the first one left the 10-s window; reading drops nothing
     assert len(p.arrivals.times) == 4
 
