@@ -50,16 +50,15 @@ M and O, kept at E2's and PreServe's weight 1. For r (P prompt tokens, D predict
              those jointly too cost Mooncake's long-prompt traffic 3-12% TPOT in bench sim.
     B_w      arrivals behind r: I's step for the requests not yet on w. Those that reach w before r's prefill is
              done queue behind it (FCFS admission) and wait its step too: B_w = a_w × (Q_w + R_w) × step_w, a_w
-             = this router's arrival rate over the last 10 s (`arrival_window_s`) / routable workers (an even
-             share). A recompute on a backlogged worker delays everything that follows it there, which r's own
-             Q and R do not see: in a cold start, when a prefix's holder is still prefilling it, a follow-up
-             request otherwise spills and recomputes the prefix elsewhere (cost 1.14 s on the holder, 1.00 s away)
-             and the fleet prefills it twice. Measured (bench sim, 4 workers, 1,500 requests, seeds
-             0-2): preble-agent at 64 req/s TTFT mean 0.138 / 0.106 / 0.106 s → 0.114 / 0.100 / 0.103 (p99 1.00
-             / 0.69 / 0.64 → 0.74 / 0.53 / 0.64 s); preble-programming at 256 req/s p99 4.61 / 4.74 / 6.79 →
-             3.03 / 4.77 / 5.74 s; Mooncake TTFT mean +4% (p99 −3%); ShareGPT (no sharing) 8B at 27.7 req/s
-             SLO within ±0.007, 70B at 19.5 req/s p99 106 → 112 ms. Each router replica counts its own
-             arrivals: with K replicas sharing the workers, a_w reads 1/K of the truth.
+             = this router's arrival rate over the last 10 s (`arrival_window_s`, `ArrivalRate`) / routable
+             workers (an even share). A recompute on a backlogged worker delays everything that follows it there,
+             which r's own Q and R do not see: in a cold start, when a prefix's holder is still prefilling it, a
+             follow-up request otherwise spills and recomputes the prefix elsewhere (cost 1.14 s on the holder,
+             1.00 s away) and the fleet prefills it twice. Measured (bench sim, 4 workers, seeds 0-2; README):
+             preble-agent at 64 req/s TTFT mean 0.138 / 0.106 / 0.106 → 0.111 / 0.100 / 0.103 s, most other
+             shared-prefix runs a few % better, a few a few % worse; ShareGPT (no sharing) near the knee within
+             noise. Each router replica counts its own arrivals: with K replicas sharing the workers, a_w reads
+             1/K of the truth.
     O_w      overflow risk: U_k = max_{j<l} (U'[j] + (P_priv + j)·[j < D]) / M_kv, the virtual peak over the next
              l iterations of the anticipated occupancy U' = the anticipator's map + the requests queued ahead
              (P_x + j for j < D_x from offset 0: PreServe leaves them out, but they will be admitted before r);
