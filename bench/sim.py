@@ -212,6 +212,7 @@ def _stats_sample(s: Any, prev_gen_tokens: int, interval_s: float) -> StatsSampl
         num_waiting_uncached_tokens=s.num_waiting_uncached_tokens,
         num_iterations=s.num_iterations,
         num_preemptions=s.num_preemptions,
+        num_requests_received=s.num_requests_received,
         generation_tokens_per_s=(s.generation_tokens_total - prev_gen_tokens) / interval_s
         if interval_s
         else 0.0,

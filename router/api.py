@@ -141,6 +141,7 @@ def stats_from_proto(s: worker_pb2.WorkerStats) -> StatsSample:
         num_iterations=s.num_iterations,
         num_preemptions=s.num_preemptions,
         generation_tokens_per_s=s.generation_tokens_per_s,
+        num_requests_received=s.num_requests_received,
     )
 
 

@@ -56,6 +56,7 @@ class StatsSample:
     num_iterations: int = 0
     num_preemptions: int = 0
     generation_tokens_per_s: float = 0.0
+    num_requests_received: int = 0  # cumulative, every router's dispatches to this worker
 
 
 @dataclass(slots=True)
@@ -116,6 +117,10 @@ class WorkerRecord:
     @property
     def num_iterations(self) -> int:
         return self.stats.num_iterations
+
+    @property
+    def num_requests_received(self) -> int:
+        return self.stats.num_requests_received
 
     @property
     def stats_age_s(self) -> float:

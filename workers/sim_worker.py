@@ -534,6 +534,7 @@ class SimWorker:
             num_waiting_uncached_tokens=s.num_waiting_uncached_tokens,
             timestamp=t,
             state=self.state,
+            num_requests_received=s.num_requests_received,
         )
 
 

@@ -226,6 +226,7 @@ class VllmWorker:
         self.idle.set()
         self.engine_dead = asyncio.Event()
         self.rates = sim_worker.TokenRateMeter()
+        self.num_requests_received = 0  # Stats: every router's requests (fleet arrival rate)
 
     # ---------------------------------------------------------------- requests
 
@@ -271,6 +272,7 @@ class VllmWorker:
         stream = _Stream(rid, received_at, IncrementalDetokenizer(self.tokenizer, prompt_ids), stops)
         stream.num_prompt_tokens = len(prompt_ids)
         self.streams[rid] = stream
+        self.num_requests_received += 1
         self.idle.clear()
         self.pumps[rid] = asyncio.get_running_loop().create_task(
             self._pump(stream, list(prompt_ids), params, priority if self.priority_scheduling else 0),
@@ -395,6 +397,7 @@ class VllmWorker:
             num_preemptions=c.num_preemptions,
             timestamp=t,
             state=self.state,
+            num_requests_received=self.num_requests_received,
         )
 
 

@@ -81,6 +81,8 @@ class WorkerView(Protocol):
     def dispatched_since_stats(self) -> int: ...  # dispatches after the last Stats sample (incast guard)
     @property
     def num_iterations(self) -> int: ...  # engine iterations so far, from the last Stats (anticipator clock)
+    @property
+    def num_requests_received(self) -> int: ...  # requests the worker accepted so far (all routers), last Stats
 
 
 class FleetView(Protocol):

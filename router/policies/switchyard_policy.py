@@ -50,15 +50,15 @@ M and O, kept at E2's and PreServe's weight 1. For r (P prompt tokens, D predict
              those jointly too cost Mooncake's long-prompt traffic 3-12% TPOT in bench sim.
     B_w      arrivals behind r: I's step for the requests not yet on w. Those that reach w before r's prefill is
              done queue behind it (FCFS admission) and wait its step too: B_w = a_w × (Q_w + R_w) × step_w, a_w
-             = this router's arrival rate over the last 10 s (`arrival_window_s`, `ArrivalRate`) / routable
-             workers (an even share). A recompute on a backlogged worker delays everything that follows it there,
+             = the model's arrival rate over the last 10 s (`arrival_window_s`, `ArrivalRate`: the larger of
+             this router's dispatches and the workers' Stats counters of requests received, which count every
+             router replica's) / routable workers (an even share). A recompute on a backlogged worker delays everything that follows it there,
              which r's own Q and R do not see: in a cold start, when a prefix's holder is still prefilling it, a
              follow-up request otherwise spills and recomputes the prefix elsewhere (cost 1.14 s on the holder,
              1.00 s away) and the fleet prefills it twice. Measured (bench sim, 4 workers, seeds 0-2; README):
              preble-agent at 64 req/s TTFT mean 0.138 / 0.106 / 0.106 → 0.111 / 0.100 / 0.103 s, most other
              shared-prefix runs a few % better, a few a few % worse; ShareGPT (no sharing) near the knee within
-             noise. Each router replica counts its own arrivals: with K replicas sharing the workers, a_w reads
-             1/K of the truth.
+             noise.
     O_w      overflow risk: U_k = max_{j<l} (U'[j] + (P_priv + j)·[j < D]) / M_kv, the virtual peak over the next
              l iterations of the anticipated occupancy U' = the anticipator's map + the requests queued ahead
              (P_x + j for j < D_x from offset 0: PreServe leaves them out, but they will be admitted before r);
@@ -211,41 +211,79 @@ class _Req:
     running: bool = False
 
 
-class ArrivalRate:
-    """Requests per second this router dispatched over the last `window_s` (B_w's arrival rate): the count in the
-    window over the window, or over the time since the first dispatch while the window is not yet full (at least
-    `MIN_SPAN_S`, about one prefill, under which a count is noise). A cold start is when B matters most: the
-    first seconds' burst must read as a burst, not as a count over a long floor. Retries are not arrivals (the
-    caller skips them)."""
+class _Window:
+    """A count of events over the last `window_s`, or over the time since the window opened while it is not yet
+    full (at least `MIN_SPAN_S`, about one prefill, under which a count is noise)."""
 
     MIN_SPAN_S = 0.1
 
-    __slots__ = ("window_s", "times", "first")
+    __slots__ = ("window_s", "times", "counts", "first")
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
         self.times: deque[float] = deque()
+        self.counts: deque[int] = deque()
         self.first: float | None = None
 
-    def add(self, now: float) -> None:
+    def add(self, now: float, k: int = 1) -> None:
+        """`k` events at `now` (k = 0 only opens the window)."""
         if self.first is None:
             self.first = now
-        self.times.append(now)
+        if k:
+            self.times.append(now)
+            self.counts.append(k)
         cutoff = now - self.window_s
-        while self.times[0] < cutoff:
+        while self.times and self.times[0] < cutoff:
             self.times.popleft()
+            self.counts.popleft()
 
     def rate(self, now: float) -> float:
         """Read-only (select is pure): the expired head is only stepped over; `add` drops it."""
         if self.first is None:
             return 0.0
         cutoff = now - self.window_s
-        n = len(self.times)
-        for t in self.times:
+        n = 0
+        for t, k in zip(self.times, self.counts, strict=True):
             if t >= cutoff:
-                break
-            n -= 1
+                n += k
         return n / min(self.window_s, max(self.MIN_SPAN_S, now - self.first))
+
+
+class ArrivalRate:
+    """Requests per second reaching one model's workers (B_w's arrival rate): the larger of two counts over the
+    last `window_s`. This router's own dispatches (`add`, first attempts only: a retry is not an arrival) are
+    current, but see only this replica's share. The workers' Stats (`observe`: each one's cumulative
+    `num_requests_received`) count every replica's requests, one Stats poll late. With one router the two agree
+    to within that lag, and a cold start's burst reads in the first; with K replicas sharing the workers the
+    second is K times the first, and it is the rate B needs (workers are the source of truth)."""
+
+    __slots__ = ("own", "fleet", "seen")
+
+    def __init__(self, window_s: float) -> None:
+        self.own = _Window(window_s)
+        self.fleet = _Window(window_s)
+        self.seen: dict[WorkerId, int] = {}  # each worker's counter at the last observation
+
+    def add(self, now: float) -> None:
+        self.own.add(now)
+
+    def observe(self, workers: Sequence[WorkerView], now: float) -> None:
+        """The workers' counters (from their last Stats); a worker's first sighting is its baseline."""
+        n = 0
+        seen = self.seen
+        for w in workers:
+            c = w.num_requests_received
+            last = seen.get(w.worker_id)
+            seen[w.worker_id] = c
+            if last is not None:
+                n += c - last if c >= last else c  # a restarted worker counts from 0
+        self.fleet.add(now, n)
+
+    def forget(self, worker_id: WorkerId) -> None:
+        self.seen.pop(worker_id, None)
+
+    def rate(self, now: float) -> float:
+        return max(self.own.rate(now), self.fleet.rate(now))
 
 
 class Switchyard(PrebleE2):
@@ -259,7 +297,13 @@ class Switchyard(PrebleE2):
         self.reqs: dict[str, _Req] = {}
         self.by_worker: dict[WorkerId, dict[str, _Req]] = {}
         self.num_queued: dict[WorkerId, int] = {}  # requests of by_worker[w] without a first token yet
-        self.arrivals = ArrivalRate(cfg.arrival_window_s)  # this router's dispatches, for B_w
+        self.arrivals: dict[str, ArrivalRate] = {}  # per model, for B_w
+
+    def arrival_rate(self, model: str) -> ArrivalRate:
+        got = self.arrivals.get(model)
+        if got is None:
+            got = self.arrivals[model] = ArrivalRate(self.sy.arrival_window_s)
+        return got
 
     # ------------------------------------------------------------------------------------------ cost
     def predicted_tokens(self, ctx: RoutingContext) -> int:
@@ -583,7 +627,7 @@ class Switchyard(PrebleE2):
                 why = "explore"
         d = self.predicted_tokens(ctx)
         n = len(pool)
-        per_worker = self.arrivals.rate(now) / n  # B_w: an even share of this router's arrivals
+        per_worker = self.arrival_rate(ctx.model).rate(now) / n  # B_w: an even share of the model's arrivals
         turn = self._turn
         rot = [(i - turn) % n for i in range(n)]  # E2's rotation, a permutation: no two (bound, rot) keys tie
         ants: list[Anticipator] | list[None]
@@ -663,7 +707,7 @@ class Switchyard(PrebleE2):
     def on_dispatch(self, ctx: RoutingContext, decision: Decision, now: float) -> None:
         w = decision.worker_id
         if not ctx.attempt:  # a retry is not a new arrival
-            self.arrivals.add(now)
+            self.arrival_rate(ctx.model).add(now)
         # before E2 assigns r's path to w (after, the whole prompt would count as cached)
         shared = self.shared_tokens(w, ctx) if self.sy.discount_shared_prefix else 0
         super().on_dispatch(ctx, decision, now)
@@ -714,6 +758,14 @@ class Switchyard(PrebleE2):
             for rid in list(self.by_worker.pop(worker_id, {})):
                 self.reqs.pop(rid, None)
             self.num_queued.pop(worker_id, None)
+            for a in self.arrivals.values():
+                a.forget(worker_id)
+
+    def on_tick(self, now: float) -> None:
+        super().on_tick(now)
+        if self._fleet is not None:  # the workers' arrival counters, for B's rate (every replica's requests)
+            for model in self._models:
+                self.arrival_rate(model).observe(self._fleet.workers(model), now)
 
     def _drop(self, request_id: str) -> None:
         rq = self.reqs.pop(request_id, None)

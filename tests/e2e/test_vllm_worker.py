@@ -401,7 +401,8 @@ def test_e2_routes_a_repeated_prefix_to_the_worker_that_cached_it(
             lambda: {s.worker_id: s.num_resident_blocks for s in c.list_workers()}[owner] >= 8,
             what="the router's view holds the prefix on its worker",
         )
-        hits0 = {n: w.stats().prefix_cache_hits for n, w in by_id.items()}
+        before = {n: w.stats() for n, w in by_id.items()}
+        hits0 = {n: s.prefix_cache_hits for n, s in before.items()}
         for _ in range(3):
             resp = c.complete(
                 MODEL,
@@ -412,11 +413,15 @@ def test_e2_routes_a_repeated_prefix_to_the_worker_that_cached_it(
             )
             assert resp.timings.worker_id == owner
             assert resp.usage.cached_prompt_tokens >= 8 * BLOCK
-        hits1 = {n: w.stats().prefix_cache_hits for n, w in by_id.items()}
+        after = {n: w.stats() for n, w in by_id.items()}
+        hits1 = {n: s.prefix_cache_hits for n, s in after.items()}
     # vLLM's own counter (tokens): each repeat hit at least the 8 prefix blocks on the owner
     assert hits1[owner] - hits0[owner] >= 3 * 8 * BLOCK
     other = next(n for n in by_id if n != owner)
     assert hits1[other] == hits0[other]
+    # the workers count the requests they accepted (the fleet's arrival rate for B, across router replicas)
+    received = {n: after[n].num_requests_received - before[n].num_requests_received for n in by_id}
+    assert received == {owner: 3, other: 0}
 
 
 def test_round_robin_vs_e2_prefix_hits(vllm_workers: list[VllmProc], router_factory) -> None:  # type: ignore[no-untyped-def]

@@ -125,7 +125,11 @@ async def test_info_reports_configuration(worker: WorkerProc) -> None:
 async def test_generate_streams_max_tokens_with_text(worker: WorkerProc) -> None:
     prompt = prompt_of("The quick brown fox jumps over the lazy dog, again and again.")
     async with grpc.aio.insecure_channel(worker.address) as ch:
-        chunks = await collect(worker_pb2_grpc.WorkerStub(ch), gen_request("gen-1", prompt, 24))
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        before = await stub.Stats(worker_pb2.StatsRequest())
+        chunks = await collect(stub, gen_request("gen-1", prompt, 24))
+        after = await stub.Stats(worker_pb2.StatsRequest())
+    assert after.num_requests_received == before.num_requests_received + 1  # every router's requests count
     token_ids = [t for c in chunks for t in c.token_ids]
     assert len(token_ids) == 24
     assert all(c.request_id == "gen-1" for c in chunks)

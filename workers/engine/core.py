@@ -210,4 +210,5 @@ class EngineCore:
             num_waiting_uncached_tokens=s.num_waiting_uncached_tokens,
             prompt_tokens_total=s.prompt_tokens_total,
             generation_tokens_total=s.generation_tokens_total,
+            num_requests_received=s.num_requests_received,
         )

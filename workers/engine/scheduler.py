@@ -136,10 +136,12 @@ class Scheduler:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_waiting_uncached_tokens = 0
+        self.num_requests_received = 0
 
     # -- queue management ----------------------------------------------------------------------------------
     def add_request(self, r: Request) -> None:
         self.requests[r.request_id] = r
+        self.num_requests_received += 1
         self._set_uncached_estimate(r, r.num_tokens - self.kv.num_cached_prefix_tokens(r))
         self.waiting.add(r)
 

@@ -66,3 +66,4 @@ class EngineStats:
     num_waiting_uncached_tokens: int
     prompt_tokens_total: int  # cumulative
     generation_tokens_total: int  # cumulative
+    num_requests_received: int = 0  # cumulative: requests added, however many routers sent them

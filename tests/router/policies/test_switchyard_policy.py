@@ -21,11 +21,17 @@ from factories import make_fleet, make_requests, make_worker_info
 
 from switchyard.bench.sim import SimConfig, Simulator
 from switchyard.bench.workloads import WorkloadSpec, make_workload
-from switchyard.router.fleet import Fleet, WorkerState
+from switchyard.router.fleet import Fleet, StatsSample, WorkerState
 from switchyard.router.policies.base import Decision, RoutingContext, WorkerId
 from switchyard.router.policies.preble_cost import profile_cost
 from switchyard.router.policies.registry import POLICIES, make_policy
-from switchyard.router.policies.switchyard_policy import ABLATIONS, Switchyard, SwitchyardConfig, Terms
+from switchyard.router.policies.switchyard_policy import (
+    ABLATIONS,
+    ArrivalRate,
+    Switchyard,
+    SwitchyardConfig,
+    Terms,
+)
 from switchyard.workers.engine.profiles import DEFAULT_PROFILE
 
 COST = profile_cost(DEFAULT_PROFILE)
@@ -82,7 +88,7 @@ def terms(p: Switchyard, fleet: Fleet, ctx: RoutingContext) -> dict[str, Terms]:
     m = p.tree.match(ctx.block_hashes)
     d = p.predicted_tokens(ctx)
     pool = fleet.routable(ctx.model)
-    per_worker = p.arrivals.rate(NOW) / len(pool)  # B's arrival rate, as select passes it
+    per_worker = p.arrival_rate("m").rate(NOW) / len(pool)  # B's arrival rate, as select passes it
     return {
         w.worker_id: p.terms(w, ctx, p._cached_blocks(w.worker_id, m, ctx.block_hashes), m.path, d, NOW,
                              arrivals_per_s=per_worker)
@@ -601,7 +607,7 @@ def test_lower_bounds_price_cached_tokens_not_blocks() -> None:
 def test_arrivals_behind_is_the_step_of_every_request_expected_before_rs_first_token() -> None:
     p, fleet = policy(kv_capacity_blocks=100)
     t = terms(p, fleet, _loaded(p, fleet))[W0]
-    rate = p.arrivals.rate(NOW)
+    rate = p.arrival_rate("m").rate(NOW)
     assert rate == 3.0  # a, x and q over the 1 s since the first of them
     w0 = fleet.get(W0)
     step = p.prefill_step_gain_s(w0, COST, t.prefill_s, Switchyard.missed_tokens(w0, 0, 512))  # r: 512 missed
@@ -612,16 +618,16 @@ def test_arrivals_behind_is_the_step_of_every_request_expected_before_rs_first_t
 
 def test_arrival_rate_counts_first_attempts_over_its_window() -> None:
     p, fleet = policy()
-    assert p.arrivals.rate(NOW) == 0.0
+    assert p.arrival_rate("m").rate(NOW) == 0.0
     a = req("a", 64)
     dispatch(p, fleet, a, W0, now=0.0)
     dispatch(p, fleet, dataclasses.replace(a, attempt=1), W1, now=0.0)  # its retry is not an arrival
     for i in range(3):
         dispatch(p, fleet, req(f"b{i}", 64), W0, now=4.0)
-    assert p.arrivals.rate(4.0) == 4 / 4.0  # the window is not full yet: over the time since the first
-    assert p.arrivals.rate(0.05) == 4 / 0.1  # ... never under MIN_SPAN_S
-    assert p.arrivals.rate(12.0) == 3 / 10.0  # the first one left the 10-s window; reading drops nothing
-    assert len(p.arrivals.times) == 4
+    assert p.arrival_rate("m").rate(4.0) == 4 / 4.0  # the window is not full yet: over the time since the first
+    assert p.arrival_rate("m").rate(0.05) == 4 / 0.1  # ... never under MIN_SPAN_S
+    assert p.arrival_rate("m").rate(12.0) == 3 / 10.0  # the first one left the 10-s window; reading drops nothing
+    assert len(p.arrival_rate("m").own.times) == 4
 
 
 @pytest.mark.parametrize(("behind_weight", "expected"), [(0.0, W1), (1.0, W0)])
@@ -637,8 +643,65 @@ def test_arrivals_behind_keep_a_follow_up_on_the_worker_prefilling_its_prefix(
     dispatch(p, fleet, req("h", 2048), W0)
     dispatch(p, fleet, req("o", 2048), W1)
     for _ in range(10):
-        p.arrivals.add(NOW - 0.5)
+        p.arrival_rate("m").add(NOW - 0.5)
     follow_up = req("r", 2048 + 64, shared=2048)
     t = terms(p, fleet, follow_up)
     assert t[W1].prefill_s > 4 * t[W0].prefill_s and t[W1].queue_s < t[W0].queue_s
     assert p.select(follow_up, fleet, NOW).worker_id == expected
+
+
+def test_workers_counts_give_the_arrival_rate_from_their_first_sighting() -> None:
+    """A worker's first Stats counter is its baseline (requests before this router saw it are not in the window);
+    a counter that fell (the worker restarted) counts from 0; a forgotten worker starts a new baseline."""
+    fleet = make_fleet(2)
+    rate = ArrivalRate(10.0)
+    received = {W0: 50, W1: 7}
+
+    def report(t: float) -> None:
+        for w, c in received.items():
+            fleet.apply_stats(w, StatsSample(num_requests_received=c), t)
+        rate.observe(fleet.workers("m"), t)
+
+    report(0.0)
+    assert rate.rate(0.0) == 0.0  # baselines only
+    received[W0] += 6
+    received[W1] += 4
+    report(2.0)
+    assert rate.rate(2.0) == 10 / 2.0  # the window opened at the first observation
+    received[W0] = 3  # w0 restarted and has accepted 3 since
+    report(4.0)
+    assert rate.rate(4.0) == 13 / 4.0
+    rate.forget(W1)
+    received[W1] += 100
+    report(5.0)  # w1 seen afresh: its counter is a baseline again
+    assert rate.rate(5.0) == 13 / 5.0
+    assert rate.rate(13.0) == 3 / 10.0  # the 2-s report left the window
+    rate.add(12.0)  # this router's own dispatches read alone when they are more
+    for _ in range(9):
+        rate.add(12.5)
+    assert rate.rate(13.0) == 10 / 1.0
+
+
+@pytest.mark.parametrize(("workers_report", "expected"), [(False, W1), (True, W0)])
+def test_arrivals_behind_count_every_replicas_requests_from_the_workers_stats(
+    workers_report: bool, expected: WorkerId
+) -> None:
+    """Two router replicas have split 12 req/s over the same two workers for 10 s: this one dispatched half.
+    Then c1's follow-up arrives as in the test above. Read from the workers' Stats counters (every replica's
+    requests), the rate is the fleet's, and this replica keeps the follow-up on w0 as one router seeing every
+    arrival would; from its own dispatches alone it reads 6 req/s, prices B at half, and spills to w1."""
+    p, fleet = policy()
+    start = NOW - 10.0
+    p.select(req("first", 64), fleet, start)  # the replica's first select: it learns the model's workers
+    p.on_tick(start)  # the workers' counters (0) are the baselines
+    for i in range(60):
+        p.arrival_rate("m").add(start + i / 6)  # this replica's half
+    if workers_report:  # the workers accepted both replicas' requests: 60 each
+        for w in (W0, W1):
+            fleet.apply_stats(w, StatsSample(num_requests_received=60), NOW - 0.1)
+    p.on_tick(NOW - 0.1)
+    dispatch(p, fleet, req("c1", 2048, shared=2048), W0)
+    dispatch(p, fleet, req("h", 2048), W0)
+    dispatch(p, fleet, req("o", 2048), W1)
+    assert p.arrival_rate("m").rate(NOW) == pytest.approx(12.0 if workers_report else 6.3)
+    assert p.select(req("r", 2048 + 64, shared=2048), fleet, NOW).worker_id == expected
