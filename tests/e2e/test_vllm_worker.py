@@ -360,11 +360,13 @@ def test_cancel_mid_stream_aborts_on_vllm(vllm_workers: list[VllmProc], router_f
         # vLLM's own scheduler must not still run the cancelled request: with a second long request in
         # flight, the engine's snapshot (taken at a step after that request's first tokens) counts only it.
         # NOTE: the snapshot that came with the first tokens can predate the step that scheduled the request
-        # (it read 0 once), so wait for two more engine steps before reading it.
+        # (it read 0 once), so wait for a step past the two that gave the first tokens. The count is read while
+        # the engine is idle: read after the first tokens, a Stats answer starved on a loaded box once came after
+        # the whole generation had ended, and no later step ever came.
+        steps = w0.stats().num_iterations
         second = c.generate(MODEL, prompt="another long one", max_tokens=1500, ignore_eos=True, timeout=120)
         next(second), next(second)
-        steps = w0.stats().num_iterations
-        until(lambda: w0.stats().num_iterations >= steps + 2, what="two engine steps after the first tokens")
+        until(lambda: w0.stats().num_iterations >= steps + 3, what="an engine step after the first tokens")
         assert w0.stats().num_running == 1
         second.cancel()
         until(lambda: is_idle(w0), what="worker idle after the second cancel")
