@@ -1,4 +1,5 @@
-"""End to end: E2 routes a repeated prefix to the worker that holds it (real router and worker processes).
+"""End to end: a repeated prefix is routed to the worker that holds it (real router and worker processes), by one
+router and by replicas that share the workers.
 
 The router learns residency only from the workers' KV events, so the test first waits (polling the admin view,
 with a bound) until the serving worker's blocks reached the router, then checks where the follow-ups go and that
@@ -10,10 +11,12 @@ from __future__ import annotations
 import random
 import time
 
+import grpc
 import pytest
 
 from switchyard.bench import procs
 from switchyard.router.client import RouterClient, make_request
+from switchyard.v1 import worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 
@@ -52,3 +55,50 @@ def test_repeated_prefix_goes_to_the_worker_holding_it(policy: str) -> None:
             resp = c.complete(request=make_request(MODEL, token_ids=prefix + suffix, max_tokens=2, ignore_eos=True))
             assert resp.timings.worker_id == holder, f"follow-up {i} went to {resp.timings.worker_id}"
             assert resp.usage.cached_prompt_tokens >= 40 * BLOCK  # the worker's own prefix cache hit
+
+
+@pytest.mark.parametrize("policy", ["e2", "switchyard"])
+def test_router_replicas_share_what_the_workers_cache(policy: str) -> None:
+    """Workers are the source of truth: two router replicas over the same workers each learn residency from the
+    workers' KV events, so a prefix served through one replica is routed to its holder by the other, and a
+    replica started afterwards (a restart) rebuilds the same view from the workers' KV snapshot. The workers'
+    Stats count every replica's requests (the fleet arrival rate the default policy's B term reads)."""
+    workers = [
+        procs.start(f"w{i}", ["worker", "sim", "--port", "0", "--worker-id", f"w{i}", "--time-scale", "0.01"])
+        for i in range(3)
+    ]
+
+    def start_router(name: str) -> procs.Proc:
+        args = ["serve", "--port", "0", "--admin-port", "0", "--no-metrics", "--policy", policy]
+        for w in workers:
+            args += ["--worker", w.address]
+        return procs.start(name, args)
+
+    def follow_up(c: RouterClient) -> tuple[str, int]:
+        suffix = [rng.randrange(3, 32000) for _ in range(4 * BLOCK)]
+        resp = c.complete(request=make_request(MODEL, token_ids=prefix + suffix, max_tokens=2, ignore_eos=True))
+        return resp.timings.worker_id, resp.usage.cached_prompt_tokens
+
+    rng = random.Random(11)
+    prefix = [1, *(rng.randrange(3, 32000) for _ in range(40 * BLOCK - 1))]
+    a, b = start_router("router-a"), start_router("router-b")
+    with procs.running([*workers, a, b]):
+        with RouterClient(a.address, admin_address=a.extra["admin"]) as ca, \
+                RouterClient(b.address, admin_address=b.extra["admin"]) as cb:
+            holder = ca.complete(
+                request=make_request(MODEL, token_ids=prefix, max_tokens=2, ignore_eos=True)
+            ).timings.worker_id
+            _wait_resident(cb, holder, 40)  # b never dispatched it: only the holder's KV events can say so
+            for _ in range(3):
+                assert follow_up(cb) == (holder, 40 * BLOCK)
+        c = start_router("router-c")  # a replica that starts after the prefix was cached
+        with procs.running([c]), RouterClient(c.address, admin_address=c.extra["admin"]) as cc:
+            _wait_resident(cc, holder, 40)  # from the KV snapshot the worker sends each new subscriber
+            assert follow_up(cc) == (holder, 40 * BLOCK)
+        received = {w.name: _requests_received(w.address) for w in workers}
+    assert received == {w.name: (5 if w.name == holder else 0) for w in workers}
+
+
+def _requests_received(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        return worker_pb2_grpc.WorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=10).num_requests_received
