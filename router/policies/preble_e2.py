@@ -713,15 +713,23 @@ class PrebleE2(Policy):
                 self.lru.pop(w, None)
 
     def _touch(self, nodes: list[Any]) -> None:
-        """Reconcile every tracked worker's LRU index with these nodes (residency, parent, last_access)."""
+        """Reconcile every tracked worker's LRU index with these nodes (residency, parent, last_access).
+
+        NOTE: only the indexes where a node is resident now or was tracked are asked: `LruIndex.touch` returns
+        at once for any other (not resident there, no entry), and a KV event or split reaches a handful of the
+        fleet's indexes, so most of the 16-fold calls per node did nothing.
+        """
         seen: set[int] = set()
+        items = self.lru.items()
         for node in nodes:
-            if id(node) in seen:
+            k = id(node)
+            if k in seen:
                 continue
-            seen.add(id(node))
+            seen.add(k)
             res = node.resident
-            for w, idx in self.lru.items():
-                idx.touch(w, node, res)
+            for w, idx in items:
+                if w in res or k in idx.entries:
+                    idx.touch(w, node, res)
 
     def _touch_holders(self, nodes: list[Any]) -> None:
         """`_touch` for nodes whose residency and parents did not change: only the indexes of the workers they are
