@@ -64,8 +64,9 @@ ablation keys `e2_base` (all off), `e2_rebal` (+rebalancing, replication), `e2` 
 
 State changes only in hooks: on_dispatch inserts the prompt and assigns the path; on_kv_events mirrors
 BlockStored/BlockRemoved/AllBlocksCleared into resident runs; on_worker_change drops a worker that is gone or
-unhealthy from the tree and the loads. `select` memoises only the fleet reference and each worker's static
-WorkerInfo facts (profile, block size, capacity), which hooks need and do not receive.
+unhealthy from the tree and the loads. `select` memoises only the fleet reference, each worker's static
+WorkerInfo facts (profile, block size, capacity), which hooks need and do not receive, and its last prefix match,
+which the dispatch of that request reuses while no hook has changed the tree since (`held`).
 """
 
 from __future__ import annotations
@@ -214,6 +215,10 @@ class PrebleE2(Policy):
         self._pool_memo: tuple[Any, dict[WorkerId, int], dict[WorkerId, WorkerView]] | None = None
         self._models: set[str] = set()
         self._fleet: FleetView | None = None
+        # the last select's prefix match (request id, block hashes, tree generation, per-worker cached blocks,
+        # path), for its dispatch; `_tree_gen` counts the hooks' changes to the tree and the evicted sets
+        self._prefix_memo: tuple[str, tuple[int, ...], int, dict[WorkerId, int], list[Any]] | None = None
+        self._tree_gen = 0
         self._next_gc = 0.0
         self._next_rebalance = 0.0
         self.num_redirects = 0
@@ -457,7 +462,27 @@ class PrebleE2(Policy):
         zero = self._pool_index(pool)[0]
         if not hashes:
             return zero.copy(), 0, []
-        return self.tree.match_cached(hashes, zero, self.evicted)
+        got = self.tree.match_cached(hashes, zero, self.evicted)
+        self._prefix_memo = (ctx.request_id, hashes, self._tree_gen, got[0], got[2])
+        return got
+
+    def held(self, w: WorkerId, ctx: RoutingContext) -> tuple[int, list[Any]]:
+        """(leading blocks of ctx's prompt w holds, `_cached_blocks`; the matched path) for a prompt with blocks.
+
+        NOTE: a dispatch follows its select with the tree unchanged (nothing in between, or only hooks that bump
+        `_tree_gen`), so the select's match is reused then: one walk of the prompt instead of two (three for the
+        default policy), ~15 µs of a 620-block video-QA prompt. The same walk gives the same numbers.
+        """
+        hashes = ctx.block_hashes
+        memo = self._prefix_memo
+        if memo is not None and memo[2] == self._tree_gen and memo[1] is hashes and memo[0] == ctx.request_id:
+            got = memo[3].get(w)
+            if got is not None:
+                return got, memo[4]
+        m = self.tree.match(hashes)
+        got = self._cached_blocks(w, m, hashes)
+        self._prefix_memo = (ctx.request_id, hashes, self._tree_gen, {w: got}, m.path)
+        return got, m.path
 
     def pool(self, ctx: RoutingContext, fleet: FleetView) -> Sequence[WorkerView]:
         """`candidates`, but the fleet's own routable sequence when nothing is excluded (no copy: the memos of
@@ -585,19 +610,19 @@ class PrebleE2(Policy):
         hashes = ctx.block_hashes
         facts = self._facts.get(w)
         bs = facts.block_size if facts else 16
-        m = self.tree.match(hashes) if hashes else None
-        cached_blocks = self._cached_blocks(w, m, hashes) if m else 0
+        cached_blocks, matched = self.held(w, ctx) if hashes else (0, None)
         cached = min(cached_blocks * bs, max(0, ctx.num_prompt_tokens - 1))
         missed = ctx.num_prompt_tokens - cached
         prefill_s = self.cost_model(w).prefill_s(missed, cached)
         path = self.tree.insert(hashes, now) if hashes else []
         self.tree.assign(path, w, now)
-        if self.lru and m is not None:
-            last = m.path[-1] if m.path else None
+        self._tree_gen += 1
+        if self.lru and matched is not None:
+            last = matched[-1] if matched else None
             if last is not None and not any(x is last for x in path):
-                self._touch(m.path + path)  # a split moved m.path[-1] under a new node: reconcile every index
+                self._touch(matched + path)  # a split moved matched[-1] under a new node: reconcile every index
             else:
-                self._touch_holders(m.path)  # only last_access moved; the new leaves after it hold nothing yet
+                self._touch_holders(matched)  # only last_access moved; the new leaves after it hold nothing yet
         ev = self.evicted.get(w)
         if ev:
             ev.difference_update(hashes)  # re-assigned: predicted resident again
@@ -679,6 +704,7 @@ class PrebleE2(Policy):
 
     def on_kv_events(self, worker_id: WorkerId, batch: KvEventBatch) -> None:
         w, tree = worker_id, self.tree
+        self._tree_gen += 1
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 idx = self.lru.get(w)
@@ -752,6 +778,7 @@ class PrebleE2(Policy):
             self._cost_memo.pop(worker_id, None)
             return  # a drain or a state change: keep its cache view and load
         self.tree.remove_worker(worker_id)
+        self._tree_gen += 1
         self._remembered.clear()
         for d in (self.history, self.hit_ratio, self.fits, self.evicted, self.resident_count, self.lru,
                   self._facts, self.outstanding, self._load_memo, self._cost_memo):
@@ -783,6 +810,7 @@ class PrebleE2(Policy):
     def gc(self, now: float) -> int:
         """Drop tree nodes with no resident worker and no request within W; prune per-worker side tables."""
         removed = self.tree.gc(now, self.cfg.node_window_s)
+        self._tree_gen += 1
         for w, ev in self.evicted.items():
             keep = set()
             for h in ev:

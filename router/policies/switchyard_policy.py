@@ -315,13 +315,11 @@ class Switchyard(PrebleE2):
 
     def shared_tokens(self, w: WorkerId, ctx: RoutingContext) -> int:
         """Prompt tokens whose KV blocks w already holds (resident or assigned), so r's KV shares them."""
-        hashes = ctx.block_hashes
-        if not hashes:
+        if not ctx.block_hashes:
             return 0
-        m = self.tree.match(hashes)
         facts = self._facts.get(w)
         bs = facts.block_size if facts else 16
-        return min(self._cached_blocks(w, m, hashes) * bs, max(0, ctx.num_prompt_tokens - 1))
+        return min(self.held(w, ctx)[0] * bs, max(0, ctx.num_prompt_tokens - 1))
 
     def batch(self, w: WorkerId, ant: Any) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
         """w's anticipated batch: running [(remaining predicted tokens, context)] and queued [(prompt, private

@@ -135,6 +135,49 @@ def test_select_is_side_effect_free() -> None:
     assert (policy.tree.num_nodes, policy._turn, len(policy.history[W1].entries)) == (nodes, turn, 1)
 
 
+class _CountingTree:
+    """A policy's radix tree that counts the prompt walks (`match`, `match_cached`); the rest passes through."""
+
+    def __init__(self, tree: object) -> None:
+        self._tree, self.walks = tree, 0
+
+    def match(self, *args: object) -> object:
+        self.walks += 1
+        return self._tree.match(*args)  # type: ignore[attr-defined]
+
+    def match_cached(self, *args: object) -> object:
+        self.walks += 1
+        return self._tree.match_cached(*args)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._tree, name)
+
+
+@pytest.mark.usefixtures("impl")
+@pytest.mark.parametrize("name", ["e2", "switchyard"])
+def test_dispatch_reuses_its_selects_prefix_walk_until_a_hook_changes_the_tree(name: str) -> None:
+    """A dispatch right after its select prices r's prefill from the select's walk of the prompt (the default
+    policy's dispatch read it twice more); a KV event in between changes what w holds, and the dispatch walks
+    the prompt again rather than price it from the stale match."""
+    fleet, policy = make_fleet(3), make_policy(name)
+    assert isinstance(policy, PrebleE2)
+    old = req("old", shared=512)
+    place(policy, fleet, old, "w1", now=0.0)
+    policy.on_kv_events(W1, stored(old, 1))
+    tree = policy.tree = _CountingTree(policy.tree)  # type: ignore[assignment]
+    new = req("new", shared=320)
+    policy.select(new, fleet, 1.0)
+    policy.on_dispatch(new, Decision(worker_id=W1), 1.0)
+    assert tree.walks == 1
+    assert policy.in_flight["new"].missed_tokens == 512 - 320  # w1 holds the 20 shared blocks
+    again = req("again", shared=320)
+    policy.select(again, fleet, 2.0)
+    policy.on_kv_events(W1, KvEventBatch(2, 2.0, (BlockRemoved(old.block_hashes[10:]),)))  # w1 keeps 10 blocks
+    policy.on_dispatch(again, Decision(worker_id=W1), 2.0)
+    assert tree.walks == 3
+    assert policy.in_flight["again"].missed_tokens == 512 - 160
+
+
 # ---------------------------------------------------------------------------------------------- claim 2: explore
 @pytest.mark.usefixtures("impl")
 @pytest.mark.parametrize(
