@@ -23,6 +23,7 @@ from cpython.long cimport PyLong_Check, PyLong_FromUnsignedLongLong
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.object cimport PyObject
 from libc.stdint cimport int64_t, uint32_t, uint64_t
+from libc.math cimport floor
 from libc.string cimport memcpy, memmove, memset
 
 
@@ -80,6 +81,7 @@ cdef class Node:
     cdef public object stats
     cdef readonly bint is_attached
     cdef readonly long long seq  # creation order in its tree (see radix_py)
+    cdef bint _gc_queued  # in its tree's gc candidates
 
     def __dealloc__(self):
         PyMem_Free(self._blocks)
@@ -227,9 +229,11 @@ cdef class RadixTree:
     cdef list _slot_names
     cdef int64_t _slot_refs[64]
     cdef uint64_t _used_mask
+    cdef dict _dead  # gc's candidates: whole second of last_access -> [node] (see radix_py)
 
     def __cinit__(self):
         cdef int s
+        self._dead = {}
         self._slot_names = [None] * _MAX_SLOTS
         self._worker_to_slot = {}
         self._index = {}
@@ -270,6 +274,22 @@ cdef class RadixTree:
         cdef int delta = _set_run(node, s, d)
         if delta:
             self._slot_refs[s] += delta
+            if delta < 0 and node._res_mask == 0:
+                self._candidate(node)
+        return 0
+
+    cdef int _candidate(self, Node node) except -1:
+        """`node` may have become one with no children and no resident worker: queue it for gc."""
+        cdef object b
+        cdef list got
+        if not node._gc_queued:
+            node._gc_queued = True
+            b = <long long>floor(node.last_access)
+            got = self._dead.get(b)
+            if got is None:
+                self._dead[b] = [node]
+            else:
+                got.append(node)
         return 0
 
     # ---- nodes ---------------------------------------------------------------------------------------------
@@ -572,6 +592,7 @@ cdef class RadixTree:
                 leaf = self._add_leaf(under, buf + matched, n - matched, now)
                 if leaf is not None:
                     path.append(leaf)
+                    self._candidate(<Node>leaf)  # resident nowhere yet
         finally:
             PyMem_Free(buf)
         for j in range(PyList_GET_SIZE(path)):
@@ -690,29 +711,46 @@ cdef class RadixTree:
     # ---- garbage collection --------------------------------------------------------------------------------
 
     def gc(self, double now, double window_s):
-        cdef list order = self.nodes()
+        """See radix_py: the queued candidates of the buckets old enough, not every node."""
         cdef Py_ssize_t i, j, removed = 0
-        cdef Node node
+        cdef Node node, parent
         cdef uint64_t bits
         cdef int s
-        for i in range(PyList_GET_SIZE(order) - 1, -1, -1):
-            node = <Node>PyList_GET_ITEM(order, i)
-            if node._children or node._res_mask or not (now - node.last_access > window_s):
-                continue
-            del node._parent._children[PyLong_FromUnsignedLongLong(node._blocks[0])]
-            for j in range(node._n):
-                del self._index[PyLong_FromUnsignedLongLong(node._blocks[j])]
-            bits = node._asg_mask
-            node._asg_mask = 0
-            while bits:
-                s = _ctz(bits)
-                bits &= bits - 1
-                self._slot_refs[s] -= 1
-                self._release_if_unused(s)
-            node.is_attached = False
-            node._parent = None
-            self._num_nodes -= 1
-            removed += 1
+        cdef dict dead = self._dead
+        cdef long long limit = <long long>floor(now - window_s) + 1
+        cdef list young = [], bucket
+        while dead:
+            b = min(dead)
+            if b > limit:
+                break
+            bucket = dead.pop(b)
+            for i in range(PyList_GET_SIZE(bucket)):
+                node = <Node>PyList_GET_ITEM(bucket, i)
+                node._gc_queued = False
+                if not node.is_attached or node._children or node._res_mask:
+                    continue
+                if not (now - node.last_access > window_s):
+                    young.append(node)
+                    continue
+                parent = node._parent
+                del parent._children[PyLong_FromUnsignedLongLong(node._blocks[0])]
+                for j in range(node._n):
+                    del self._index[PyLong_FromUnsignedLongLong(node._blocks[j])]
+                bits = node._asg_mask
+                node._asg_mask = 0
+                while bits:
+                    s = _ctz(bits)
+                    bits &= bits - 1
+                    self._slot_refs[s] -= 1
+                    self._release_if_unused(s)
+                node.is_attached = False
+                node._parent = None
+                self._num_nodes -= 1
+                removed += 1
+                if parent is not self._root and not parent._children and not parent._res_mask:
+                    self._candidate(parent)
+        for obj in young:
+            self._candidate(<Node>obj)
         return removed
 
     # ---- tests ---------------------------------------------------------------------------------------------

@@ -106,6 +106,7 @@ P.resident[w] = min(d, k) for d in N.resident; N.resident[w] = d - k for d > k (
 
 from __future__ import annotations
 
+import math
 from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,6 +128,7 @@ class Node:
         "stats",
         "is_attached",
         "seq",
+        "_gc_queued",
     )
 
     def __init__(
@@ -142,6 +144,7 @@ class Node:
         self.last_access: float = now
         self.stats: Any = None  # the policy's slot
         self.is_attached: bool = True  # False once gc removed the node from the tree
+        self._gc_queued = False  # the tree's: in its gc candidates
 
     @property
     def num_blocks(self) -> int:
@@ -189,6 +192,10 @@ class RadixTree:
         self._next_seq = 1
         self._index: dict[int, tuple[Node, int]] = {}  # block hash -> (node, offset in node.blocks)
         self._num_nodes = 0
+        # gc's candidates: every attached node with no children and no resident worker is here (queued when it
+        # becomes one; node._gc_queued), lazily, in buckets by the whole second of its last_access then (never
+        # above its current one)
+        self._dead: dict[int, list[Node]] = {}
 
     # ---- read-only -------------------------------------------------------------------------------------
 
@@ -301,6 +308,8 @@ class RadixTree:
         for w, d in node.resident.items():
             upper.resident[w] = min(d, k)
         node.resident = {w: d - k for w, d in node.resident.items() if d > k}
+        if not node.resident:
+            self._candidate(node)
         node.blocks = node.blocks[k:]
         node.context_blocks += k
         node.parent = upper
@@ -348,6 +357,7 @@ class RadixTree:
             leaf = self._add_leaf(path[-1] if path else self._root, block_hashes[matched:], now)
             if leaf is not None:
                 path.append(leaf)
+                self._candidate(leaf)  # resident nowhere yet
         for node in path:
             node.last_access = max(node.last_access, now)
         return path
@@ -397,12 +407,13 @@ class RadixTree:
             d = node.resident.get(worker, 0)
             if min(d, off) > 0:
                 node.resident[worker] = min(d, off)
-            else:
-                node.resident.pop(worker, None)
+            elif node.resident.pop(worker, None) is not None and not node.resident:
+                self._candidate(node)
 
     def clear_worker(self, worker: Any) -> None:
         for node in self.nodes():
-            node.resident.pop(worker, None)
+            if node.resident.pop(worker, None) is not None and not node.resident:
+                self._candidate(node)
 
     def remove_worker(self, worker: Any) -> None:
         self.clear_worker(worker)
@@ -410,21 +421,52 @@ class RadixTree:
 
     # ---- garbage collection -------------------------------------------------------------------------------
 
+    def _candidate(self, node: Node) -> None:
+        """`node` may have become one with no children and no resident worker: queue it for gc."""
+        if not node._gc_queued:
+            node._gc_queued = True
+            self._dead.setdefault(math.floor(node.last_access), []).append(node)
+
     def gc(self, now: float, window_s: float) -> int:
+        """Removes what a post-order pass over every node would (a node's children are decided before it, so a
+        chain of dead leaves goes at once), visiting only the queued candidates of the buckets old enough.
+
+        NOTE: exact, and O(candidates visited), not O(nodes): every attached node without children or residents
+        is queued under a bucket at most its last_access's, and a node passes the test (now - last_access >
+        window_s) only if its last_access is below now - window_s, give or take rounding: so no bucket above
+        floor(now - window_s) + 1 can hold one. A visited node that gained children or a resident worker is
+        dropped (it is queued again when it loses them); one not old enough is queued again, after the pass,
+        under its current last_access. A parent left childless is queued at once, and the pass takes the lowest
+        bucket each time, so it reaches the parent too.
+        """
         removed = 0
-        # Post-order: a node's children are decided before it, so a chain of dead leaves goes in one pass.
-        for node in reversed(self.nodes()):
-            if node.children or node.resident or not now - node.last_access > window_s:
-                continue
-            parent = node.parent if node.parent is not None else self._root
-            del parent.children[node.blocks[0]]
-            for h in node.blocks:
-                del self._index[h]
-            node.is_attached = False
-            node.parent = None
-            node.assigned = set()  # a detached node keeps no worker state
-            self._num_nodes -= 1
-            removed += 1
+        dead = self._dead
+        limit = math.floor(now - window_s) + 1
+        young: list[Node] = []
+        while dead:
+            b = min(dead)
+            if b > limit:
+                break
+            for node in dead.pop(b):
+                node._gc_queued = False
+                if not node.is_attached or node.children or node.resident:
+                    continue
+                if not now - node.last_access > window_s:
+                    young.append(node)
+                    continue
+                parent = node.parent if node.parent is not None else self._root
+                del parent.children[node.blocks[0]]
+                for h in node.blocks:
+                    del self._index[h]
+                node.is_attached = False
+                node.parent = None
+                node.assigned = set()  # a detached node keeps no worker state
+                self._num_nodes -= 1
+                removed += 1
+                if parent is not self._root and not parent.children and not parent.resident:
+                    self._candidate(parent)
+        for node in young:
+            self._candidate(node)
         return removed
 
     # ---- tests -------------------------------------------------------------------------------------------

@@ -256,6 +256,20 @@ def match_view(m) -> tuple:  # type: ignore[no-untyped-def]
     return blocks_of(m.path), m.matched_blocks, m.resident_blocks, m.assigned_blocks, key
 
 
+def dead_by_definition(tree: object, now: float, window_s: float) -> list:
+    """What gc must remove, from the definition over every node (a post-order pass: a node with no resident
+    worker, idle for more than the window, whose children all go too), independent of gc's candidate queue."""
+    dead: list = []
+    gone: set[int] = set()
+    for node in reversed(tree.nodes()):  # type: ignore[attr-defined]
+        if node.resident or any(id(c) not in gone for c in node.children.values()):
+            continue
+        if now - node.last_access > window_s:
+            gone.add(id(node))
+            dead.append(node)
+    return dead
+
+
 class SideBySide(RuleBasedStateMachine):
     """Random operation sequences on both builds; every observable result is compared after each step."""
 
@@ -365,7 +379,9 @@ class SideBySide(RuleBasedStateMachine):
     @rule(window=st.sampled_from([0.0, 10.0, 60.0]), dt=st.sampled_from([0.0, 20.0]))
     def gc(self, window: float, dt: float) -> None:
         now = self.tick(dt)
-        self.same([t.gc(now, window) for t in self.trees])
+        expected = dead_by_definition(self.trees[0], now, window)
+        self.same([t.gc(now, window) for t in self.trees] + [len(expected)])
+        assert not any(n.is_attached for n in expected)
 
     @rule(tokens=TOKENS, value=st.integers(min_value=0, max_value=3))
     def set_stats(self, tokens: list[int], value: int) -> None:
