@@ -28,6 +28,8 @@ from libc.string cimport memcpy, memmove, memset
 
 
 cdef extern from "Python.h":
+    PyObject* PyDict_SetDefault(object d, object key, object default_value) except NULL
+    Py_ssize_t PyDict_Size(object d) except -1
     Py_ssize_t PySequence_Fast_GET_SIZE(object o)
     PyObject** PySequence_Fast_ITEMS(object o)
     bint PyList_CheckExact(object o)
@@ -539,23 +541,30 @@ cdef class RadixTree:
             return self._split(node, off + 1)
         return node
 
-    cdef object _add_leaf(self, Node parent, uint64_t* blocks, Py_ssize_t n, double now):
-        """Hang blocks under parent, cut at the first hash already in the tree; None when that is the first."""
+    cdef object _add_leaf(self, Node parent, uint64_t* blocks, PyObject** keys, Py_ssize_t n, double now):
+        """Hang blocks under parent, cut at the first hash already in the tree; None when that is the first.
+
+        NOTE: `keys` are the caller's int objects for `blocks` (checked by `_to_buffer`), stored as they are, as
+        the reference does: one set-if-absent per block instead of a new int, a lookup and a store (a 1,000-block
+        video-QA prompt's new leaf). The index's size tells whether it was absent (a repeat inside the run maps to
+        this leaf already, and must end it too).
+        """
         cdef Node leaf = self._new_node(blocks, n, parent.context_blocks + parent._n, parent, now)
-        cdef Py_ssize_t r = 0
+        cdef Py_ssize_t r = 0, size
         cdef dict index = self._index
+        size = PyDict_Size(index)
         while r < n:
-            key = PyLong_FromUnsignedLongLong(blocks[r])
-            if key in index:
+            PyDict_SetDefault(index, <object>keys[r], leaf)
+            if PyDict_Size(index) == size:
                 break
-            index[key] = leaf
+            size += 1
             r += 1
         if r == 0:
             leaf._parent = None
             leaf.is_attached = False
             return None
         leaf._n = r
-        parent._children[PyLong_FromUnsignedLongLong(blocks[0])] = leaf
+        parent._children[<object>keys[0]] = leaf
         self._num_nodes += 1
         return leaf
 
@@ -589,7 +598,7 @@ cdef class RadixTree:
                     under = self._split(under, last_m)
                     path[num_path - 1] = under
             if matched < n:
-                leaf = self._add_leaf(under, buf + matched, n - matched, now)
+                leaf = self._add_leaf(under, buf + matched, PySequence_Fast_ITEMS(seq) + matched, n - matched, now)
                 if leaf is not None:
                     path.append(leaf)
                     self._candidate(<Node>leaf)  # resident nowhere yet
@@ -658,7 +667,7 @@ cdef class RadixTree:
                     p = self._index.get(PyLong_FromUnsignedLongLong(buf[i]))
                     if p is None:  # unknown from here on: one new leaf right after prev
                         under = self._root if prev is None else self._position_end(prev, prev_off)
-                        node = <Node>self._add_leaf(under, buf + i, n - i, now)
+                        node = <Node>self._add_leaf(under, buf + i, PySequence_Fast_ITEMS(seq) + i, n - i, now)
                         off = 0
                     else:
                         node = <Node>p
