@@ -32,14 +32,17 @@ def random_prompts(rng: random.Random, n: int, labels: int) -> list[tuple[int, .
 
 def drive(
     policy: PrebleE2, rng: random.Random, prompts: list[tuple[int, ...]], workers: list[WorkerId], steps: int,
-    tied_times: bool = False,
+    tied_times: bool = False, clock: list[float] | None = None,
 ) -> Iterator[int]:
     """Apply `steps` random hook calls to `policy`, yielding the step number after each (the caller checks its
-    invariants there). `tied_times`: half the steps keep the previous timestamp (ties of last_access)."""
+    invariants there). `tied_times`: half the steps keep the previous timestamp (ties of last_access). `clock`:
+    its first item is set to the hooks' time before each yield."""
     base = make_requests(1, prompt_len=64, shared_prefix=0, max_tokens=4)[0]
     seq, now = 0, 0.0
     for step in range(steps):
         now += rng.choice([0.0, rng.random()]) if tied_times else rng.random()
+        if clock is not None:
+            clock[0] = now
         hashes = rng.choice(prompts)
         w = rng.choice(workers)
         op = rng.random()

@@ -99,6 +99,7 @@ from switchyard.router.policies.preble_load import (
     NodeStats,
     Outstanding,
     WorkerHistory,
+    cold_bucket,
     merged_stats,
 )
 from switchyard.router.policies.preble_rebalance import maybe_replicate, rebalance
@@ -200,6 +201,7 @@ class PrebleE2(Policy):
         self.evicted: dict[WorkerId, set[int]] = {}  # assigned block hashes removed by events since
         self.resident_count: dict[WorkerId, int] = {}  # blocks resident per events
         self.lru: dict[WorkerId, LruIndex] = {}  # per worker: M's eviction order, kept by the hooks (`_touch`)
+        self.hit_times: dict[WorkerId, deque[float]] = {}  # per worker: dispatch times within W (`cold_floor`)
         self.moved_load = MovedLoad()  # per worker: (t, Δload s) from rebalancing and replication
         self.dirty_ttft: dict[tuple[int, WorkerId], Any] = {}  # (id(key node), worker) -> node: new TTFT samples
         self.in_flight: dict[str, _InFlight] = {}
@@ -631,6 +633,10 @@ class PrebleE2(Policy):
             if not isinstance(node.stats, NodeStats):
                 node.stats = merged_stats(node.children.values())  # a split's new upper half
             node.stats.add_hit(w, now, prefill_s, win)
+        times = self.hit_times.get(w)
+        if times is None:
+            times = self.hit_times[w] = deque()
+        times.append(now)
         key, _ = self._key_end(path, len(hashes))
         med = key.stats.median_decode() if key is not None else None  # every node of path has stats now
         decode = int(med) if med is not None else (ctx.predicted_output_tokens or ctx.max_tokens)
@@ -781,7 +787,7 @@ class PrebleE2(Policy):
         self._tree_gen += 1
         self._remembered.clear()
         for d in (self.history, self.hit_ratio, self.fits, self.evicted, self.resident_count, self.lru,
-                  self._facts, self.outstanding, self._load_memo, self._cost_memo):
+                  self._facts, self.outstanding, self._load_memo, self._cost_memo, self.hit_times):
             d.pop(worker_id, None)  # type: ignore[attr-defined]
         self.moved_load.drop(worker_id)
 
@@ -802,6 +808,25 @@ class PrebleE2(Policy):
             self.gc(now)
         for w in self.history:  # expiry and moves above changed L: price it here, off the selects' path
             self.load_s(w, now)
+        self.advance_cold(now)
+
+    def cold_floor(self, w: WorkerId, now: float) -> float:
+        """A time at or before every request through any node on w within the node window W: the earliest
+        dispatch to w still kept (a hit on a node is a dispatch through it, and sets its last_access), else now.
+        Never decreases: later hits are later dispatches."""
+        times = self.hit_times.get(w)
+        return times[0] if times and times[0] < now else now
+
+    def advance_cold(self, now: float) -> None:
+        """Move each LRU index's cold floor (`LruIndex.advance`), so M skips its simulation when the candidates
+        keyed before the floor cover the need (`LruIndex.cold_blocks`). Only times before W are dropped, so the
+        floor stays at or before every hit a later select prices (a stale floor only counts fewer blocks)."""
+        cutoff = now - self.cfg.node_window_s
+        for w, idx in self.lru.items():
+            times = self.hit_times.get(w)
+            while times and times[0] < cutoff:
+                times.popleft()
+            idx.advance(cold_bucket(self.cold_floor(w, now)))
 
     # ------------------------------------------------------------------------------------------ background
     def routable(self, model: str) -> list[WorkerView]:

@@ -459,6 +459,16 @@ class Outstanding:
 
 
 # ---------------------------------------------------------------------------------------------- incremental LRU
+COLD_BUCKETS_PER_S = 1024  # a power of two: t * 1024 is exact, so bucket b < cold_bucket(T) means t < T
+
+
+def cold_bucket(t: float) -> int:
+    """The cold-mass bucket of a time (`LruIndex.cold_blocks`): 1/1024 s wide, so the cold floor stays close to
+    the earliest request it must precede (a whole-second bucket lost every candidate keyed in the floor's second,
+    the common case when the first dispatches and the preloaded cache share one)."""
+    return math.floor(t * COLD_BUCKETS_PER_S)
+
+
 class LruIndex:
     """`lru_victims` without the per-call scan (§4.2: "a per-GPU LRU heap ... so the cost is O(k log N)").
 
@@ -482,7 +492,8 @@ class LruIndex:
     precede the victims.
     """
 
-    __slots__ = ("entries", "held", "heap", "keyed", "_order")
+    __slots__ = ("entries", "held", "heap", "keyed", "_order", "worker", "cand", "bucket_blocks", "floor_b",
+                 "below")
 
     def __init__(self) -> None:
         self.entries: dict[int, tuple[Any, Any]] = {}  # id(node) -> (node, recorded parent or None)
@@ -490,6 +501,13 @@ class LruIndex:
         self.heap: list[tuple[float, int, Any]] = []  # (last_access, node.seq, node), lazy
         self.keyed: dict[int, float] = {}  # id -> last_access of its live heap entry
         self._order: EvictionOrder | None = None  # the eviction order, simulated lazily; None after a change
+        # The cold mass (`cold_blocks`): per live candidate (`cold_bucket` of its key, resident blocks);
+        # per bucket the candidates' blocks; `below` = their sum over the buckets under `floor_b` (`advance`).
+        self.worker: Any = None  # the worker this index is for (set by `touch`)
+        self.cand: dict[int, tuple[int, int]] = {}
+        self.bucket_blocks: dict[int, int] = {}
+        self.floor_b: int | None = None
+        self.below = 0
 
     def _consider(self, node: Any) -> None:
         k = id(node)
@@ -499,11 +517,66 @@ class LruIndex:
                 self.keyed[k] = la
                 heapq.heappush(self.heap, (la, node.seq, node))
                 self._order = None  # the order walks this heap's array in place
+            new: tuple[int, int] | None = (cold_bucket(la), node.resident_on(self.worker))
         else:
             self.keyed.pop(k, None)
+            new = None
+        old = self.cand.get(k)
+        if old != new:  # a candidate came, went, or its key or resident blocks moved: keep the cold mass
+            if old is not None:
+                self._add_mass(old[0], -old[1])
+                del self.cand[k]
+            if new is not None:
+                self._add_mass(new[0], new[1])
+                self.cand[k] = new
+
+    def _add_mass(self, bucket: int, blocks: int) -> None:
+        v = self.bucket_blocks.get(bucket, 0) + blocks
+        if v:
+            self.bucket_blocks[bucket] = v
+        else:
+            self.bucket_blocks.pop(bucket, None)
+        if self.floor_b is not None and bucket < self.floor_b:
+            self.below += blocks
+
+    def advance(self, floor_b: int) -> None:
+        """Count the candidates of the buckets before `floor_b` (a `cold_bucket`) in `cold_blocks`; never moves
+        back.
+
+        The caller (E2's `on_tick`) passes the floor of a time at or before every request through any node on this
+        worker within the node window: a candidate keyed under it is evicted before every node that M prices.
+        """
+        fb = self.floor_b
+        if fb is None:
+            self.below = sum(v for b, v in self.bucket_blocks.items() if b < floor_b)
+        elif floor_b > fb:
+            if floor_b - fb > len(self.bucket_blocks):  # a long jump: one pass over the buckets
+                self.below += sum(v for b, v in self.bucket_blocks.items() if fb <= b < floor_b)
+            else:
+                self.below += sum(self.bucket_blocks.get(b, 0) for b in range(fb, floor_b))
+        else:
+            return
+        self.floor_b = floor_b
+
+    def cold_blocks(self, protected: set[int]) -> int:
+        """Resident blocks of the live candidates keyed before `floor_b`, protected ones left out: the eviction
+        order takes all of them before any node with a request through it on this worker in the window (a
+        candidate stays one until taken, and such a node's key, its last_access, is at least that request's
+        time), so when they cover a prompt's need its M is 0 without simulating the order."""
+        fb = self.floor_b
+        if fb is None:
+            return 0
+        n = self.below
+        cand = self.cand
+        for k in protected:
+            c = cand.get(k)
+            if c is not None and c[0] < fb:
+                n -= c[1]
+        return n
 
     def touch(self, worker: Any, node: Any, resident: dict[Any, int] | None = None) -> None:
         """Reconcile one node for `worker` (`resident` = node.resident when the caller already has it)."""
+        self.worker = worker
         k = id(node)
         res = (node.resident if resident is None else resident).get(worker, 0) > 0 and node.is_attached
         old = self.entries.get(k)
@@ -588,8 +661,15 @@ class LruIndex:
         """`eviction_cost_s(self.victims(...), ...)` without listing the victims: a bisection on the order's
         block counts finds the last victim, and only the victims with requests through them (the order's `hot`
         steps) are priced, in victim order, so the sum is the same float. O(log n + hot + protected) once the
-        order is simulated, instead of O(victims): a large prompt can need hundreds of small cold victims."""
+        order is simulated, instead of O(victims): a large prompt can need hundreds of small cold victims.
+
+        NOTE: first, `cold_blocks`: when the candidates that go before every priced node cover the need, M is 0
+        (the same float: the sum below adds nothing then) and no order is simulated. Most Ms are 0 (the victims are
+        cold), and a fresh simulation after a dispatch or KV event dropped the order steps over each victim.
+        """
         if not self.heap or need_blocks <= 0:
+            return 0.0
+        if self.floor_b is not None and self.cold_blocks(protected) >= need_blocks:
             return 0.0
         order = self._order
         if order is None:
