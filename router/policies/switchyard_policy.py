@@ -217,12 +217,13 @@ class _Window:
 
     MIN_SPAN_S = 0.1
 
-    __slots__ = ("window_s", "times", "counts", "first")
+    __slots__ = ("window_s", "times", "counts", "total", "first")
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
-        self.times: deque[float] = deque()
+        self.times: deque[float] = deque()  # non-decreasing (the clock is): the expired ones are a prefix
         self.counts: deque[int] = deque()
+        self.total = 0  # Σ counts
         self.first: float | None = None
 
     def add(self, now: float, k: int = 1) -> None:
@@ -232,20 +233,22 @@ class _Window:
         if k:
             self.times.append(now)
             self.counts.append(k)
+            self.total += k
         cutoff = now - self.window_s
         while self.times and self.times[0] < cutoff:
             self.times.popleft()
-            self.counts.popleft()
+            self.total -= self.counts.popleft()
 
     def rate(self, now: float) -> float:
-        """Read-only (select is pure): the expired head is only stepped over; `add` drops it."""
+        """Read-only (select is pure): the expired head is only stepped over, O(expired); `add` drops it."""
         if self.first is None:
             return 0.0
         cutoff = now - self.window_s
-        n = 0
+        n = self.total
         for t, k in zip(self.times, self.counts, strict=True):
             if t >= cutoff:
-                n += k
+                break
+            n -= k
         return n / min(self.window_s, max(self.MIN_SPAN_S, now - self.first))
 
 
