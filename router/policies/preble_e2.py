@@ -637,6 +637,8 @@ class PrebleE2(Policy):
         if times is None:
             times = self.hit_times[w] = deque()
         times.append(now)
+        while times[0] < now - win:  # bounded without ticks too (`advance_cold` trims them as well)
+            times.popleft()
         key, _ = self._key_end(path, len(hashes))
         med = key.stats.median_decode() if key is not None else None  # every node of path has stats now
         decode = int(med) if med is not None else (ctx.predicted_output_tokens or ctx.max_tokens)
