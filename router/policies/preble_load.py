@@ -669,7 +669,7 @@ class LruIndex:
         """
         if not self.heap or need_blocks <= 0:
             return 0.0
-        if self.floor_b is not None and self.cold_blocks(protected) >= need_blocks:
+        if self.cold_blocks(protected) >= need_blocks:  # 0 before the first `advance`
             return 0.0
         order = self._order
         if order is None:

@@ -217,12 +217,11 @@ class _Window:
 
     MIN_SPAN_S = 0.1
 
-    __slots__ = ("window_s", "times", "counts", "total", "first")
+    __slots__ = ("window_s", "events", "total", "first")
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
-        self.times: deque[float] = deque()  # non-decreasing (the clock is): the expired ones are a prefix
-        self.counts: deque[int] = deque()
+        self.events: deque[tuple[float, int]] = deque()  # (t, count), t non-decreasing: the expired are a prefix
         self.total = 0  # Σ counts
         self.first: float | None = None
 
@@ -231,13 +230,12 @@ class _Window:
         if self.first is None:
             self.first = now
         if k:
-            self.times.append(now)
-            self.counts.append(k)
+            self.events.append((now, k))
             self.total += k
         cutoff = now - self.window_s
-        while self.times and self.times[0] < cutoff:
-            self.times.popleft()
-            self.total -= self.counts.popleft()
+        events = self.events
+        while events and events[0][0] < cutoff:
+            self.total -= events.popleft()[1]
 
     def rate(self, now: float) -> float:
         """Read-only (select is pure): the expired head is only stepped over, O(expired); `add` drops it."""
@@ -245,7 +243,7 @@ class _Window:
             return 0.0
         cutoff = now - self.window_s
         n = self.total
-        for t, k in zip(self.times, self.counts, strict=True):
+        for t, k in self.events:
             if t >= cutoff:
                 break
             n -= k

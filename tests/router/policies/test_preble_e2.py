@@ -551,6 +551,9 @@ def test_m_is_zero_without_simulating_when_the_cold_candidates_cover_the_need(se
                 victims = lru_victims(v, policy.tree.nodes(), need, protected)
                 assert preble_load.eviction_cost_s(victims, v, now, window, 16, COST, "text") == 0.0, step
                 assert preble_load.eviction_cost_s(victims, v, now, window, 16, COST, "alg2") == 0.0, step
+                idx._order = None  # a cache: dropped, as a hook would, to see that M does not simulate it again
+                assert idx.eviction_cost(v, need, protected, now, window, 16, COST, "text") == 0.0, step
+                assert idx._order is None, step
     assert fired > 50  # the claim was tested, not skipped
 
 

@@ -627,7 +627,7 @@ def test_arrival_rate_counts_first_attempts_over_its_window() -> None:
     assert p.arrival_rate("m").rate(4.0) == 4 / 4.0  # the window is not full yet: over the time since the first
     assert p.arrival_rate("m").rate(0.05) == 4 / 0.1  # ... never under MIN_SPAN_S
     assert p.arrival_rate("m").rate(12.0) == 3 / 10.0  # the first one left the 10-s window; reading drops nothing
-    assert len(p.arrival_rate("m").own.times) == 4
+    assert len(p.arrival_rate("m").own.events) == 4
 
 
 @pytest.mark.parametrize(("behind_weight", "expected"), [(0.0, W1), (1.0, W0)])
