@@ -343,6 +343,46 @@ cdef class RadixTree:
             return None
         return (node, _offset(<Node>node, h))
 
+    def assigned_among(self, worker, block_hashes):
+        """See radix_py: the hashes on a node assigned to worker; one dict lookup and a mask test per hash."""
+        cdef int s = self._slot(worker, False)
+        cdef set out = set()
+        cdef uint64_t bit
+        cdef object p
+        if s < 0:
+            return out
+        bit = _bit(s)
+        for h in block_hashes:
+            if not PyLong_Check(h):
+                continue
+            p = self._index.get(h)
+            if p is not None and (<Node>p)._asg_mask & bit:
+                out.add(h)
+        return out
+
+    def runs_of(self, block_hashes):
+        """See radix_py: (node, i, j) per maximal run of positions in one node; one dict lookup per block."""
+        cdef object seq = _fast_seq(block_hashes)
+        cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i, start = 0, end = -1
+        cdef PyObject** items = PySequence_Fast_ITEMS(seq)
+        cdef list out = []
+        cdef object last = None, p
+        for i in range(n):
+            if not PyLong_Check(<object>items[i]):
+                continue
+            p = self._index.get(<object>items[i])
+            if p is None:
+                continue
+            if p is last and end == i:
+                end = i + 1
+                continue
+            if last is not None:
+                out.append((last, start, end))
+            last, start, end = p, i, i + 1
+        if last is not None:
+            out.append((last, start, end))
+        return out
+
     cdef Py_ssize_t _walk(self, PyObject** items, Py_ssize_t n, list path, Py_ssize_t* last_m) except -1:
         """Append the matched nodes to path; returns the matched blocks, *last_m = those of the last node."""
         cdef Node node = self._root

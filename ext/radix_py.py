@@ -47,6 +47,10 @@ blocks (path compression).
                                                # Returns the number of nodes removed.
     tree.num_nodes -> int ; tree.num_blocks -> int
     tree.node_of(block_hash) -> tuple[Node, int] | None     # (node, offset) of a block
+    tree.runs_of(block_hashes) -> list[tuple[Node, int, int]]
+                                               # (node, i, j) per maximal run of positions i..j-1 whose
+                                               # blocks lie in one node, in order; unknown blocks skipped
+    tree.assigned_among(worker, block_hashes) -> set[int]   # those on a node assigned to worker
     tree.check_invariants()                    # for tests: parent/child links, block index, contexts
     tree.nodes() -> list[Node]                 # every node, pre-order (for tests, scans, autoscaling)
     RadixTree.key_node(path) -> Node | None    # the key-portion rule applied to any path (e.g. insert's)
@@ -209,6 +213,30 @@ class RadixTree:
 
     def node_of(self, block_hash: int) -> tuple[Node, int] | None:
         return self._index.get(block_hash)
+
+    def runs_of(self, block_hashes: Sequence[int]) -> list[tuple[Node, int, int]]:
+        """(node, i, j): each maximal run of consecutive positions i..j-1 of `block_hashes` whose blocks lie in one
+        node, in order; blocks not in the tree are skipped. A KV event's blocks are a few long runs: its nodes
+        without an offset scan or a lookup per block on the caller's side."""
+        out: list[tuple[Node, int, int]] = []
+        index = self._index
+        for i, h in enumerate(block_hashes):
+            pos = index.get(h) if isinstance(h, int) else None
+            if pos is None:
+                continue
+            node = pos[0]
+            if out and out[-1][0] is node and out[-1][2] == i:
+                out[-1] = (node, out[-1][1], i + 1)
+            else:
+                out.append((node, i, i + 1))
+        return out
+
+    def assigned_among(self, worker: Any, block_hashes: Iterable[int]) -> set[int]:
+        """The hashes among `block_hashes` that lie on a node assigned to `worker` (E2 prunes its evicted sets
+        with it, a dict lookup per hash)."""
+        index = self._index
+        return {h for h in block_hashes if isinstance(h, int) and (p := index.get(h)) is not None
+                and worker in p[0].assigned}
 
     def nodes(self) -> list[Node]:
         """Every node, pre-order (a parent before its children; children in insertion order)."""

@@ -191,6 +191,7 @@ class Cost(NamedTuple):
 
 class PrebleE2(Policy):
     name = "e2"
+    EVICTED_PRUNE_MIN = 4096  # an evicted set is pruned once it exceeds twice its last pruned size plus this
 
     def __init__(self, config: E2Config | None = None) -> None:
         self.cfg = config or E2Config()
@@ -199,6 +200,7 @@ class PrebleE2(Policy):
         self.hit_ratio: dict[WorkerId, HitRatioWindow] = {}
         self.fits: dict[WorkerId, OnlineFit] = {}
         self.evicted: dict[WorkerId, set[int]] = {}  # assigned block hashes removed by events since
+        self._evicted_kept: dict[WorkerId, int] = {}  # per worker: its evicted set's size after its last prune
         self.resident_count: dict[WorkerId, int] = {}  # blocks resident per events
         self.lru: dict[WorkerId, LruIndex] = {}  # per worker: M's eviction order, kept by the hooks (`_touch`)
         self.hit_times: dict[WorkerId, deque[float]] = {}  # per worker: dispatch times within W (`cold_floor`)
@@ -720,31 +722,32 @@ class PrebleE2(Policy):
                 if idx is None:
                     idx = self.lru[w] = LruIndex()
                 keys = ev.block_hashes if ev.parent_block_hash is None else (ev.parent_block_hash, *ev.block_hashes)
-                before = [pos[0] for pos in map(tree.node_of, keys) if pos is not None]  # a split keeps these
+                before = [run[0] for run in tree.runs_of(keys)]  # a split keeps these
                 tree.mark_resident(w, ev.block_hashes, ev.parent_block_hash, batch.ts)
-                self._touch(before + [pos[0] for pos in map(tree.node_of, keys) if pos is not None])
+                self._touch(before + [run[0] for run in tree.runs_of(keys)])
                 self.resident_count[w] = self.resident_count.get(w, 0) + len(ev.block_hashes)
                 evicted = self.evicted.get(w)
                 if evicted:
                     evicted.difference_update(ev.block_hashes)
             elif isinstance(ev, BlockRemoved):
                 tree.mark_evicted(w, ev.block_hashes)
+                runs = tree.runs_of(ev.block_hashes)
                 idx = self.lru.get(w)
                 if idx is not None:
-                    for pos in map(tree.node_of, ev.block_hashes):
-                        if pos is not None:
-                            idx.touch(w, pos[0])
+                    for node, _, _ in runs:  # once per node: a touch reconciles the node's whole state
+                        idx.touch(w, node)
                 self.resident_count[w] = max(0, self.resident_count.get(w, 0) - len(ev.block_hashes))
                 evicted = self.evicted.setdefault(w, set())
-                for h in ev.block_hashes:
-                    pos = tree.node_of(h)
-                    if pos is not None and w in pos[0].assigned:
-                        evicted.add(h)
+                hs = ev.block_hashes
+                for node, i, j in runs:
+                    if w in node.assigned:
+                        evicted.update(hs[i:j])
             elif isinstance(ev, AllBlocksCleared):
                 tree.clear_worker(w)
                 tree.unassign_worker(w)  # its predictions were about a cache that no longer exists
                 self.resident_count[w] = 0
                 self.evicted.pop(w, None)
+                self._evicted_kept.pop(w, None)
                 self.lru.pop(w, None)
 
     def _touch(self, nodes: list[Any]) -> None:
@@ -789,8 +792,8 @@ class PrebleE2(Policy):
         self.tree.remove_worker(worker_id)
         self._tree_gen += 1
         self._remembered.clear()
-        for d in (self.history, self.hit_ratio, self.fits, self.evicted, self.resident_count, self.lru,
-                  self._facts, self.outstanding, self._load_memo, self._cost_memo, self.hit_times):
+        for d in (self.history, self.hit_ratio, self.fits, self.evicted, self._evicted_kept, self.resident_count,
+                  self.lru, self._facts, self.outstanding, self._load_memo, self._cost_memo, self.hit_times):
             d.pop(worker_id, None)  # type: ignore[attr-defined]
         self.moved_load.drop(worker_id)
 
@@ -836,16 +839,21 @@ class PrebleE2(Policy):
         return list(self._fleet.routable(model)) if self._fleet is not None else []
 
     def gc(self, now: float) -> int:
-        """Drop tree nodes with no resident worker and no request within W; prune per-worker side tables."""
+        """Drop tree nodes with no resident worker and no request within W; prune the evicted sets.
+
+        NOTE: a hash whose node gc removed is never read again: only a dispatch to w assigns w to a node, and it
+        takes the prompt's hashes out of w's set in the same step, so a re-inserted hash cannot sit in w's
+        assigned run while still in the set. Pruning (to the hashes on nodes assigned to w) only bounds memory,
+        so it runs when a set has doubled since its last prune (amortized O(1) per entry), not every gc: the
+        sets hold up to a worker's evicted share of the tree (~100k hashes on videoqa), and a prune of all of
+        them each gc cost ~40 ms a tick.
+        """
         removed = self.tree.gc(now, self.cfg.node_window_s)
         self._tree_gen += 1
         for w, ev in self.evicted.items():
-            keep = set()
-            for h in ev:
-                pos = self.tree.node_of(h)
-                if pos is not None and w in pos[0].assigned:
-                    keep.add(h)
-            self.evicted[w] = keep
+            if len(ev) > 2 * self._evicted_kept.get(w, 0) + self.EVICTED_PRUNE_MIN:
+                self.evicted[w] = ev = self.tree.assigned_among(w, ev)
+                self._evicted_kept[w] = len(ev)
         return removed
 
 

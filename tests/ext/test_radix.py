@@ -56,6 +56,11 @@ def test_insert_splits_and_key_node(impl) -> None:  # type: ignore[no-untyped-de
     assert first[0].parent is path[0] and path[0].parent is None
     assert t.num_nodes == 3 and t.num_blocks == 4 + 2 + 3
     assert t.node_of(22) == (first[0], 1) and t.node_of(13) == (path[0], 2) and t.node_of(99) is None
+    # runs_of: one (node, i, j) per stretch of consecutive positions in one node; unknown or non-int hashes skipped
+    assert t.runs_of([12, 13, 99, 14, 21, 22, "x", 11, 31]) == [
+        (path[0], 0, 2), (path[0], 3, 4), (first[0], 4, 6), (path[0], 7, 8), (path[1], 8, 9)
+    ]
+    assert t.runs_of([]) == [] and t.runs_of((99, 2**70, -1)) == []
     # key portion: [11..14] has 4 blocks > 0 before it; [31..33] has 3 > 4? no -> the system prompt is the key
     assert path[0].last_access == 2.0 and first[0].last_access == 1.0  # insert touched only its own path
     m = t.match(SYS + TOOL_B + [41])
@@ -395,8 +400,22 @@ class SideBySide(RuleBasedStateMachine):
         for t in self.trees:
             t.check_invariants()
         self.same([snapshot(t) for t in self.trees])
-        for h in list(self.hash_of.values())[:40]:
+        hashes = list(self.hash_of.values())[:40]
+        for h in hashes:
             self.same([(None if p is None else (tuple(p[0].blocks), p[1])) for p in (t.node_of(h) for t in self.trees)])
+        self.same([[(tuple(n.blocks), i, j) for n, i, j in t.runs_of(hashes)] for t in self.trees])
+        for t in self.trees:  # the definition: consecutive positions whose node_of is one node, unknown ones skipped
+            want: list[tuple[object, int, int]] = []
+            for i, h in enumerate(hashes):
+                if (p := t.node_of(h)) is not None:
+                    if want and want[-1][0] is p[0] and want[-1][2] == i:
+                        want[-1] = (p[0], want[-1][1], i + 1)
+                    else:
+                        want.append((p[0], i, i + 1))
+            assert t.runs_of(hashes) == want
+        for w in ("w0", "w1", "w2", "nobody"):
+            want_asg = {h for h in hashes if (p := self.trees[0].node_of(h)) is not None and w in p[0].assigned}
+            self.same([t.assigned_among(w, hashes + ["x", 2**70]) for t in self.trees] + [want_asg])
 
 
 SideBySide.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)

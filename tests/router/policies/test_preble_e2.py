@@ -237,6 +237,7 @@ def test_eviction_events_win_over_assignment_and_gc() -> None:
     policy.on_kv_events(W1, KvEventBatch(3, 2.0, (BlockRemoved(old.block_hashes[:10]),)))
     assert policy._cached_blocks(W1, policy.tree.match(new.block_hashes), new.block_hashes) == 0
     assert policy.gc(now=100.0) == 0  # 100 - 0 < W = 180 s
+    policy.EVICTED_PRUNE_MIN = 0  # prune any set past twice its last pruned size (never pruned: 0)
     assert policy.gc(now=181.0) == 1 and policy.tree.num_nodes == 0
     assert policy.evicted[W1] == set()  # side tables pruned with the tree
 
@@ -580,3 +581,74 @@ def test_lru_index_matches_lru_victims(seed: int) -> None:
                 idx = policy.lru.get(v)
                 got = idx.victims(v, need, protected) if idx is not None else []
                 assert [(id(n), k) for n, k in got] == [(id(n), k) for n, k in want], (step, v, need)
+
+
+@pytest.mark.usefixtures("impl")
+@pytest.mark.parametrize("seed", range(6))
+def test_evicted_sets_hold_the_assigned_blocks_removed_by_events(seed: int) -> None:
+    """`evicted[w]` (the blocks a KV event removed from w since the router assigned them, which cut w's assigned
+    run) against its definition, kept by the test from the hooks alone, on random hook sequences with gc: a
+    BlockRemoved adds the blocks whose node is assigned to w; a dispatch to w or a BlockStored on w of a block
+    takes it out; AllBlocksCleared empties it. Every hash a decision can read (in the tree on a node assigned to
+    w) is in the set exactly when the definition says; the rest are hashes gc removed, which no decision reads
+    (only a dispatch assigns w, and it takes its prompt's hashes out),
+    and the amortized prune keeps them under twice the readable part (plus the prune's floor)."""
+    import random
+
+    rng = random.Random(seed)
+    workers = [W0, W1, W2]
+    policy = PrebleE2(E2Config.paper(node_window_s=3.0))
+    policy.EVICTED_PRUNE_MIN = 4
+    prompts = random_prompts(rng, 40, labels=50)
+    want: dict[WorkerId, set[int]] = {}
+    orig_kv, orig_dispatch = policy.on_kv_events, policy.on_dispatch
+
+    def readable(w: WorkerId) -> set[int]:
+        return {h for n in policy.tree.nodes() if w in n.assigned for h in n.blocks}
+
+    def on_kv_events(w: WorkerId, batch: KvEventBatch) -> None:
+        for ev in batch.events:
+            if isinstance(ev, BlockRemoved):
+                want.setdefault(w, set()).update(set(ev.block_hashes) & readable(w))
+            elif isinstance(ev, BlockStored):
+                want.get(w, set()).difference_update(ev.block_hashes)
+            else:
+                want.pop(w, None)
+        orig_kv(w, batch)
+
+    def on_dispatch(ctx: RoutingContext, d: Decision, now: float) -> None:
+        want.get(d.worker_id, set()).difference_update(ctx.block_hashes)
+        orig_dispatch(ctx, d, now)
+
+    policy.on_kv_events, policy.on_dispatch = on_kv_events, on_dispatch  # type: ignore[method-assign]
+    stale_seen = live_seen = 0
+    for step in drive(policy, rng, prompts, workers, 600):
+        for w in workers:
+            live = readable(w)
+            got = policy.evicted.get(w, set())
+            assert got & live == want.get(w, set()) & live, (step, w)
+            live_seen += len(got & live)
+            stale_seen += len(got - live)  # gc removed their nodes (some were inserted again, unassigned to w)
+    assert stale_seen > 0 and live_seen > 0  # both parts were exercised
+
+
+@pytest.mark.usefixtures("impl")
+def test_evicted_sets_stay_bounded_as_gc_removes_their_nodes() -> None:
+    """Round after round a fresh prompt is dispatched to w0, evicted by its KV events and collected by gc: its
+    hashes stay in w0's evicted set (no decision reads them), and the amortized prune keeps the set under twice
+    its readable part plus the floor; without a prune it would grow by a prompt per round."""
+    policy = PrebleE2(E2Config.paper(node_window_s=1.0))
+    policy.EVICTED_PRUNE_MIN = 8
+    now, sizes = 0.0, []
+    for k in range(40):
+        hashes = tuple(1000 * k + i + 1 for i in range(5))
+        ctx = dataclasses.replace(req(f"r{k}", shared=0), block_hashes=hashes)
+        policy.on_dispatch(ctx, Decision(worker_id=W0), now)
+        policy.on_kv_events(W0, KvEventBatch(2 * k + 1, now, (BlockStored(hashes, None, (), 16),)))
+        policy.on_kv_events(W0, KvEventBatch(2 * k + 2, now, (BlockRemoved(hashes),)))
+        assert set(hashes) <= policy.evicted[W0]  # assigned, then removed: cuts w0's assigned run
+        now += 2.0
+        policy.gc(now)  # 2 s > W: the node goes
+        sizes.append(len(policy.evicted[W0]))
+    assert policy.tree.num_nodes == 0
+    assert max(sizes) <= 2 * 0 + 8 + 5 and min(sizes) < max(sizes)  # pruned to the readable part (none), often
