@@ -361,24 +361,37 @@ cdef class RadixTree:
         return out
 
     def runs_of(self, block_hashes):
-        """See radix_py: (node, i, j) per maximal run of positions in one node; one dict lookup per block."""
+        """See radix_py: (node, i, j) per maximal run of positions in one node. A block next to the previous one
+        in its node (a KV event's chain, tail or head first) costs two compares, not a dict lookup."""
         cdef object seq = _fast_seq(block_hashes)
         cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i, start = 0, end = -1
         cdef PyObject** items = PySequence_Fast_ITEMS(seq)
         cdef list out = []
         cdef object last = None, p
+        cdef uint64_t h
+        cdef Py_ssize_t off = -1
         for i in range(n):
-            if not PyLong_Check(<object>items[i]):
+            if not _as_u64(<object>items[i], &h):
                 continue
+            if end == i:  # the block next to the previous one in its node: a chain, tail or head first
+                if off > 0 and (<Node>last)._blocks[off - 1] == h:
+                    off -= 1
+                    end = i + 1
+                    continue
+                if off + 1 < (<Node>last)._n and (<Node>last)._blocks[off + 1] == h:
+                    off += 1
+                    end = i + 1
+                    continue
             p = self._index.get(<object>items[i])
             if p is None:
                 continue
             if p is last and end == i:
                 end = i + 1
-                continue
-            if last is not None:
-                out.append((last, start, end))
-            last, start, end = p, i, i + 1
+            else:
+                if last is not None:
+                    out.append((last, start, end))
+                last, start, end = p, i, i + 1
+            off = _offset(<Node>p, h)
         if last is not None:
             out.append((last, start, end))
         return out
@@ -723,24 +736,37 @@ cdef class RadixTree:
             self._release_if_unused(s)
 
     def mark_evicted(self, worker, block_hashes):
+        """See radix_py. A block next to the previous one in its node (an event lists a chain, tail or head
+        first) is found without a lookup or an offset scan."""
         cdef int s = self._slot(worker, False)
         cdef uint64_t h
-        cdef Node node
-        cdef Py_ssize_t off
+        cdef Node node, prev = None
+        cdef Py_ssize_t off, prev_off = -1
         cdef uint32_t d
         if s < 0:
             return
         for item in block_hashes:
-            p = self._index.get(item)
-            if p is None or not _as_u64(item, &h):
+            if not _as_u64(item, &h):
                 continue
-            node = <Node>p
+            if prev is not None and prev_off > 0 and prev._blocks[prev_off - 1] == h:
+                node, off = prev, prev_off - 1
+            elif prev is not None and prev_off + 1 < prev._n and prev._blocks[prev_off + 1] == h:
+                node, off = prev, prev_off + 1
+            else:
+                p = self._index.get(item)
+                if p is None:
+                    continue
+                node = <Node>p
+                off = -1
             d = _run(node, s)
             if d == 0:
+                prev = None  # nothing to cut here: skip the offset scan
                 continue
-            off = _offset(node, h)
+            if off < 0:
+                off = _offset(node, h)
             if <Py_ssize_t>d > off:
                 self._set_resident(node, s, <uint32_t>off)
+            prev, prev_off = node, off
         self._release_if_unused(s)
 
     def clear_worker(self, worker):

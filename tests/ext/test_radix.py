@@ -367,6 +367,9 @@ class SideBySide(RuleBasedStateMachine):
     def mark_evicted(self, worker: str, tokens: list[int], data: st.DataObject) -> None:
         candidates = self.chain(tokens) + sorted(self.held.get(worker, ()))  # mostly blocks it holds
         evicted = data.draw(st.lists(st.sampled_from(candidates), max_size=3)) if candidates else []
+        if data.draw(st.booleans()):  # or a chain's tail, as a worker evicts it: tail first or head first
+            tail = self.chain(tokens)[data.draw(st.integers(0, 3)):]
+            evicted = tail[::-1] if data.draw(st.booleans()) else tail
         self.held.get(worker, set()).difference_update(evicted)
         for t in self.trees:
             t.mark_evicted(worker, evicted)
@@ -401,6 +404,7 @@ class SideBySide(RuleBasedStateMachine):
             t.check_invariants()
         self.same([snapshot(t) for t in self.trees])
         hashes = list(self.hash_of.values())[:40]
+        hashes = hashes + hashes[::-1]  # chains head first, then tail first
         for h in hashes:
             self.same([(None if p is None else (tuple(p[0].blocks), p[1])) for p in (t.node_of(h) for t in self.trees)])
         self.same([[(tuple(n.blocks), i, j) for n, i, j in t.runs_of(hashes)] for t in self.trees])
