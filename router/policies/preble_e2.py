@@ -201,6 +201,7 @@ class PrebleE2(Policy):
         self.fits: dict[WorkerId, OnlineFit] = {}
         self.evicted: dict[WorkerId, set[int]] = {}  # assigned block hashes removed by events since
         self._evicted_kept: dict[WorkerId, int] = {}  # per worker: its evicted set's size after its last prune
+        self._prune_turn = 0  # `prune_evicted`'s rotation over the workers
         self.resident_count: dict[WorkerId, int] = {}  # blocks resident per events
         self.lru: dict[WorkerId, LruIndex] = {}  # per worker: M's eviction order, kept by the hooks (`_touch`)
         self.hit_times: dict[WorkerId, deque[float]] = {}  # per worker: dispatch times within W (`cold_floor`)
@@ -812,6 +813,7 @@ class PrebleE2(Policy):
         if now >= self._next_gc:
             self._next_gc = now + self.cfg.gc_interval_s
             self.gc(now)
+        self.prune_evicted(1)
         for w in self.history:  # expiry and moves above changed L: price it here, off the selects' path
             self.load_s(w, now)
         self.advance_cold(now)
@@ -839,22 +841,35 @@ class PrebleE2(Policy):
         return list(self._fleet.routable(model)) if self._fleet is not None else []
 
     def gc(self, now: float) -> int:
-        """Drop tree nodes with no resident worker and no request within W; prune the evicted sets.
+        """Drop tree nodes with no resident worker and no request within W."""
+        removed = self.tree.gc(now, self.cfg.node_window_s)
+        self._tree_gen += 1
+        return removed
+
+    def prune_evicted(self, limit: int | None = None) -> int:
+        """Prune up to `limit` (None: all) of the evicted sets that doubled since their last prune, taking the
+        workers in turn; returns how many were pruned. `on_tick` prunes one per tick.
 
         NOTE: a hash whose node gc removed is never read again: only a dispatch to w assigns w to a node, and it
         takes the prompt's hashes out of w's set in the same step, so a re-inserted hash cannot sit in w's
         assigned run while still in the set. Pruning (to the hashes on nodes assigned to w) only bounds memory,
-        so it runs when a set has doubled since its last prune (amortized O(1) per entry), not every gc: the
-        sets hold up to a worker's evicted share of the tree (~100k hashes on videoqa), and a prune of all of
-        them each gc cost ~40 ms a tick.
+        so a set is pruned once it has doubled (amortized O(1) per entry), one set per tick: the sets hold up to
+        a worker's evicted share of the tree (~20k hashes each on videoqa), and pruning them all on every gc
+        cost ~40 ms a tick (videoqa, 16 workers), pruning every doubled one at gc up to ~50 ms.
         """
-        removed = self.tree.gc(now, self.cfg.node_window_s)
-        self._tree_gen += 1
-        for w, ev in self.evicted.items():
+        ws = list(self.evicted)
+        done = 0
+        for k in range(len(ws)):
+            w = ws[(self._prune_turn + k) % len(ws)]
+            ev = self.evicted[w]
             if len(ev) > 2 * self._evicted_kept.get(w, 0) + self.EVICTED_PRUNE_MIN:
                 self.evicted[w] = ev = self.tree.assigned_among(w, ev)
                 self._evicted_kept[w] = len(ev)
-        return removed
+                done += 1
+                if limit is not None and done >= limit:
+                    self._prune_turn += k + 1
+                    break
+        return done
 
 
 class PrebleE2Base(PrebleE2):

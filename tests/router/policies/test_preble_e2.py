@@ -237,9 +237,9 @@ def test_eviction_events_win_over_assignment_and_gc() -> None:
     policy.on_kv_events(W1, KvEventBatch(3, 2.0, (BlockRemoved(old.block_hashes[:10]),)))
     assert policy._cached_blocks(W1, policy.tree.match(new.block_hashes), new.block_hashes) == 0
     assert policy.gc(now=100.0) == 0  # 100 - 0 < W = 180 s
-    policy.EVICTED_PRUNE_MIN = 0  # prune any set past twice its last pruned size (never pruned: 0)
     assert policy.gc(now=181.0) == 1 and policy.tree.num_nodes == 0
-    assert policy.evicted[W1] == set()  # side tables pruned with the tree
+    policy.EVICTED_PRUNE_MIN = 0  # prune any set past twice its last pruned size (never pruned: 0)
+    assert policy.prune_evicted() == 1 and policy.evicted[W1] == set()  # side tables follow the tree
 
 
 @pytest.mark.usefixtures("impl")
@@ -637,7 +637,7 @@ def test_evicted_sets_stay_bounded_as_gc_removes_their_nodes() -> None:
     """Round after round a fresh prompt is dispatched to w0, evicted by its KV events and collected by gc: its
     hashes stay in w0's evicted set (no decision reads them), and the amortized prune keeps the set under twice
     its readable part plus the floor; without a prune it would grow by a prompt per round."""
-    policy = PrebleE2(E2Config.paper(node_window_s=1.0))
+    policy = PrebleE2(E2Config.paper(node_window_s=1.0, gc_interval_s=1.0))
     policy.EVICTED_PRUNE_MIN = 8
     now, sizes = 0.0, []
     for k in range(40):
@@ -648,7 +648,22 @@ def test_evicted_sets_stay_bounded_as_gc_removes_their_nodes() -> None:
         policy.on_kv_events(W0, KvEventBatch(2 * k + 2, now, (BlockRemoved(hashes),)))
         assert set(hashes) <= policy.evicted[W0]  # assigned, then removed: cuts w0's assigned run
         now += 2.0
-        policy.gc(now)  # 2 s > W: the node goes
+        policy.on_tick(now)  # 2 s > W: gc takes the node; the tick prunes a doubled set
         sizes.append(len(policy.evicted[W0]))
     assert policy.tree.num_nodes == 0
     assert max(sizes) <= 2 * 0 + 8 + 5 and min(sizes) < max(sizes)  # pruned to the readable part (none), often
+
+
+def test_prune_evicted_takes_the_workers_in_turn() -> None:
+    """`on_tick` prunes one doubled evicted set per tick (a bounded stall), rotating over the workers."""
+    policy = PrebleE2(E2Config.paper())
+    policy.EVICTED_PRUNE_MIN = 0
+    for w in (W0, W1, W2):
+        policy.evicted[w] = {1, 2, 3}  # hashes no node holds: all prunable
+    order = []
+    for _ in range(3):
+        before = {w: len(s) for w, s in policy.evicted.items()}
+        assert policy.prune_evicted(1) == 1
+        order += [w for w in before if len(policy.evicted[w]) < before[w]]
+    assert sorted(order) == sorted([W0, W1, W2])  # each once, not the first one again
+    assert policy.prune_evicted() == 0  # none doubled since (0 > 2 * 0 + 0 is false)
