@@ -785,9 +785,11 @@ cdef class RadixTree:
 
     # ---- garbage collection --------------------------------------------------------------------------------
 
-    def gc(self, double now, double window_s):
+    def gc(self, double now, double window_s, budget_blocks=None):
         """See radix_py: the queued candidates of the buckets old enough, not every node."""
-        cdef Py_ssize_t i, j, removed = 0
+        cdef Py_ssize_t i, j, removed = 0, freed = 0
+        cdef Py_ssize_t budget = -1 if budget_blocks is None else max(0, <Py_ssize_t>budget_blocks)
+        cdef bint stop = False
         cdef Node node, parent
         cdef uint64_t bits
         cdef int s
@@ -800,6 +802,10 @@ cdef class RadixTree:
                 break
             bucket = dead.pop(b)
             for i in range(PyList_GET_SIZE(bucket)):
+                if budget >= 0 and freed >= budget:
+                    dead[b] = bucket[i:] + dead.get(b, [])  # still flagged queued
+                    stop = True
+                    break
                 node = <Node>PyList_GET_ITEM(bucket, i)
                 node._gc_queued = False
                 if not node.is_attached or node._children or node._res_mask:
@@ -822,8 +828,11 @@ cdef class RadixTree:
                 node._parent = None
                 self._num_nodes -= 1
                 removed += 1
+                freed += node._n
                 if parent is not self._root and not parent._children and not parent._res_mask:
                     self._candidate(parent)
+            if stop or (budget >= 0 and freed >= budget):
+                break
         for obj in young:
             self._candidate(<Node>obj)
         return removed

@@ -36,7 +36,7 @@ blocks (path compression).
                                                # reports an evicted block as resident (conservative after).
     tree.clear_worker(worker)                  # AllBlocksCleared, or the worker's view is rebuilt
     tree.remove_worker(worker)                 # clear_worker + unassign_worker
-    tree.gc(now, window_s)                     # Preble GC, "no caching GPU and no request in window W": removes
+    tree.gc(now, window_s, budget_blocks=None) # Preble GC, "no caching GPU and no request in window W": removes
                                                # (repeatedly, in one post-order pass) every node with no children,
                                                # no resident worker and now - last_access > window_s. CHOICE:
                                                # `assigned` does not keep a node: it is optimistic, only
@@ -44,7 +44,8 @@ blocks (path compression).
                                                # touching the node for W and no KV event confirming it is stale
                                                # (else nothing ever routed would be collected). A removed node
                                                # is detached: is_attached False, parent None, assigned emptied.
-                                               # Returns the number of nodes removed.
+                                               # Returns the number of nodes removed. With a budget, it
+                                               # stops once the removed nodes hold that many blocks.
     tree.num_nodes -> int ; tree.num_blocks -> int
     tree.node_of(block_hash) -> tuple[Node, int] | None     # (node, offset) of a block
     tree.runs_of(block_hashes) -> list[tuple[Node, int, int]]
@@ -455,7 +456,7 @@ class RadixTree:
             node._gc_queued = True
             self._dead.setdefault(math.floor(node.last_access), []).append(node)
 
-    def gc(self, now: float, window_s: float) -> int:
+    def gc(self, now: float, window_s: float, budget_blocks: int | None = None) -> int:
         """Removes what a post-order pass over every node would (a node's children are decided before it, so a
         chain of dead leaves goes at once), visiting only the queued candidates of the buckets old enough.
 
@@ -466,8 +467,11 @@ class RadixTree:
         dropped (it is queued again when it loses them); one not old enough is queued again, after the pass,
         under its current last_access. A parent left childless is queued at once, and the pass takes the lowest
         bucket each time, so it reaches the parent too.
+
+        `budget_blocks`: stop once the removed nodes hold that many blocks (a bound on one call's time; a mass
+        expiry is then spread over several calls); the candidates not visited stay queued, in order.
         """
-        removed = 0
+        removed = freed = 0
         dead = self._dead
         limit = math.floor(now - window_s) + 1
         young: list[Node] = []
@@ -475,7 +479,11 @@ class RadixTree:
             b = min(dead)
             if b > limit:
                 break
-            for node in dead.pop(b):
+            bucket = dead.pop(b)
+            for at, node in enumerate(bucket):
+                if budget_blocks is not None and freed >= budget_blocks:
+                    dead[b] = bucket[at:] + dead.get(b, [])  # still flagged queued
+                    break
                 node._gc_queued = False
                 if not node.is_attached or node.children or node.resident:
                     continue
@@ -491,8 +499,11 @@ class RadixTree:
                 node.assigned = set()  # a detached node keeps no worker state
                 self._num_nodes -= 1
                 removed += 1
+                freed += node.num_blocks
                 if parent is not self._root and not parent.children and not parent.resident:
                     self._candidate(parent)
+            if budget_blocks is not None and freed >= budget_blocks:
+                break
         for node in young:
             self._candidate(node)
         return removed

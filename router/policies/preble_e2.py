@@ -59,7 +59,7 @@ workers and max L > Th_bal × min L, redirect the heavy worker's cheapest key no
 lightest until the gap closes (§5.4, the code's REBALANCE); a key node whose TTFT on a worker doubles over H
 (2nd-half mean ≥ `replication_ttft_factor` × 1st-half) gets a replica on the lightest worker not serving it
 (§5.5). Redirects and replicas last H. Every `gc_interval_s`, `tree.gc` drops nodes nobody holds and nobody
-used within W (claim 10). Switches `enable_rebalancing`, `enable_replication`, `enable_pd_balancing` give the
+used within W (claim 10), freeing at most `gc_budget_blocks` per tick (the rest on the next ticks). Switches `enable_rebalancing`, `enable_replication`, `enable_pd_balancing` give the
 ablation keys `e2_base` (all off), `e2_rebal` (+rebalancing, replication), `e2` (all on).
 
 State changes only in hooks: on_dispatch inserts the prompt and assigns the path; on_kv_events mirrors
@@ -131,6 +131,7 @@ class E2Config(BaseModel):
     enable_replication: bool = True  # §5.5
     replication_ttft_factor: float = Field(default=2.0, gt=1)  # "average queueing time doubles over H"
     gc_interval_s: float = Field(default=10.0, gt=0)
+    gc_budget_blocks: int = Field(default=20_000, gt=0)  # blocks one tick's gc may free (~4-13 ms); the rest next tick
     default_profile: str = DEFAULT_PROFILE  # for unknown profile names and before the online fit is ready
     online_fit_min_samples: int = Field(default=8, ge=1)
     online_fit_decay: float = Field(default=1.0, gt=0, le=1)  # 1.0 = plain running least squares
@@ -811,8 +812,11 @@ class PrebleE2(Policy):
             for model in sorted(self._models):
                 rebalance(self, model, now)
         if now >= self._next_gc:
-            self._next_gc = now + self.cfg.gc_interval_s
-            self.gc(now)
+            before = self.tree.num_blocks
+            self.gc(now, self.cfg.gc_budget_blocks)
+            # a mass expiry (every node of a burst, in one second) goes over the next ticks, not in one stall
+            budget_hit = before - self.tree.num_blocks >= self.cfg.gc_budget_blocks
+            self._next_gc = now if budget_hit else now + self.cfg.gc_interval_s
         self.prune_evicted(1)
         for w in self.history:  # expiry and moves above changed L: price it here, off the selects' path
             self.load_s(w, now)
@@ -840,9 +844,9 @@ class PrebleE2(Policy):
     def routable(self, model: str) -> list[WorkerView]:
         return list(self._fleet.routable(model)) if self._fleet is not None else []
 
-    def gc(self, now: float) -> int:
-        """Drop tree nodes with no resident worker and no request within W."""
-        removed = self.tree.gc(now, self.cfg.node_window_s)
+    def gc(self, now: float, budget_blocks: int | None = None) -> int:
+        """Drop tree nodes with no resident worker and no request within W (up to `budget_blocks` blocks)."""
+        removed = self.tree.gc(now, self.cfg.node_window_s, budget_blocks)
         self._tree_gen += 1
         return removed
 

@@ -384,12 +384,21 @@ class SideBySide(RuleBasedStateMachine):
         for t in self.trees:
             getattr(t, how)(worker)
 
-    @rule(window=st.sampled_from([0.0, 10.0, 60.0]), dt=st.sampled_from([0.0, 20.0]))
-    def gc(self, window: float, dt: float) -> None:
+    @rule(window=st.sampled_from([0.0, 10.0, 60.0]), dt=st.sampled_from([0.0, 20.0]),
+          budget=st.sampled_from([None, None, 0, 1, 3]))
+    def gc(self, window: float, dt: float, budget: int | None) -> None:
         now = self.tick(dt)
         expected = dead_by_definition(self.trees[0], now, window)
-        self.same([t.gc(now, window) for t in self.trees] + [len(expected)])
-        assert not any(n.is_attached for n in expected)
+        blocks = sum(n.num_blocks for n in expected)
+        got = [t.gc(now, window, budget) for t in self.trees]
+        self.same(got)
+        gone = [n for n in expected if not n.is_attached]
+        assert len(gone) == got[0]  # only nodes the definition removes
+        if budget is None or blocks <= budget:
+            assert len(gone) == len(expected)
+        else:  # stopped at the first node that reached the budget; the rest stay for the next call
+            assert budget <= sum(n.num_blocks for n in gone) < budget + max(n.num_blocks for n in expected)
+            assert dead_by_definition(self.trees[0], now, window) == [n for n in expected if n.is_attached]
 
     @rule(tokens=TOKENS, value=st.integers(min_value=0, max_value=3))
     def set_stats(self, tokens: list[int], value: int) -> None:

@@ -667,3 +667,21 @@ def test_prune_evicted_takes_the_workers_in_turn() -> None:
         order += [w for w in before if len(policy.evicted[w]) < before[w]]
     assert sorted(order) == sorted([W0, W1, W2])  # each once, not the first one again
     assert policy.prune_evicted() == 0  # none doubled since (0 > 2 * 0 + 0 is false)
+
+
+def test_a_mass_expiry_is_collected_over_several_ticks() -> None:
+    """30 prompts of 32 blocks, all last used at t=0, expire together: each tick frees at most the budget (plus
+    the node that crossed it), and the ticks right after go on until the tree is empty (claim 10, spread)."""
+    policy = PrebleE2(E2Config.paper(node_window_s=5.0, gc_interval_s=10.0, gc_budget_blocks=100))
+    for k in range(30):
+        ctx = dataclasses.replace(req(f"m{k}", shared=0), block_hashes=tuple(10_000 * (k + 1) + i for i in range(32)))
+        policy.on_dispatch(ctx, Decision(worker_id=W0), 0.0)
+    assert policy.tree.num_blocks == 960
+    freed, t = [], 5.5
+    while policy.tree.num_blocks:
+        before = policy.tree.num_blocks
+        policy.on_tick(t)
+        freed.append(before - policy.tree.num_blocks)
+        t += 0.1
+    assert max(freed) <= 100 + 31 and len(freed) >= 8  # 960 blocks, ~128 per tick: consecutive ticks, not 10 s apart
+    assert t < 5.5 + 0.1 * 12
