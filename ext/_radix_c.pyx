@@ -559,8 +559,10 @@ cdef class RadixTree:
 
     # ---- structure -----------------------------------------------------------------------------------------
 
-    cdef Node _split(self, Node node, Py_ssize_t k):
-        """Split node after its first k blocks (0 < k < n); returns the new upper half."""
+    cdef Node _split(self, Node node, Py_ssize_t k, PyObject** keys):
+        """Split node after its first k blocks (0 < k < n); returns the new upper half. `keys`: the caller's int
+        objects for those k blocks (insert has them: its query matched them), re-indexed without a new int each;
+        NULL to build them."""
         cdef Node upper = self._new_node(node._blocks, k, node.context_blocks, node._parent, node.last_access)
         cdef uint64_t bits = node._asg_mask
         cdef int s
@@ -584,14 +586,18 @@ cdef class RadixTree:
         node._parent._children[PyLong_FromUnsignedLongLong(upper._blocks[0])] = upper
         upper._children[PyLong_FromUnsignedLongLong(node._blocks[0])] = node
         node._parent = upper
-        for i in range(k):
-            self._index[PyLong_FromUnsignedLongLong(upper._blocks[i])] = upper
+        if keys != NULL:
+            for i in range(k):
+                self._index[<object>keys[i]] = upper
+        else:
+            for i in range(k):
+                self._index[PyLong_FromUnsignedLongLong(upper._blocks[i])] = upper
         self._num_nodes += 1
         return upper
 
     cdef Node _position_end(self, Node node, Py_ssize_t off):
         if off + 1 < node._n:
-            return self._split(node, off + 1)
+            return self._split(node, off + 1, NULL)
         return node
 
     cdef object _add_leaf(self, Node parent, uint64_t* blocks, PyObject** keys, Py_ssize_t n, double now):
@@ -648,7 +654,7 @@ cdef class RadixTree:
             if num_path:
                 under = <Node>path[num_path - 1]
                 if last_m < under._n:
-                    under = self._split(under, last_m)
+                    under = self._split(under, last_m, PySequence_Fast_ITEMS(seq) + matched - last_m)
                     path[num_path - 1] = under
             if matched < n:
                 leaf = self._add_leaf(under, buf + matched, PySequence_Fast_ITEMS(seq) + matched, n - matched, now)
