@@ -14,8 +14,11 @@ Worker ids are interned into at most 64 slots (`MAX_WORKERS`); a slot is freed a
 the tree at the same time. With masks, `match` carries the set of workers whose leading run is still unbroken
 as one uint64 down the path and touches Python objects only to build the result dicts.
 
-The block index is a dict block hash -> Node; the offset inside the node is found by a scan of the node's C
-array (a few ns per block), with an O(1) fast path for the consecutive blocks of one event.
+The block index is a C open-addressing table block hash (uint64) -> Node (linear probing, backward-shift
+deletion, one 16-byte slot per block): no Python int per block, one cache line per lookup, where a dict of ints
+costs an int object, its hash and two arrays. It holds borrowed references: only attached nodes are indexed, and
+an attached node is held by its parent's `_children`. The offset inside the node is found by a scan of the
+node's C array (a few ns per block), with an O(1) fast path for the consecutive blocks of one event.
 """
 
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
@@ -28,8 +31,7 @@ from libc.string cimport memcpy, memmove, memset
 
 
 cdef extern from "Python.h":
-    PyObject* PyDict_SetDefault(object d, object key, object default_value) except NULL
-    Py_ssize_t PyDict_Size(object d) except -1
+    void* PyMem_Calloc(size_t nelem, size_t elsize)
     Py_ssize_t PySequence_Fast_GET_SIZE(object o)
     PyObject** PySequence_Fast_ITEMS(object o)
     bint PyList_CheckExact(object o)
@@ -64,6 +66,21 @@ cdef inline bint _as_u64(object o, uint64_t* out) noexcept:
 
 cdef inline uint64_t _bit(int s) noexcept nogil:
     return (<uint64_t>1) << s
+
+
+cdef struct _Slot:
+    uint64_t key
+    PyObject* node  # NULL: an empty slot; borrowed (see the module docstring)
+
+
+cdef inline size_t _home(uint64_t key, size_t mask) noexcept nogil:
+    """splitmix64's finalizer: block hashes are uniform already, but tests and callers may use small ints."""
+    key ^= key >> 30
+    key *= <uint64_t>0xbf58476d1ce4e5b9ULL
+    key ^= key >> 27
+    key *= <uint64_t>0x94d049bb133111ebULL
+    key ^= key >> 31
+    return <size_t>key & mask
 
 
 cdef class Node:
@@ -224,7 +241,9 @@ cdef class RadixTree:
     """The global prefix tree over chained block hashes; see `radix_py` for the contract."""
 
     cdef Node _root
-    cdef dict _index  # block hash -> Node
+    cdef _Slot* _slots  # the block index: block hash -> Node (see the module docstring)
+    cdef size_t _cap  # slots, a power of two
+    cdef Py_ssize_t _nidx  # used slots
     cdef Py_ssize_t _num_nodes
     cdef long long _next_seq
     cdef dict _worker_to_slot
@@ -238,7 +257,11 @@ cdef class RadixTree:
         self._dead = {}
         self._slot_names = [None] * _MAX_SLOTS
         self._worker_to_slot = {}
-        self._index = {}
+        self._cap = 1024
+        self._nidx = 0
+        self._slots = <_Slot*>PyMem_Calloc(self._cap, sizeof(_Slot))
+        if self._slots == NULL:
+            raise MemoryError()
         self._num_nodes = 0
         self._next_seq = 0  # the root takes 0, as in the reference
         self._used_mask = 0
@@ -247,6 +270,87 @@ cdef class RadixTree:
         self._root = self._new_node(NULL, 0, 0, None, 0.0)
 
     key_node = staticmethod(key_node)
+
+    def __dealloc__(self):
+        PyMem_Free(self._slots)
+
+    # ---- the block index -----------------------------------------------------------------------------------
+
+    cdef inline PyObject* _get(self, uint64_t key) noexcept:
+        cdef size_t mask = self._cap - 1
+        cdef size_t i = _home(key, mask)
+        while self._slots[i].node != NULL:
+            if self._slots[i].key == key:
+                return self._slots[i].node
+            i = (i + 1) & mask
+        return NULL
+
+    cdef PyObject* _put(self, uint64_t key, Node node, bint replace) except? NULL:
+        """Index key -> node; returns the node it had (replaced when `replace`, else kept), or NULL if new."""
+        cdef size_t mask, i
+        cdef PyObject* old
+        if (self._nidx + 1) * 10 > <Py_ssize_t>self._cap * 7:
+            self._grow()
+        mask = self._cap - 1
+        i = _home(key, mask)
+        while self._slots[i].node != NULL:
+            if self._slots[i].key == key:
+                old = self._slots[i].node
+                if replace:
+                    self._slots[i].node = <PyObject*>node
+                return old
+            i = (i + 1) & mask
+        self._slots[i].key = key
+        self._slots[i].node = <PyObject*>node
+        self._nidx += 1
+        return NULL
+
+    cdef int _grow(self) except -1:
+        cdef size_t old_cap = self._cap, cap = self._cap * 2, mask = cap - 1, i, j
+        cdef _Slot* old = self._slots
+        cdef _Slot* slots = <_Slot*>PyMem_Calloc(cap, sizeof(_Slot))
+        if slots == NULL:
+            raise MemoryError()
+        for i in range(old_cap):
+            if old[i].node != NULL:
+                j = _home(old[i].key, mask)
+                while slots[j].node != NULL:
+                    j = (j + 1) & mask
+                slots[j] = old[i]
+        self._slots, self._cap = slots, cap
+        PyMem_Free(old)
+        return 0
+
+    cdef void _del(self, uint64_t key) noexcept:
+        """Remove key (absent: nothing), shifting back the entries of its probe run (no tombstones)."""
+        cdef size_t mask = self._cap - 1
+        cdef size_t i = _home(key, mask), j, k
+        while self._slots[i].node != NULL and self._slots[i].key != key:
+            i = (i + 1) & mask
+        if self._slots[i].node == NULL:
+            return
+        j = i
+        while True:
+            j = (j + 1) & mask
+            if self._slots[j].node == NULL:
+                break
+            k = _home(self._slots[j].key, mask)
+            # the entry at j may move to the hole at i unless its home lies cyclically in (i, j]
+            if (i <= j and i < k <= j) or (i > j and (k > i or k <= j)):
+                continue
+            self._slots[i] = self._slots[j]
+            i = j
+        self._slots[i].node = NULL
+        self._nidx -= 1
+
+    cdef inline object _lookup(self, object item):
+        """The node of a block hash given as a Python object; None for an unknown hash or a non-uint64."""
+        cdef uint64_t h
+        cdef PyObject* p
+        if not _as_u64(item, &h):
+            return None
+        p = self._get(h)
+        return None if p == NULL else <object>p
 
     # ---- slots ---------------------------------------------------------------------------------------------
 
@@ -334,29 +438,32 @@ cdef class RadixTree:
 
     @property
     def num_blocks(self):
-        return len(self._index)
+        return self._nidx
 
     def node_of(self, block_hash):
         cdef uint64_t h
-        node = self._index.get(block_hash)
-        if node is None or not _as_u64(block_hash, &h):
+        cdef PyObject* p
+        if not _as_u64(block_hash, &h):
             return None
-        return (node, _offset(<Node>node, h))
+        p = self._get(h)
+        if p == NULL:
+            return None
+        return (<object>p, _offset(<Node>p, h))
 
     def assigned_among(self, worker, block_hashes):
         """See radix_py: the hashes on a node assigned to worker; one dict lookup and a mask test per hash."""
         cdef int s = self._slot(worker, False)
         cdef set out = set()
-        cdef uint64_t bit
-        cdef object p
+        cdef uint64_t bit, v
+        cdef PyObject* p
         if s < 0:
             return out
         bit = _bit(s)
         for h in block_hashes:
-            if not PyLong_Check(h):
+            if not _as_u64(h, &v):
                 continue
-            p = self._index.get(h)
-            if p is not None and (<Node>p)._asg_mask & bit:
+            p = self._get(v)
+            if p != NULL and (<Node>p)._asg_mask & bit:
                 out.add(h)
         return out
 
@@ -370,6 +477,7 @@ cdef class RadixTree:
         cdef object last = None, p
         cdef uint64_t h
         cdef Py_ssize_t off = -1
+        cdef PyObject* q
         for i in range(n):
             if not _as_u64(<object>items[i], &h):
                 continue
@@ -382,9 +490,10 @@ cdef class RadixTree:
                     off += 1
                     end = i + 1
                     continue
-            p = self._index.get(<object>items[i])
-            if p is None:
+            q = self._get(h)
+            if q == NULL:
                 continue
+            p = <object>q
             if p is last and end == i:
                 end = i + 1
             else:
@@ -559,10 +668,8 @@ cdef class RadixTree:
 
     # ---- structure -----------------------------------------------------------------------------------------
 
-    cdef Node _split(self, Node node, Py_ssize_t k, PyObject** keys):
-        """Split node after its first k blocks (0 < k < n); returns the new upper half. `keys`: the caller's int
-        objects for those k blocks (insert has them: its query matched them), re-indexed without a new int each;
-        NULL to build them."""
+    cdef Node _split(self, Node node, Py_ssize_t k):
+        """Split node after its first k blocks (0 < k < n); returns the new upper half."""
         cdef Node upper = self._new_node(node._blocks, k, node.context_blocks, node._parent, node.last_access)
         cdef uint64_t bits = node._asg_mask
         cdef int s
@@ -586,37 +693,28 @@ cdef class RadixTree:
         node._parent._children[PyLong_FromUnsignedLongLong(upper._blocks[0])] = upper
         upper._children[PyLong_FromUnsignedLongLong(node._blocks[0])] = node
         node._parent = upper
-        if keys != NULL:
-            for i in range(k):
-                self._index[<object>keys[i]] = upper
-        else:
-            for i in range(k):
-                self._index[PyLong_FromUnsignedLongLong(upper._blocks[i])] = upper
+        for i in range(k):
+            self._put(upper._blocks[i], upper, True)
         self._num_nodes += 1
         return upper
 
     cdef Node _position_end(self, Node node, Py_ssize_t off):
         if off + 1 < node._n:
-            return self._split(node, off + 1, NULL)
+            return self._split(node, off + 1)
         return node
 
     cdef object _add_leaf(self, Node parent, uint64_t* blocks, PyObject** keys, Py_ssize_t n, double now):
         """Hang blocks under parent, cut at the first hash already in the tree; None when that is the first.
 
-        NOTE: `keys` are the caller's int objects for `blocks` (checked by `_to_buffer`), stored as they are, as
-        the reference does: one set-if-absent per block instead of a new int, a lookup and a store (a 1,000-block
-        video-QA prompt's new leaf). The index's size tells whether it was absent (a repeat inside the run maps to
-        this leaf already, and must end it too).
+        `keys`: the caller's int objects for `blocks` (checked by `_to_buffer`); the first keys the parent's
+        children. One set-if-absent per block: a hash already indexed (elsewhere, or a repeat inside the run,
+        which maps to this leaf already) ends the leaf.
         """
         cdef Node leaf = self._new_node(blocks, n, parent.context_blocks + parent._n, parent, now)
-        cdef Py_ssize_t r = 0, size
-        cdef dict index = self._index
-        size = PyDict_Size(index)
+        cdef Py_ssize_t r = 0
         while r < n:
-            PyDict_SetDefault(index, <object>keys[r], leaf)
-            if PyDict_Size(index) == size:
+            if self._put(blocks[r], leaf, False) != NULL:
                 break
-            size += 1
             r += 1
         if r == 0:
             leaf._parent = None
@@ -654,7 +752,7 @@ cdef class RadixTree:
             if num_path:
                 under = <Node>path[num_path - 1]
                 if last_m < under._n:
-                    under = self._split(under, last_m, PySequence_Fast_ITEMS(seq) + matched - last_m)
+                    under = self._split(under, last_m)
                     path[num_path - 1] = under
             if matched < n:
                 leaf = self._add_leaf(under, buf + matched, PySequence_Fast_ITEMS(seq) + matched, n - matched, now)
@@ -711,9 +809,10 @@ cdef class RadixTree:
         cdef Py_ssize_t prev_off = -1, off, i
         cdef uint64_t ph
         cdef int s = -1
+        cdef PyObject* q
         try:
             if parent_hash is not None:
-                p = self._index.get(parent_hash)
+                p = self._lookup(parent_hash)
                 if p is None or not _as_u64(parent_hash, &ph):
                     return  # unknown parent: ignored (a snapshot replays parents first)
                 prev = <Node>p
@@ -723,13 +822,13 @@ cdef class RadixTree:
                     node = prev  # the common case: the next block of the same node
                     off = prev_off + 1
                 else:
-                    p = self._index.get(PyLong_FromUnsignedLongLong(buf[i]))
-                    if p is None:  # unknown from here on: one new leaf right after prev
+                    q = self._get(buf[i])
+                    if q == NULL:  # unknown from here on: one new leaf right after prev
                         under = self._root if prev is None else self._position_end(prev, prev_off)
                         node = <Node>self._add_leaf(under, buf + i, PySequence_Fast_ITEMS(seq) + i, n - i, now)
                         off = 0
                     else:
-                        node = <Node>p
+                        node = <Node>q
                         off = _offset(node, buf[i])
                 if s < 0:
                     s = self._slot(worker, True)
@@ -749,6 +848,7 @@ cdef class RadixTree:
         cdef Node node, prev = None
         cdef Py_ssize_t off, prev_off = -1
         cdef uint32_t d
+        cdef PyObject* q
         if s < 0:
             return
         for item in block_hashes:
@@ -759,10 +859,10 @@ cdef class RadixTree:
             elif prev is not None and prev_off + 1 < prev._n and prev._blocks[prev_off + 1] == h:
                 node, off = prev, prev_off + 1
             else:
-                p = self._index.get(item)
-                if p is None:
+                q = self._get(h)
+                if q == NULL:
                     continue
-                node = <Node>p
+                node = <Node>q
                 off = -1
             d = _run(node, s)
             if d == 0:
@@ -822,7 +922,7 @@ cdef class RadixTree:
                 parent = node._parent
                 del parent._children[PyLong_FromUnsignedLongLong(node._blocks[0])]
                 for j in range(node._n):
-                    del self._index[PyLong_FromUnsignedLongLong(node._blocks[j])]
+                    self._del(node._blocks[j])
                 bits = node._asg_mask
                 node._asg_mask = 0
                 while bits:
@@ -851,6 +951,8 @@ cdef class RadixTree:
         cdef int64_t refs[64]
         cdef int s, k
         cdef uint64_t bits
+        cdef size_t i
+        cdef Py_ssize_t used
         for s in range(_MAX_SLOTS):
             refs[s] = 0
         for obj in self.nodes():
@@ -864,7 +966,7 @@ cdef class RadixTree:
             for key, child in node._children.items():
                 assert (<Node>child)._blocks[0] == <uint64_t>key and (<Node>child)._parent is node
             for off in range(node._n):
-                assert self._index.get(PyLong_FromUnsignedLongLong(node._blocks[off])) is node
+                assert self._get(node._blocks[off]) == <PyObject*>node
                 assert _offset(node, node._blocks[off]) == off  # no duplicate hash inside a node
             assert node._runs_cap >= _popcount(node._res_mask)
             bits = node._res_mask
@@ -884,7 +986,15 @@ cdef class RadixTree:
                 refs[s] += 1
             blocks += node._n
         assert count == self._num_nodes
-        assert blocks == len(self._index)
+        assert blocks == self._nidx
+        used = 0
+        for i in range(self._cap):  # every slot: an attached node holding its key, reachable from its home
+            if self._slots[i].node != NULL:
+                used += 1
+                node = <Node>self._slots[i].node
+                assert node.is_attached and _offset(node, self._slots[i].key) >= 0
+                assert self._get(self._slots[i].key) == self._slots[i].node
+        assert used == self._nidx and self._nidx * 10 <= <Py_ssize_t>self._cap * 7
         for s in range(_MAX_SLOTS):
             assert refs[s] == self._slot_refs[s], (s, refs[s], self._slot_refs[s])
             if self._used_mask & _bit(s):

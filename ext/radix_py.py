@@ -45,7 +45,8 @@ blocks (path compression).
                                                # (else nothing ever routed would be collected). A removed node
                                                # is detached: is_attached False, parent None, assigned emptied.
                                                # Returns the number of nodes removed. With a budget, it
-                                               # stops once the removed nodes hold that many blocks.
+                                               # stops once the removed nodes hold that many blocks (which
+                                               # dead nodes go first is build-specific; see gc).
     tree.num_nodes -> int ; tree.num_blocks -> int
     tree.node_of(block_hash) -> tuple[Node, int] | None     # (node, offset) of a block
     tree.runs_of(block_hashes) -> list[tuple[Node, int, int]]
@@ -469,7 +470,10 @@ class RadixTree:
         bucket each time, so it reaches the parent too.
 
         `budget_blocks`: stop once the removed nodes hold that many blocks (a bound on one call's time; a mass
-        expiry is then spread over several calls); the candidates not visited stay queued, in order.
+        expiry is then spread over several calls); the candidates not visited stay queued, in order. Which dead
+        nodes a budgeted call takes first follows the candidate queue, which the two builds fill in different
+        orders: the removed nodes are dead by the definition in both, and calls until one stops short of its
+        budget remove the same set.
         """
         removed = freed = 0
         dead = self._dead
