@@ -450,23 +450,6 @@ cdef class RadixTree:
             return None
         return (<object>p, _offset(<Node>p, h))
 
-    def assigned_among(self, worker, block_hashes):
-        """See radix_py: the hashes on a node assigned to worker; one dict lookup and a mask test per hash."""
-        cdef int s = self._slot(worker, False)
-        cdef set out = set()
-        cdef uint64_t bit, v
-        cdef PyObject* p
-        if s < 0:
-            return out
-        bit = _bit(s)
-        for h in block_hashes:
-            if not _as_u64(h, &v):
-                continue
-            p = self._get(v)
-            if p != NULL and (<Node>p)._asg_mask & bit:
-                out.add(h)
-        return out
-
     def runs_of(self, block_hashes):
         """See radix_py: (node, i, j) per maximal run of positions in one node. A block next to the previous one
         in its node (a KV event's chain, tail or head first) costs two compares, not a dict lookup."""
@@ -891,7 +874,7 @@ cdef class RadixTree:
 
     # ---- garbage collection --------------------------------------------------------------------------------
 
-    def gc(self, double now, double window_s, budget_blocks=None):
+    def gc(self, double now, double window_s, budget_blocks=None, list removed_out=None):
         """See radix_py: the queued candidates of the buckets old enough, not every node."""
         cdef Py_ssize_t i, j, removed = 0, freed = 0
         cdef Py_ssize_t budget = -1 if budget_blocks is None else max(0, <Py_ssize_t>budget_blocks)
@@ -923,6 +906,8 @@ cdef class RadixTree:
                 del parent._children[PyLong_FromUnsignedLongLong(node._blocks[0])]
                 for j in range(node._n):
                     self._del(node._blocks[j])
+                if removed_out is not None and node._asg_mask:
+                    removed_out.append((node.blocks, node.assigned))
                 bits = node._asg_mask
                 node._asg_mask = 0
                 while bits:

@@ -36,7 +36,8 @@ blocks (path compression).
                                                # reports an evicted block as resident (conservative after).
     tree.clear_worker(worker)                  # AllBlocksCleared, or the worker's view is rebuilt
     tree.remove_worker(worker)                 # clear_worker + unassign_worker
-    tree.gc(now, window_s, budget_blocks=None) # Preble GC, "no caching GPU and no request in window W": removes
+    tree.gc(now, window_s, budget_blocks=None, removed_out=None)
+                                               # Preble GC, "no caching GPU and no request in window W": removes
                                                # (repeatedly, in one post-order pass) every node with no children,
                                                # no resident worker and now - last_access > window_s. CHOICE:
                                                # `assigned` does not keep a node: it is optimistic, only
@@ -46,13 +47,14 @@ blocks (path compression).
                                                # is detached: is_attached False, parent None, assigned emptied.
                                                # Returns the number of nodes removed. With a budget, it
                                                # stops once the removed nodes hold that many blocks (which
-                                               # dead nodes go first is build-specific; see gc).
+                                               # dead nodes go first is build-specific; see gc). Appends
+                                               # (blocks, assigned workers) per removed node with assigned
+                                               # workers to removed_out.
     tree.num_nodes -> int ; tree.num_blocks -> int
     tree.node_of(block_hash) -> tuple[Node, int] | None     # (node, offset) of a block
     tree.runs_of(block_hashes) -> list[tuple[Node, int, int]]
                                                # (node, i, j) per maximal run of positions i..j-1 whose
                                                # blocks lie in one node, in order; unknown blocks skipped
-    tree.assigned_among(worker, block_hashes) -> set[int]   # those on a node assigned to worker
     tree.check_invariants()                    # for tests: parent/child links, block index, contexts
     tree.nodes() -> list[Node]                 # every node, pre-order (for tests, scans, autoscaling)
     RadixTree.key_node(path) -> Node | None    # the key-portion rule applied to any path (e.g. insert's)
@@ -232,13 +234,6 @@ class RadixTree:
             else:
                 out.append((node, i, i + 1))
         return out
-
-    def assigned_among(self, worker: Any, block_hashes: Iterable[int]) -> set[int]:
-        """The hashes among `block_hashes` that lie on a node assigned to `worker` (E2 prunes its evicted sets
-        with it, a dict lookup per hash)."""
-        index = self._index
-        return {h for h in block_hashes if isinstance(h, int) and (p := index.get(h)) is not None
-                and worker in p[0].assigned}
 
     def nodes(self) -> list[Node]:
         """Every node, pre-order (a parent before its children; children in insertion order)."""
@@ -457,7 +452,10 @@ class RadixTree:
             node._gc_queued = True
             self._dead.setdefault(math.floor(node.last_access), []).append(node)
 
-    def gc(self, now: float, window_s: float, budget_blocks: int | None = None) -> int:
+    def gc(
+        self, now: float, window_s: float, budget_blocks: int | None = None,
+        removed_out: list[tuple[tuple[int, ...], set[Any]]] | None = None,
+    ) -> int:
         """Removes what a post-order pass over every node would (a node's children are decided before it, so a
         chain of dead leaves goes at once), visiting only the queued candidates of the buckets old enough.
 
@@ -473,7 +471,8 @@ class RadixTree:
         expiry is then spread over several calls); the candidates not visited stay queued, in order. Which dead
         nodes a budgeted call takes first follows the candidate queue, which the two builds fill in different
         orders: the removed nodes are dead by the definition in both, and calls until one stops short of its
-        budget remove the same set.
+        budget remove the same set. `removed_out` gets (blocks, assigned workers) of each removed node that had
+        assigned workers, for side tables keyed by block and worker (E2's evicted sets).
         """
         removed = freed = 0
         dead = self._dead
@@ -498,6 +497,8 @@ class RadixTree:
                 del parent.children[node.blocks[0]]
                 for h in node.blocks:
                     del self._index[h]
+                if removed_out is not None and node.assigned:
+                    removed_out.append((node.blocks, node.assigned))
                 node.is_attached = False
                 node.parent = None
                 node.assigned = set()  # a detached node keeps no worker state

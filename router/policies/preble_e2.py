@@ -192,7 +192,6 @@ class Cost(NamedTuple):
 
 class PrebleE2(Policy):
     name = "e2"
-    EVICTED_PRUNE_MIN = 4096  # an evicted set is pruned once it exceeds twice its last pruned size plus this
 
     def __init__(self, config: E2Config | None = None) -> None:
         self.cfg = config or E2Config()
@@ -201,8 +200,6 @@ class PrebleE2(Policy):
         self.hit_ratio: dict[WorkerId, HitRatioWindow] = {}
         self.fits: dict[WorkerId, OnlineFit] = {}
         self.evicted: dict[WorkerId, set[int]] = {}  # assigned block hashes removed by events since
-        self._evicted_kept: dict[WorkerId, int] = {}  # per worker: its evicted set's size after its last prune
-        self._prune_turn = 0  # `prune_evicted`'s rotation over the workers
         self.resident_count: dict[WorkerId, int] = {}  # blocks resident per events
         self.lru: dict[WorkerId, LruIndex] = {}  # per worker: M's eviction order, kept by the hooks (`_touch`)
         self.hit_times: dict[WorkerId, deque[float]] = {}  # per worker: dispatch times within W (`cold_floor`)
@@ -621,7 +618,9 @@ class PrebleE2(Policy):
         cached = min(cached_blocks * bs, max(0, ctx.num_prompt_tokens - 1))
         missed = ctx.num_prompt_tokens - cached
         prefill_s = self.cost_model(w).prefill_s(missed, cached)
+        before = self.tree.num_blocks
         path = self.tree.insert(hashes, now) if hashes else []
+        new = self.tree.num_blocks - before  # the new leaf's blocks, path[-1] when any
         self.tree.assign(path, w, now)
         self._tree_gen += 1
         if self.lru and matched is not None:
@@ -631,8 +630,13 @@ class PrebleE2(Policy):
             else:
                 self._touch_holders(matched)  # only last_access moved; the new leaves after it hold nothing yet
         ev = self.evicted.get(w)
-        if ev:
-            ev.difference_update(hashes)  # re-assigned: predicted resident again
+        if ev:  # re-assigned: predicted resident again (a new leaf's blocks were in no node, so in no set)
+            if new:
+                end = sum(node.num_blocks for node in path)  # the path covers hashes[:end]; the leaf its tail
+                ev.difference_update(hashes[: end - new])
+                ev.difference_update(hashes[end:])
+            else:
+                ev.difference_update(hashes)
         win = self.cfg.node_window_s
         for node in path:
             if not isinstance(node.stats, NodeStats):
@@ -749,7 +753,6 @@ class PrebleE2(Policy):
                 tree.unassign_worker(w)  # its predictions were about a cache that no longer exists
                 self.resident_count[w] = 0
                 self.evicted.pop(w, None)
-                self._evicted_kept.pop(w, None)
                 self.lru.pop(w, None)
 
     def _touch(self, nodes: list[Any]) -> None:
@@ -794,8 +797,8 @@ class PrebleE2(Policy):
         self.tree.remove_worker(worker_id)
         self._tree_gen += 1
         self._remembered.clear()
-        for d in (self.history, self.hit_ratio, self.fits, self.evicted, self._evicted_kept, self.resident_count,
-                  self.lru, self._facts, self.outstanding, self._load_memo, self._cost_memo, self.hit_times):
+        for d in (self.history, self.hit_ratio, self.fits, self.evicted, self.resident_count, self.lru,
+                  self._facts, self.outstanding, self._load_memo, self._cost_memo, self.hit_times):
             d.pop(worker_id, None)  # type: ignore[attr-defined]
         self.moved_load.drop(worker_id)
 
@@ -817,7 +820,6 @@ class PrebleE2(Policy):
             # a mass expiry (every node of a burst, in one second) goes over the next ticks, not in one stall
             budget_hit = before - self.tree.num_blocks >= self.cfg.gc_budget_blocks
             self._next_gc = now if budget_hit else now + self.cfg.gc_interval_s
-        self.prune_evicted(1)
         for w in self.history:  # expiry and moves above changed L: price it here, off the selects' path
             self.load_s(w, now)
         self.advance_cold(now)
@@ -845,35 +847,23 @@ class PrebleE2(Policy):
         return list(self._fleet.routable(model)) if self._fleet is not None else []
 
     def gc(self, now: float, budget_blocks: int | None = None) -> int:
-        """Drop tree nodes with no resident worker and no request within W (up to `budget_blocks` blocks)."""
-        removed = self.tree.gc(now, self.cfg.node_window_s, budget_blocks)
-        self._tree_gen += 1
-        return removed
+        """Drop tree nodes with no resident worker and no request within W (up to `budget_blocks` blocks), and
+        their blocks from the evicted sets of the workers they were assigned to.
 
-    def prune_evicted(self, limit: int | None = None) -> int:
-        """Prune up to `limit` (None: all) of the evicted sets that doubled since their last prune, taking the
-        workers in turn; returns how many were pruned. `on_tick` prunes one per tick.
-
-        NOTE: a hash whose node gc removed is never read again: only a dispatch to w assigns w to a node, and it
-        takes the prompt's hashes out of w's set in the same step, so a re-inserted hash cannot sit in w's
-        assigned run while still in the set. Pruning (to the hashes on nodes assigned to w) only bounds memory,
-        so a set is pruned once it has doubled (amortized O(1) per entry), one set per tick: the sets hold up to
-        a worker's evicted share of the tree (~20k hashes each on videoqa), and pruning them all on every gc
-        cost ~40 ms a tick (videoqa, 16 workers), pruning every doubled one at gc up to ~50 ms.
+        NOTE: exact and O(removed blocks x their workers): a hash enters w's set only while its node is assigned
+        to w, and a node loses an assignment only here or when the worker is unassigned (which drops the set),
+        so the sets to prune are exactly those of the removed nodes' assigned workers.
         """
-        ws = list(self.evicted)
-        done = 0
-        for k in range(len(ws)):
-            w = ws[(self._prune_turn + k) % len(ws)]
-            ev = self.evicted[w]
-            if len(ev) > 2 * self._evicted_kept.get(w, 0) + self.EVICTED_PRUNE_MIN:
-                self.evicted[w] = ev = self.tree.assigned_among(w, ev)
-                self._evicted_kept[w] = len(ev)
-                done += 1
-                if limit is not None and done >= limit:
-                    self._prune_turn += k + 1
-                    break
-        return done
+        gone: list[tuple[tuple[int, ...], Any]] = []
+        removed = self.tree.gc(now, self.cfg.node_window_s, budget_blocks, gone)
+        self._tree_gen += 1
+        evicted = self.evicted
+        for blocks, workers in gone:
+            for w in workers:
+                ev = evicted.get(w)
+                if ev:
+                    ev.difference_update(blocks)
+        return removed
 
 
 class PrebleE2Base(PrebleE2):
