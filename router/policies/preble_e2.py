@@ -59,8 +59,9 @@ workers and max L > Th_bal × min L, redirect the heavy worker's cheapest key no
 lightest until the gap closes (§5.4, the code's REBALANCE); a key node whose TTFT on a worker doubles over H
 (2nd-half mean ≥ `replication_ttft_factor` × 1st-half) gets a replica on the lightest worker not serving it
 (§5.5). Redirects and replicas last H. Every `gc_interval_s`, `tree.gc` drops nodes nobody holds and nobody
-used within W (claim 10), freeing at most `gc_budget_blocks` per tick (the rest on the next ticks). Switches `enable_rebalancing`, `enable_replication`, `enable_pd_balancing` give the
-ablation keys `e2_base` (all off), `e2_rebal` (+rebalancing, replication), `e2` (all on).
+used within W (claim 10), freeing at most `gc_budget_blocks` per tick (the rest on the next ticks). Switches
+`enable_rebalancing`, `enable_replication`, `enable_pd_balancing` give the ablation keys `e2_base` (all off),
+`e2_rebal` (+rebalancing, replication), `e2` (all on).
 
 State changes only in hooks: on_dispatch inserts the prompt and assigns the path; on_kv_events mirrors
 BlockStored/BlockRemoved/AllBlocksCleared into resident runs; on_worker_change drops a worker that is gone or
