@@ -343,15 +343,6 @@ cdef class RadixTree:
         self._slots[i].node = NULL
         self._nidx -= 1
 
-    cdef inline object _lookup(self, object item):
-        """The node of a block hash given as a Python object; None for an unknown hash or a non-uint64."""
-        cdef uint64_t h
-        cdef PyObject* p
-        if not _as_u64(item, &h):
-            return None
-        p = self._get(h)
-        return None if p == NULL else <object>p
-
     # ---- slots ---------------------------------------------------------------------------------------------
 
     cdef int _slot(self, object worker, bint create) except -2:
@@ -795,10 +786,10 @@ cdef class RadixTree:
         cdef PyObject* q
         try:
             if parent_hash is not None:
-                p = self._lookup(parent_hash)
-                if p is None or not _as_u64(parent_hash, &ph):
+                q = self._get(ph) if _as_u64(parent_hash, &ph) else NULL
+                if q == NULL:
                     return  # unknown parent: ignored (a snapshot replays parents first)
-                prev = <Node>p
+                prev = <Node>q
                 prev_off = _offset(prev, ph)
             for i in range(n):
                 if prev is not None and prev_off + 1 < prev._n and prev._blocks[prev_off + 1] == buf[i]:
@@ -878,7 +869,6 @@ cdef class RadixTree:
         """See radix_py: the queued candidates of the buckets old enough, not every node."""
         cdef Py_ssize_t i, j, removed = 0, freed = 0
         cdef Py_ssize_t budget = -1 if budget_blocks is None else max(0, <Py_ssize_t>budget_blocks)
-        cdef bint stop = False
         cdef Node node, parent
         cdef uint64_t bits
         cdef int s
@@ -893,7 +883,6 @@ cdef class RadixTree:
             for i in range(PyList_GET_SIZE(bucket)):
                 if budget >= 0 and freed >= budget:
                     dead[b] = bucket[i:] + dead.get(b, [])  # still flagged queued
-                    stop = True
                     break
                 node = <Node>PyList_GET_ITEM(bucket, i)
                 node._gc_queued = False
@@ -922,7 +911,7 @@ cdef class RadixTree:
                 freed += node._n
                 if parent is not self._root and not parent._children and not parent._res_mask:
                     self._candidate(parent)
-            if stop or (budget >= 0 and freed >= budget):
+            if budget >= 0 and freed >= budget:
                 break
         for obj in young:
             self._candidate(<Node>obj)

@@ -52,13 +52,13 @@ M and O, kept at E2's and PreServe's weight 1. For r (P prompt tokens, D predict
              done queue behind it (FCFS admission) and wait its step too: B_w = a_w × (Q_w + R_w) × step_w, a_w
              = the model's arrival rate over the last 10 s (`arrival_window_s`, `ArrivalRate`: the larger of
              this router's dispatches and the workers' Stats counters of requests received, which count every
-             router replica's) / routable workers (an even share). A recompute on a backlogged worker delays everything that follows it there,
-             which r's own Q and R do not see: in a cold start, when a prefix's holder is still prefilling it, a
-             follow-up request otherwise spills and recomputes the prefix elsewhere (cost 1.14 s on the holder,
-             1.00 s away) and the fleet prefills it twice. Measured (bench sim, 4 workers, seeds 0-2; README):
-             preble-agent at 64 req/s TTFT mean 0.138 / 0.106 / 0.106 → 0.111 / 0.100 / 0.103 s, most other
-             shared-prefix runs a few % better, a few a few % worse; ShareGPT (no sharing) near the knee within
-             noise.
+             router replica's) / routable workers (an even share). A recompute on a backlogged worker delays
+             everything that follows it there, which r's own Q and R do not see: in a cold start, when a prefix's
+             holder is still prefilling it, a follow-up request otherwise spills and recomputes the prefix
+             elsewhere (cost 1.14 s on the holder, 1.00 s away) and the fleet prefills it twice. Measured (bench
+             sim, 4 workers, seeds 0-2; README): preble-agent at 64 req/s TTFT mean 0.138 / 0.106 / 0.106 →
+             0.111 / 0.100 / 0.103 s, most other shared-prefix runs a few % better, a few a few % worse; ShareGPT
+             (no sharing) near the knee within noise.
     O_w      overflow risk: U_k = max_{j<l} (U'[j] + (P_priv + j)·[j < D]) / M_kv, the virtual peak over the next
              l iterations of the anticipated occupancy U' = the anticipator's map + the requests queued ahead
              (P_x + j for j < D_x from offset 0: PreServe leaves them out, but they will be admitted before r);

@@ -640,10 +640,10 @@ def test_a_mass_expiry_is_collected_over_several_ticks() -> None:
         policy.on_dispatch(ctx, Decision(worker_id=W0), 0.0)
     assert policy.tree.num_blocks == 960
     freed, t = [], 5.5
-    while policy.tree.num_blocks:
+    for _ in range(12):  # 960 blocks at ~128 per tick: 8 consecutive ticks, not one every gc_interval_s
         before = policy.tree.num_blocks
         policy.on_tick(t)
         freed.append(before - policy.tree.num_blocks)
         t += 0.1
-    assert max(freed) <= 100 + 31 and len(freed) >= 8  # 960 blocks, ~128 per tick: consecutive ticks, not 10 s apart
-    assert t < 5.5 + 0.1 * 12
+    assert policy.tree.num_blocks == 0
+    assert max(freed) <= 100 + 31 and sum(1 for f in freed if f) >= 8
