@@ -9,7 +9,7 @@ of (last_access, seq, position), the index's tables are read with the dict C API
 
 from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
 from cpython.long cimport PyLong_FromVoidPtr
-from cpython.mem cimport PyMem_Free, PyMem_Realloc
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.ref cimport PyObject
 from cpython.set cimport PySet_Add, PySet_Contains
 
@@ -135,10 +135,105 @@ cdef class EvictionOrder:
 
     def reach(self, long long blocks):
         """Simulate until the steps hold `blocks` resident blocks; False when the candidates ran out first."""
+        return self._reach(blocks)
+
+    cdef bint _reach(self, long long blocks) except -1:
         while not self.cum or <long long>self.cum[len(self.cum) - 1] < blocks:  # (no wraparound: no [-1])
             if not self._step():
                 return False
         return True
+
+    def hot_victims(self, long long need_blocks, set protected):
+        """The victims M prices, in victim order (the reference's docstring): the protected steps' positions and
+        block counts in small C arrays, the bisection over `cum` in C."""
+        cdef Py_ssize_t np_max = len(protected)
+        cdef Py_ssize_t* at = NULL
+        cdef long long* pcum = NULL
+        cdef Py_ssize_t n_at = 0, prev_n = -1, i, j, lo, hi, mid, last, n
+        cdef long long extra, take, d
+        cdef bint enough, same
+        cdef PyObject* got
+        cdef list out = []
+        cdef list steps = self.steps
+        cdef list cum = self.cum
+        cdef tuple step
+        cdef object k
+        if np_max:
+            at = <Py_ssize_t*>PyMem_Malloc(np_max * sizeof(Py_ssize_t))
+            pcum = <long long*>PyMem_Malloc(np_max * sizeof(long long))
+            if at == NULL or pcum == NULL:
+                PyMem_Free(at)
+                PyMem_Free(pcum)
+                raise MemoryError()
+        try:
+            # simulate until the unprotected steps hold need_blocks; protected ones found on the way raise the
+            # target until no new one turns up (positions only grow as the simulation goes on)
+            while True:
+                extra = 0
+                for j in range(n_at):
+                    extra += <long long>(<tuple>steps[at[j]])[1]
+                enough = self._reach(need_blocks + extra)
+                prev_n = n_at
+                n_at = 0
+                for k in protected:
+                    got = PyDict_GetItem(self.pos, k)
+                    if got != NULL:
+                        at[n_at] = <Py_ssize_t>(<object>got)
+                        n_at += 1
+                if n_at == prev_n or not enough:  # a position never leaves `pos`: same count, same set
+                    break
+            # sort the positions (insertion: a request's path is short) and accumulate their blocks
+            for i in range(1, n_at):
+                j = i
+                mid = at[i]
+                while j > 0 and at[j - 1] > mid:
+                    at[j] = at[j - 1]
+                    j -= 1
+                at[j] = mid
+            for j in range(n_at):
+                pcum[j] = (pcum[j - 1] if j else 0) + <long long>(<tuple>steps[at[j]])[1]
+            n = len(steps)
+            if n == 0:
+                return out
+            lo, hi = 0, n - 1
+            if self._unprotected_upto(hi, at, pcum, n_at) >= need_blocks:
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if self._unprotected_upto(mid, at, pcum, n_at) >= need_blocks:
+                        hi = mid
+                    else:
+                        lo = mid + 1
+            last = hi
+            for k in self.hot:
+                i = <Py_ssize_t>k
+                if i > last:
+                    break
+                step = <tuple>steps[i]
+                if PySet_Contains(protected, step[2]):
+                    continue
+                d = <long long>step[1]
+                if i < last:
+                    take = d
+                else:
+                    take = need_blocks - (self._unprotected_upto(i - 1, at, pcum, n_at) if i else 0)
+                    if d < take:
+                        take = d
+                out.append((step[0], take))
+            return out
+        finally:
+            PyMem_Free(at)
+            PyMem_Free(pcum)
+
+    cdef long long _unprotected_upto(self, Py_ssize_t i, Py_ssize_t* at, long long* pcum, Py_ssize_t n_at) except? -1:
+        """cum[i] less the blocks of the protected steps at or before i."""
+        cdef Py_ssize_t lo = 0, hi = n_at, mid
+        while lo < hi:  # bisect_right(at, i)
+            mid = (lo + hi) // 2
+            if at[mid] <= i:
+                lo = mid + 1
+            else:
+                hi = mid
+        return <long long>self.cum[i] - (pcum[lo - 1] if lo else 0)
 
     cdef bint _step(self) except -1:
         cdef Py_ssize_t size = len(self.array)

@@ -8,6 +8,7 @@ nodes M prices (`hot`); passed in, as nothing here imports from `router/`.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from typing import Any
 
@@ -62,6 +63,55 @@ class EvictionOrder:
             if not self._step():
                 return False
         return True
+
+    def hot_victims(self, need_blocks: int, protected: set[int]) -> list[tuple[Any, int]]:
+        """The victims M prices, in victim order: (node, blocks taken) of the `hot` steps among the victims that
+        free `need_blocks` with the `protected` ids (ancestor-closed) skipped; the last victim may be a partial
+        take. Simulates as far as needed.
+
+        Protected steps keep their blocks, so the order is simulated until the other steps hold `need_blocks`
+        (the protected ones found on the way raise the target until no new one turns up), then a bisection on
+        the unprotected block counts finds the last victim: O(log n + hot + protected) once simulated, not
+        O(victims) (a large prompt can need hundreds of small cold victims).
+        """
+        steps, cum, pos = self.steps, self.cum, self.pos
+        prot_at: list[int] = []
+        while True:
+            enough = self.reach(need_blocks + sum(steps[i][1] for i in prot_at))
+            now_at = sorted(i for k in protected if (i := pos.get(k)) is not None)
+            if now_at == prot_at or not enough:
+                prot_at = now_at
+                break
+            prot_at = now_at
+        if not steps:
+            return []
+        prot_cum: list[int] = []  # blocks of the protected steps up to each of them
+        for i in prot_at:
+            prot_cum.append((prot_cum[-1] if prot_cum else 0) + steps[i][1])
+
+        def unprotected_upto(i: int) -> int:
+            j = bisect.bisect_right(prot_at, i)
+            return cum[i] - (prot_cum[j - 1] if j else 0)
+
+        # the first step whose unprotected blocks reach need_blocks (never a protected one), else the last
+        lo, hi = 0, len(steps) - 1
+        if unprotected_upto(hi) >= need_blocks:
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if unprotected_upto(mid) >= need_blocks:
+                    hi = mid
+                else:
+                    lo = mid + 1
+        last = hi
+        out: list[tuple[Any, int]] = []
+        for i in self.hot:
+            if i > last:
+                break
+            n, d, k = steps[i]
+            if k in protected:
+                continue
+            out.append((n, d if i < last else min(d, need_blocks - (unprotected_upto(i - 1) if i else 0))))
+        return out
 
     def _step(self) -> bool:
         idx, unlocked, done = self.idx, self.unlocked, self.done

@@ -5,7 +5,6 @@ doubling detector, and the simulated LRU eviction behind M. Plain data; `preble_
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
 import statistics
@@ -394,7 +393,7 @@ def _add_victim_cost(
     count = num_since(dq, cutoff)  # "text" needs only N_j, not Σ PT
     if not count:
         return m
-    keep = node.resident.get(worker, 0) - nblocks
+    keep = node.resident_on(worker) - nblocks
     ctx_tokens = (node.context_blocks + keep) * block_size
     return m + cost.prefill_s(nblocks * block_size, ctx_tokens) * count
 
@@ -658,10 +657,9 @@ class LruIndex:
         self, worker: Any, need_blocks: int, protected: set[int], now: float, window_s: float, block_size: int,
         cost: CostModel, mode: str,
     ) -> float:
-        """`eviction_cost_s(self.victims(...), ...)` without listing the victims: a bisection on the order's
-        block counts finds the last victim, and only the victims with requests through them (the order's `hot`
-        steps) are priced, in victim order, so the sum is the same float. O(log n + hot + protected) once the
-        order is simulated, instead of O(victims): a large prompt can need hundreds of small cold victims.
+        """`eviction_cost_s(self.victims(...), ...)` without listing the victims: the order's `hot_victims` are
+        the only ones with requests through them, priced in victim order, so the sum is the same float.
+        O(log n + hot + protected) once the order is simulated, instead of O(victims).
 
         NOTE: first, `cold_blocks`: when the candidates that go before every priced node cover the need, M is 0
         (the same float: the sum below adds nothing then) and no order is simulated. Most Ms are 0 (the victims are
@@ -674,45 +672,9 @@ class LruIndex:
         order = self._order
         if order is None:
             order = self._order = EvictionOrder(self, worker, NodeStats)
-        steps, cum, pos = order.steps, order.cum, order.pos
-        # protected steps (ancestor-closed: skipped, their blocks kept); simulate until the rest hold need_blocks
-        prot_at: list[int] = []
-        while True:
-            enough = order.reach(need_blocks + sum(steps[i][1] for i in prot_at))
-            now_at = sorted(i for k in protected if (i := pos.get(k)) is not None)
-            if now_at == prot_at or not enough:
-                prot_at = now_at
-                break
-            prot_at = now_at
-        if not steps:
-            return 0.0
-        prot_cum: list[int] = []  # blocks of the protected steps up to each of them
-        for i in prot_at:
-            prot_cum.append((prot_cum[-1] if prot_cum else 0) + steps[i][1])
-
-        def unprotected_upto(i: int) -> int:
-            j = bisect.bisect_right(prot_at, i)
-            return cum[i] - (prot_cum[j - 1] if j else 0)
-
-        # the first step whose unprotected blocks reach need_blocks (never a protected one), else the last
-        lo, hi = 0, len(steps) - 1
-        if unprotected_upto(hi) >= need_blocks:
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if unprotected_upto(mid) >= need_blocks:
-                    hi = mid
-                else:
-                    lo = mid + 1
-        last = hi
         m = 0.0
         cutoff = now - window_s
-        for i in order.hot:
-            if i > last:
-                break
-            n, d, k = steps[i]
-            if k in protected:
-                continue
-            take = d if i < last else min(d, need_blocks - (unprotected_upto(i - 1) if i else 0))
+        for n, take in order.hot_victims(need_blocks, protected):
             st = n.stats
             dq = st.hits.get(worker) if isinstance(st, NodeStats) else None
             if dq:

@@ -62,3 +62,67 @@ def test_cython_order_equals_reference(seed: int) -> None:
             assert (fast.done, fast.unlocked, fast.local_held) == (ref.done, ref.unlocked, ref.local_held)
             compared += len(ref.steps)
     assert compared > 500  # the indexes were not trivially empty
+
+
+def _path_ids(node: object) -> set[int]:
+    """The ids of a node and its ancestors: a request's protected path (ancestor-closed)."""
+    out = set()
+    while node is not None and getattr(node, "parent", None) is not None:
+        out.add(id(node))
+        node = node.parent  # type: ignore[attr-defined]
+    return out
+
+
+@pytest.mark.c_extension
+@pytest.mark.skipif(_lru_order_c is None, reason="Cython extension not built")
+@pytest.mark.parametrize("seed", range(6))
+def test_cython_hot_victims_equal_reference(seed: int) -> None:
+    """`hot_victims` (M's priced victims, protected path skipped, partial last take) agrees between the builds,
+    and with its definition over the reference's full order: the hot steps among the unprotected victims that
+    first reach the need."""
+    rng = random.Random(seed)
+    policy = PrebleE2(E2Config.paper(node_window_s=5.0))
+    prompts = random_prompts(rng, 50, labels=60)
+    partial = protected_seen = priced = 0
+    for _ in drive(policy, rng, prompts, WORKERS, 250, tied_times=True):
+        nodes = list(policy.tree.nodes())
+        for v, idx in policy.lru.items():
+            ref = lru_order_py.EvictionOrder(idx, v, NodeStats)
+            fast = _lru_order_c.EvictionOrder(idx, v, NodeStats)
+            protected = _path_ids(rng.choice(nodes)) if nodes and rng.random() < 0.7 else set()
+            probe = lru_order_py.EvictionOrder(idx, v, NodeStats)  # a separate order: the two read lazily
+            full = _full(probe)
+            # a need that ends inside a random hot step (a partial take), at a random count, or past every block
+            free = [(d, i in probe.hot) for i, (_, d, k) in enumerate(full) if k not in protected]
+            hot = [j for j, (_, h) in enumerate(free) if h]
+            cut = rng.choice(hot) if hot else 0
+            inside = sum(d for d, _ in free[:cut]) + rng.randint(1, free[cut][0]) if free else 1
+            need = rng.choice([inside, inside, rng.randint(1, 80), 10_000])
+            got = fast.hot_victims(need, protected)
+            assert got == ref.hot_victims(need, protected)
+            # the definition, from the whole order: victims in order, protected skipped, until need is met
+            want, left = [], need
+            for n, d, k in full:
+                if left <= 0:
+                    break
+                if k in protected:
+                    protected_seen += 1
+                    continue
+                take = min(d, left)
+                left -= take
+                if ref.pos[k] in ref.hot:
+                    want.append((n, take))
+                    partial += take < d
+            assert got == want
+            priced += len(want)
+    print(priced, partial, protected_seen)
+    assert priced > 200 and partial >= 3 and protected_seen > 10  # the cases were exercised
+
+
+def _full(order: object) -> list[tuple[object, int, int]]:
+    """Every step of the order."""
+    out = []
+    while (step := order.at(len(out))) is not None:  # type: ignore[attr-defined]
+        out.append(step)
+    return out
+
