@@ -29,7 +29,7 @@ cdef inline bint _before(double la, long long seq, Py_ssize_t pos,
 cdef class EvictionOrder:
     cdef readonly object idx, worker, stats_type
     cdef readonly list steps, cum, hot, array, extra
-    cdef readonly dict unlocked, local_held, pos
+    cdef readonly dict unlocked, local_held, pos, memo
     cdef readonly set done
     cdef dict _keyed, _entries, _held
     cdef double* _f_la
@@ -54,6 +54,7 @@ cdef class EvictionOrder:
         self.steps = []
         self.cum = []
         self.hot = []
+        self.memo = {}
         self.extra = []
         self.unlocked = {}
         self.local_held = {}

@@ -28,7 +28,7 @@ class EvictionOrder:
     """
 
     __slots__ = ("idx", "worker", "stats_type", "steps", "array", "frontier", "extra", "unlocked", "done",
-                 "local_held", "cum", "pos", "hot")
+                 "local_held", "cum", "pos", "hot", "memo")
 
     def __init__(self, idx: Any, worker: Any, stats_type: type) -> None:
         self.idx, self.worker, self.stats_type = idx, worker, stats_type
@@ -47,6 +47,9 @@ class EvictionOrder:
         # steps whose node had requests through it on this worker when simulated (the only ones M prices): a
         # node gains one only by a dispatch through it, which touches it and so drops this order
         self.hot: list[int] = []
+        # the caller's cache of values derived from these steps (E2 keeps its victims' M terms here): it goes with
+        # the order, so anything that changes a step's node drops it too
+        self.memo: dict[Any, Any] = {}
 
     def at(self, i: int) -> tuple[Any, int, int] | None:
         """The i-th node to evict, or None when fewer remain."""

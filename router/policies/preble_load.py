@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from switchyard.ext.lru_order import EvictionOrder
-from switchyard.router.policies.preble_cost import CostModel
+from switchyard.router.policies.preble_cost import CostModel, ProfileCost
 
 
 # ---------------------------------------------------------------------------------------------- L_i (history H)
@@ -376,26 +376,38 @@ def eviction_cost_s(
     m = 0.0
     cutoff = now - window_s
     for node, nblocks in victims:
-        st = node.stats
-        dq = st.hits.get(worker) if isinstance(st, NodeStats) else None
-        if dq:
-            m = _add_victim_cost(m, node, nblocks, dq, worker, cutoff, block_size, cost, mode)
+        term = _victim_term(node, nblocks, worker, cutoff, block_size, cost, mode)[0]
+        if term is not None:
+            m = m + term
     return m
 
 
-def _add_victim_cost(
-    m: float, node: Any, nblocks: int, dq: deque[tuple[float, float]], worker: str, cutoff: float,
-    block_size: int, cost: CostModel, mode: str,
-) -> float:
-    """m + victim j's term of M (j has requests through it on `worker`, `dq`); m itself when none is in W."""
+def _victim_term(
+    node: Any, nblocks: int, worker: Any, cutoff: float, block_size: int, cost: CostModel, mode: str,
+) -> tuple[float | None, float, float, CostModel]:
+    """(victim j's term of M for `nblocks` of its blocks, or None when no request through j on `worker` is in W;
+    the window starts [lo, hi] between which the term holds; the cost model it was priced with).
+
+    "text": PT_j × N_j (recompute the evicted tokens after j's context and kept blocks, times the requests through
+    j on this worker in W); "alg2": Σ PREFILLTIME(missed_l) over those requests. The term holds while the
+    window's start stays between `cutoff` and j's first request in W: later ones are counted either way, earlier
+    ones neither (`LruIndex.eviction_cost`'s memo; a request through j adds a sample only by a dispatch through
+    j, which drops the order and its memo with it).
+    """
+    st = node.stats
+    dq = st.hits.get(worker) if isinstance(st, NodeStats) else None
+    if not dq:
+        return None, cutoff, math.inf, cost
     if mode == "alg2":
-        return m + count_since(dq, cutoff)[1]
-    count = num_since(dq, cutoff)  # "text" needs only N_j, not Σ PT
+        count, term = count_since(dq, cutoff)
+    else:
+        count = num_since(dq, cutoff)
+        if count:
+            keep = node.resident_on(worker) - nblocks
+            term = cost.prefill_s(nblocks * block_size, (node.context_blocks + keep) * block_size) * count
     if not count:
-        return m
-    keep = node.resident_on(worker) - nblocks
-    ctx_tokens = (node.context_blocks + keep) * block_size
-    return m + cost.prefill_s(nblocks * block_size, ctx_tokens) * count
+        return None, cutoff, math.inf, cost
+    return term, cutoff, dq[len(dq) - count][0], cost
 
 
 # ---------------------------------------------------------------------------------------------- outstanding work
@@ -674,9 +686,17 @@ class LruIndex:
             order = self._order = EvictionOrder(self, worker, NodeStats)
         m = 0.0
         cutoff = now - window_s
+        # each victim's term, kept with the order between selects while it holds (`_victim_term`); a cost model
+        # fitted online (`OnlineFit`) changes in place, so its terms are priced afresh
+        memo = order.memo if isinstance(cost, ProfileCost) else None
         for n, take in order.hot_victims(need_blocks, protected):
-            st = n.stats
-            dq = st.hits.get(worker) if isinstance(st, NodeStats) else None
-            if dq:
-                m = _add_victim_cost(m, n, take, dq, worker, cutoff, block_size, cost, mode)
+            if memo is None:
+                got = _victim_term(n, take, worker, cutoff, block_size, cost, mode)
+            else:
+                key = (id(n), take)
+                got = memo.get(key)
+                if got is None or not got[1] <= cutoff <= got[2] or got[3] is not cost:
+                    got = memo[key] = _victim_term(n, take, worker, cutoff, block_size, cost, mode)
+            if got[0] is not None:
+                m = m + got[0]
         return m

@@ -180,16 +180,28 @@ def test_select_shortcuts_equal_plain_code(
         assert [(id(n), k) for n, k in got] == [(id(n), k) for n, k in want]
         return got
 
+    priced = {"hot": 0, "fresh": 0}  # victims the fast path priced; of them, priced afresh (not from its memo)
+    in_fast = False
+
+    def counted_term(*args: Any) -> Any:
+        priced["fresh"] += in_fast
+        return victim_term(*args)
+
     def checked_cost(idx: LruIndex, worker: Any, need_blocks: int, protected: set[int], *args: Any) -> float:
-        nonlocal num_victims
+        nonlocal num_victims, in_fast
+        in_fast = True
         got = fast_cost(idx, worker, need_blocks, protected, *args)
+        in_fast = False
+        if idx._order is not None:
+            priced["hot"] += len(idx._order.hot_victims(need_blocks, protected))
         victims = checked_victims(idx, worker, need_blocks, protected)  # the order it bisects, listed
         assert got == eviction_cost_s(victims, worker, *args)
         num_victims += len(victims)
         return got
 
-    fast_victims, fast_cost = LruIndex.victims, LruIndex.eviction_cost
+    fast_victims, fast_cost, victim_term = LruIndex.victims, LruIndex.eviction_cost, preble_load._victim_term
     monkeypatch.setattr(LruIndex, "eviction_cost", checked_cost)
+    monkeypatch.setattr(preble_load, "_victim_term", counted_term)
 
     def make(name: str) -> CheckedE2:
         made.append(CheckedE2(E2Config(**CONFIGS[config])))
@@ -204,6 +216,7 @@ def test_select_shortcuts_equal_plain_code(
     assert policy.checks["loadcosts"] > 0 and policy.checks["argmin"] > 0  # the cost paths ran
     assert policy.checks["pruned"] > 0  # and the bound skipped some workers
     assert num_victims > 0  # eviction pricing ran
+    assert priced["hot"] > priced["fresh"] > 0  # some victims' terms came from the memo, and matched
     if config == "rebal_eager":
         assert policy.num_redirects > 0  # the exploit set's redirect path ran
 

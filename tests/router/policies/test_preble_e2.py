@@ -402,6 +402,37 @@ def test_eviction_cost_when_full() -> None:
     assert policy.loadcost(fleet.get(W1), ctx, 0, [], now=3.0).evict_s == 0.0  # type: ignore[arg-type]
 
 
+@pytest.mark.usefixtures("impl")
+def test_eviction_cost_memo_follows_the_window_and_the_cost_model() -> None:
+    """M's per-victim terms, kept with the eviction order between selects, change as the window passes the
+    requests through the victim, and are never kept for a cost model fitted online (it changes in place)."""
+    fleet = make_fleet(2, kv_capacity_blocks=40)
+    policy = PrebleE2(E2Config.paper(node_window_s=10.0))
+    a = req("a", shared=512)  # 32 blocks on w0; requests through them at t = 0, 1, 2
+    for i in range(3):
+        place(policy, fleet, dataclasses.replace(a, request_id=f"a{i}"), "w0", now=float(i))
+    policy.on_kv_events(W0, stored(a, 1, ts=2.0))
+    idx = policy.lru[W0]
+    pt = COST.prefill_s(384, 128)  # 24 blocks evicted from a's tail, 8 kept
+
+    def m(now: float, cost: object = COST) -> float:
+        return idx.eviction_cost(W0, 24, set(), now, 10.0, 16, cost, "text")  # type: ignore[arg-type]
+
+    assert m(3.0) == 3 * pt
+    order = idx._order
+    assert m(9.5) == 3 * pt  # the same terms, from the memo
+    assert m(10.5) == 2 * pt  # the request at t = 0 left the window
+    assert m(11.0) == 2 * pt
+    assert m(12.5) == 0.0  # all three left
+    assert idx._order is order  # no hook in between: one order, one memo, all along
+    fit = OnlineFit(COST, min_samples=1)
+    fit.add_prefill(100, 0.5)
+    first = m(3.0, fit)
+    assert first == 3 * fit.prefill_s(384, 128)
+    fit.add_prefill(300, 0.9)  # the fit moves under the same object
+    assert m(3.0, fit) == 3 * fit.prefill_s(384, 128) != first
+
+
 def test_online_fit_for_profileless_workers() -> None:
     fit = OnlineFit(COST, min_samples=3)
     for missed, ttft in [(100, 0.2), (200, 0.3), (300, 0.4)]:  # TTFT = 0.1 + 0.001 × missed
