@@ -7,8 +7,10 @@ import pytest
 
 from switchyard.router.predictor.evaluate import (
     BucketClassifier,
+    EmbeddingRegressor,
     clamp_tokens,
     fit_line,
+    learning_curve,
     length_metrics,
     markdown_table,
     paper_rows,
@@ -48,6 +50,32 @@ def test_bucket_classifier_predicts_bucket_medians() -> None:
     pred = clf.predict(np.array([[-3, -3, -3, -3], [3, 3, 3, 3]], dtype=np.float32))
     assert pred.tolist() == [np.median(y[:60]), np.median(y[60:])]
     assert clf.medians[2] == 250.0  # an empty bucket predicts its midpoint
+
+
+def _clusters(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two separable clusters of features: labels 10..30 and 410..430."""
+    x = np.concatenate([rng.normal(-3, 0.3, (n, 4)), rng.normal(3, 0.3, (n, 4))]).astype(np.float32)
+    y = np.concatenate([rng.integers(10, 31, n), rng.integers(410, 431, n)]).astype(float)
+    return x, y
+
+
+def test_regression_head_learns_lengths_from_features() -> None:
+    pytest.importorskip("torch")
+    x, y = _clusters(np.random.default_rng(1), 80)
+    head = EmbeddingRegressor(epochs=100, lr=0.05).fit(x, y)  # toy data: large steps
+    pred = head.predict(np.array([[-3] * 4, [3] * 4, [30] * 4], dtype=np.float32))
+    assert abs(pred[0] - 20) < 10 and abs(pred[1] - 420) < 10  # each cluster's median (the L1 optimum), roughly
+    assert 1.0 <= pred[2] <= 4096.0  # clamped like every predictor
+
+
+def test_learning_curve_trains_on_growing_subsets() -> None:
+    pytest.importorskip("torch")
+    rng = np.random.default_rng(2)
+    x, y = _clusters(rng, 100)
+    tx, ty = _clusters(rng, 20)
+    curve = learning_curve(x, y, tx, ty, fractions=(0.05, 1.0), epochs=100, lr=0.05)
+    assert [c["train"] for c in curve] == [10, 200]
+    assert curve[1]["mae"] < 15 and curve[1]["n"] == 40  # the whole set learns both clusters
 
 
 def test_table_prints_preserve_table_2_beside_ours() -> None:
