@@ -70,6 +70,11 @@ M and O, kept at E2's and PreServe's weight 1. For r (P prompt tokens, D predict
              request-iterations of waiting, each one decode iteration of w's batch (as W's clock). Measured: at
              1.0× on 70B ShareGPT (300 s, 3 seeds) SLO 0.55 / 0.64 / 0.41 → 0.61 / 0.67 / 0.43 and a third fewer
              preemptions; identical results wherever U' stays under T_mem.
+             T_mem = 0.9, not PreServe's 0.8: the margin under 1.0 is for prediction error, and at 0.8 O priced
+             occupancy that never overflowed, so near capacity placement chased anticipated peaks and queues grew
+             (worst with true lengths). 70B ShareGPT, seeds 0 and 1, 0.95× and 0.975× capacity: SLO with the
+             fallback +0.01 to +0.04, with true lengths +0.08 to +0.14; 1.0 (no margin) lost with the fallback at
+             0.975× (0.78 → 0.75). Identical on 8B ShareGPT at 0.7-0.8× and the shared-prefix suite's 20k-block runs.
     P_priv   r's prompt minus the prefix w already holds: with `discount_shared_prefix` (PreServe §5.5's
              [project] flag) the map holds each request's private KV, so 100 requests sharing a 4k-token system
              prompt do not count 400k tokens.
@@ -163,7 +168,10 @@ class SwitchyardConfig(E2Config):
     # Q_w, I_w: r's prefill joins the prompts queued on w when they fit one iteration (T + m <= B), instead of
     # running in an iteration of its own
     joint_prefill: bool = True
-    t_mem: float = Field(default=0.8, gt=0, le=1)  # T_mem: KV fraction where overflow starts (PreServe §6)
+    # T_mem: the KV fraction above which O prices the anticipated occupancy as preempted (PreServe §6: 0.8). The
+    # margin under 1.0 hedges prediction error; 0.8 over-priced it: near capacity the placement chased anticipated
+    # peaks at the cost of queues (70B ShareGPT at 0.95-1.0x: SLO 0.81 → 0.95 with true lengths; README)
+    t_mem: float = Field(default=0.9, gt=0, le=1)
     horizon: int = Field(default=100, ge=1)  # l: iterations of the virtual peak (PreServe §5.1)
     max_len: int = Field(default=4096, ge=1)  # L: longest record the anticipator keeps (PreServe §5.1)
     ext_frac: float = Field(default=0.2, ge=0)  # overrun extension / prediction (PreServe §5.2)

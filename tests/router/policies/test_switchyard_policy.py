@@ -223,8 +223,8 @@ def test_queued_requests_count_as_co_runners_with_their_prediction() -> None:
 
 @pytest.mark.parametrize("overflow_wait", [True, False])
 def test_overflow_term_prices_the_tokens_above_t_mem(overflow_wait: bool) -> None:
-    # 100 blocks = 1600 tokens; T_mem × capacity = 1280
-    p, fleet = policy(kv_capacity_blocks=100, overflow_wait=overflow_wait)
+    # 100 blocks = 1600 tokens; T_mem × capacity = 1280 (PreServe's T_mem; the default is 0.9)
+    p, fleet = policy(kv_capacity_blocks=100, overflow_wait=overflow_wait, t_mem=0.8)
     dispatch(p, fleet, req("x", 1024, predicted=200), W0, running=True)
     t = terms(p, fleet, req("r", 256, predicted=50))
     # peak over j < 100 of (1024 + j) + (256 + j)[j < 50]: j = 49 → 1073 + 305 = 1378 → U_k = 0.86125
@@ -421,11 +421,11 @@ def test_large_anticipated_decode_load_loses_a_long_request() -> None:
 
 
 def test_overflow_makes_a_worker_over_t_mem_lose() -> None:
-    # both workers run one request; w0's is large (peak 0.86 > T_mem with r), w1's small; w0 holds 320 of r's
-    # 400 tokens, so without the overflow term w0 is cheaper (PT(80, 320) < PT(400, 0), both below the knee)
+    # both workers run one request; w0's is large (peak 0.86 > T_mem = 0.8 with r), w1's small; w0 holds 320 of
+    # r's 400 tokens, so without the overflow term w0 is cheaper (PT(80, 320) < PT(400, 0), both below the knee)
     def setup(**cfg: object) -> tuple[Switchyard, Fleet]:
         p, fleet = policy(
-            kv_capacity_blocks=100, queue_weight=0.0, decode_weight=0.0, interference_weight=0.0, **cfg
+            kv_capacity_blocks=100, queue_weight=0.0, decode_weight=0.0, interference_weight=0.0, t_mem=0.8, **cfg
         )
         holder(p, fleet, req("a", 400, shared=320), W0)
         dispatch(p, fleet, req("x", 1200, predicted=200), W0, running=True)
