@@ -150,13 +150,12 @@ cdef class EvictionOrder:
         cdef Py_ssize_t np_max = len(protected)
         cdef Py_ssize_t* at = NULL
         cdef long long* pcum = NULL
-        cdef Py_ssize_t n_at = 0, prev_n = -1, i, j, lo, hi, mid, last, n
+        cdef Py_ssize_t n_at = 0, prev_n, i, j, lo, hi, mid, last, n
         cdef long long extra, take, d
-        cdef bint enough, same
+        cdef bint enough
         cdef PyObject* got
         cdef list out = []
         cdef list steps = self.steps
-        cdef list cum = self.cum
         cdef tuple step
         cdef object k
         if np_max:

@@ -333,16 +333,14 @@ def evaluate(args: argparse.Namespace) -> dict:
         )
         timings["bucket_baseline"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        head = EmbeddingRegressor().fit(train_features(train_x, train), train_y)
+        head_train, head_test = head_features(train_x, train), head_features(test_x, test)
+        head = EmbeddingRegressor().fit(head_train, train_y)
         rows.append(
-            {
-                "method": "frozen MiniLM + L1 regression head",
-                **length_metrics(head.predict(train_features(test_x, test)), true),
-            }
+            {"method": "frozen MiniLM + L1 regression head", **length_metrics(head.predict(head_test), true)}
         )
         timings["regression_head"] = time.perf_counter() - t0
         if args.learning_curve:
-            curve = learning_curve(train_features(train_x, train), train_y, train_features(test_x, test), true)
+            curve = learning_curve(head_train, train_y, head_test, true)
     rows += paper_rows()
     out = {
         "split": {"turns": args.turns, "seed": args.seed, "train": len(train), "test": len(test)},
@@ -355,7 +353,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     return out
 
 
-def train_features(embeddings: np.ndarray, samples: Sequence[Any]) -> np.ndarray:
+def head_features(embeddings: np.ndarray, samples: Sequence[Any]) -> np.ndarray:
     """The regression head's input: the embedding and log(1 + prompt tokens), which the truncated embedding
     does not see."""
     lp = np.log1p(np.array([s.prompt_tokens for s in samples], dtype=np.float32))[:, None]
