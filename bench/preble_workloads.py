@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -416,17 +417,19 @@ def _mean_std(x: list[float] | list[int]) -> tuple[float, float]:
     return (float(a.mean()), float(a.std())) if len(a) else (0.0, 0.0)
 
 
-def workload_stats(trace: Trace) -> WorkloadStats:
-    """Table 1's statistics over a prefix tree of the prompts, as the paper measures them [P §3]:
+@dataclass(frozen=True, slots=True)
+class KeyPortion:
+    """A request's key portion in the radix tree of all of a trace's prompts (see `key_portions`)."""
 
-    - shared prefix: the prompt's longest prefix already present in an earlier request's prompt (arrival order,
-      an infinite cache), over the prompt length;
-    - key portion (§3, E5): in the radix tree of all prompts, the deepest node on the request's path with more
-      tokens than all its predecessors together; its fraction of the prompt;
-    - requests per key portion: for each distinct key portion, the requests whose prompt goes through it.
+    node: int  # the key node's id in that tree (-1: none)
+    num_tokens: int  # the key node's own tokens
+    segments: tuple[Segment, ...]  # the prompt's segments up to and including the key node
 
-    Segments are the tree's atoms: two segments are the same tokens iff their (namespace, key, length) agree.
-    """
+
+def _prefix_tree(trace: Trace) -> tuple[list[list[int]], list[int], list[float]]:
+    """Each request's node path in the tree of all prompts (segments are the atoms: two segments are the same
+    tokens iff their (namespace, key, length) agree), the requests through each node, and each request's shared
+    prefix fraction (its longest prefix already in an earlier prompt, arrival order, over its length)."""
     child: dict[tuple[int, Segment], int] = {}  # (parent node, segment) -> node; node 0 is the root
     count: list[int] = [0]  # requests through each node
     paths: list[list[int]] = []
@@ -446,28 +449,64 @@ def workload_stats(trace: Trace) -> WorkloadStats:
             node = nxt
         paths.append(path)
         shared.append(hit / r.num_prompt_tokens)
-    key_frac: list[float] = []
-    key_count: dict[int, int] = {}
+    return paths, count, shared
+
+
+def _key_portions(trace: Trace, paths: list[list[int]], count: list[int]) -> list[KeyPortion]:
+    out: list[KeyPortion] = []
     for r, path in zip(trace.requests, paths, strict=True):
         # radix compression: a segment joins its parent's node when the same requests go through both
-        best_end, best_len, seen, node_len = -1, 0, 0, 0
+        best_end, best_len, best_j, seen, node_len = -1, 0, -1, 0, 0
         for j, (seg, nid) in enumerate(zip(r.segments, path, strict=True)):
             node_len += seg[2]
             last = j + 1 == len(path) or count[path[j + 1]] != count[nid]
             if last:
                 if node_len > seen:
-                    best_end, best_len = nid, node_len
+                    best_end, best_len, best_j = nid, node_len, j
                 seen += node_len
                 node_len = 0
-        key_frac.append(best_len / r.num_prompt_tokens)
-        key_count[best_end] = count[best_end]
+        out.append(KeyPortion(best_end, best_len, tuple(r.segments[: best_j + 1])))
+    return out
+
+
+def key_portions(trace: Trace) -> list[KeyPortion]:
+    """Each request's key portion (§3, E5), in trace order: in the radix tree of all prompts, the deepest node on
+    the request's path with more tokens than all its predecessors together."""
+    paths, count, _ = _prefix_tree(trace)
+    return _key_portions(trace, paths, count)
+
+
+def oracle_partition_table(trace: Trace) -> dict[str, int]:
+    """Preble's oracle partition [P §5.2], offline: request id -> the rank of its key portion among the trace's
+    distinct key portions ordered by a hash of their tokens (`OraclePartition` sends rank r to worker r mod K, an
+    even split by count). Key portions shared by no other request are left out: they partition nothing."""
+    keys = key_portions(trace)
+    users: dict[tuple[Segment, ...], int] = {}
+    for k in keys:
+        users[k.segments] = users.get(k.segments, 0) + 1
+    shared = sorted((zlib.crc32(repr(segs).encode()), segs) for segs, n in users.items() if n > 1)
+    rank = {segs: i for i, (_, segs) in enumerate(shared)}
+    return {r.request_id: rank[k.segments] for r, k in zip(trace.requests, keys, strict=True) if k.segments in rank}
+
+
+def workload_stats(trace: Trace) -> WorkloadStats:
+    """Table 1's statistics over a prefix tree of the prompts, as the paper measures them [P §3]:
+
+    - shared prefix: the prompt's longest prefix already present in an earlier request's prompt (arrival order,
+      an infinite cache), over the prompt length;
+    - key portion (§3, E5, `key_portions`): its fraction of the prompt;
+    - requests per key portion: for each distinct key portion, the requests whose prompt goes through it.
+    """
+    paths, count, shared = _prefix_tree(trace)
+    keys = _key_portions(trace, paths, count)
     return WorkloadStats(
         num_requests=len(trace.requests),
         prompt_tokens=_mean_std([r.num_prompt_tokens for r in trace.requests]),
         output_tokens=_mean_std([r.num_output_tokens for r in trace.requests]),
         shared_prefix_frac=_mean_std(shared),
-        key_portion_frac=_mean_std(key_frac),
-        requests_per_key_portion=_mean_std(list(key_count.values())),
+        key_portion_frac=_mean_std([k.num_tokens / r.num_prompt_tokens for r, k in zip(trace.requests, keys,
+                                                                                       strict=True)]),
+        requests_per_key_portion=_mean_std(list({k.node: count[k.node] for k in keys}.values())),
     )
 
 

@@ -49,6 +49,7 @@ from switchyard.router.clock import VirtualClock
 from switchyard.router.config import split_assignment
 from switchyard.router.fleet import Fleet, StatsSample, WorkerInfo
 from switchyard.router.policies.base import Policy, RoutingContext, WorkerId
+from switchyard.router.policies.oracle_partition import OraclePartition
 from switchyard.router.policies.registry import POLICIES, make_policy
 from switchyard.router.predictor.fallback import LengthFallback
 from switchyard.router.queue import QueueEntry, QueueFull, RequestQueue, should_hold
@@ -237,6 +238,8 @@ class Simulator:
         self.cfg = cfg
         self.prompts = prompts or PromptFactory(cfg.block_size, seed=cfg.seed)
         self.policy: Policy = policy if policy is not None else make_policy(cfg.policy, cfg.policy_params)
+        if isinstance(self.policy, OraclePartition):  # the baseline's offline oracle: this very trace's key portions
+            self.policy.set_partition(preble.oracle_partition_table(trace))
         self.lengths = make_length_source(cfg.predictor, predictions)
         self.clock = VirtualClock()  # the router's clock; advanced by the event loop
         self.fleet = Fleet()

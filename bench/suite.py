@@ -5,12 +5,12 @@ combined markdown summary plus each sweep's own JSON/markdown/PNGs (`bench sim`'
 Sections (specs/preble.md §8, §10):
   a. workloads: preble toolbench (uniform, and Zipf 1.1), agent, programming, videoqa, loogle, mooncake-conversation,
      preble-azure-mix; policies e2 and its peers (smg_cache_aware, smg_least_load, dynamo_kv, llmd_scorer,
-     aibrix_prefix) plus round_robin and least_request; 4 workers. Profiles: toolbench/agent/programming on
+     aibrix_prefix) plus Preble's oracle partition (claim 6), round_robin and least_request; 4 workers. Profiles: toolbench/agent/programming on
      llama2-70b-h100-tp4; videoqa/loogle/azure-mix on llama3-8b-a100 with 20,000 KV blocks per worker (their
      ~10k-25k-token prompts exceed the 70B's 4096 limit; 20k blocks keep the cache contended); mooncake on
      llama3-8b-a100 (its full KV).
-  b. ablation (claim 8) on toolbench Zipf 1.1: e2_base -> e2_rebal -> e2 -> e2 + --engine-scheduling preble_groups
-     (no oracle-partition policy exists, so the ladder starts at e2_base).
+  b. ablation (claim 8) on toolbench Zipf 1.1: oracle_partition -> e2_base (E2) -> e2_rebal -> e2 -> e2 +
+     --engine-scheduling preble_groups.
   c. no sharing (claim 3): poisson arrivals, unique prompts (lognormal 1024 / 128 tokens), llama3-8b-a100:
      e2 vs round_robin and least_request.
   e. fairness (claim 9) on toolbench Zipf 1.1: e2 routing, the engines admitting FCFS (vLLM), longest prefix first
@@ -47,7 +47,8 @@ from switchyard.bench.traces import PromptFactory, prefix_hit_bound
 from switchyard.workers.engine.profiles import get_profile
 
 PEERS = ("smg_cache_aware", "smg_least_load", "dynamo_kv", "llmd_scorer", "aibrix_prefix")
-POLICIES = ("e2", "switchyard", *PEERS, "round_robin", "least_request")
+ORACLE = "oracle_partition"  # Preble's oracle baseline (claims 6, 8): needs the trace, so simulator only
+POLICIES = ("e2", "switchyard", *PEERS, ORACLE, "round_robin", "least_request")
 
 P70 = ["--profile", "llama2-70b-h100-tp4"]
 P8_20K = ["--profile", "llama3-8b-a100", "--num-kv-blocks", "20000"]
@@ -147,7 +148,8 @@ OURS = ("e2", "switchyard")  # Switchyard's policies, each compared with the bes
 
 
 def ours_vs_peers(runs: list[dict[str, Any]], ours: str) -> dict[str, Any]:
-    """`ours`' latency / the best peer's (lowest of the five), per metric; < 1 = ours better. Also vs round_robin."""
+    """`ours`' latency / the best peer's (lowest of the five), per metric; < 1 = ours better. Also vs round_robin
+    and the oracle partition (`vs_round_robin`, `vs_oracle_partition`) where they ran."""
     by = {r["policy"]: r for r in runs}
     me = by.get(ours)
     out: dict[str, Any] = {}
@@ -159,8 +161,9 @@ def ours_vs_peers(runs: list[dict[str, Any]], ours: str) -> dict[str, Any]:
             best, who = min(peers)
             out[label] = {"ours": _m(me, *path), "best_peer": who, "best_peer_value": best,
                           "ratio": _m(me, *path) / best if best > 0 else float("nan")}
-        if "round_robin" in by and _m(by["round_robin"], *path) > 0:
-            out[label]["vs_round_robin"] = _m(me, *path) / _m(by["round_robin"], *path)
+        for ref in ("round_robin", ORACLE):
+            if ref in by and _m(by[ref], *path) > 0:
+                out.setdefault(label, {})[f"vs_{ref}"] = _m(me, *path) / _m(by[ref], *path)
     hits = [(by[p]["metrics"]["prefix_cache_hit_ratio"], p) for p in PEERS if p in by]
     if hits:
         best, who = max(hits)
@@ -173,7 +176,7 @@ def ratio_line(cmp: dict[str, Any], ours: str) -> str:
     parts = []
     for label, _ in METRICS:
         c = cmp.get(label)
-        if c:
+        if c and "ratio" in c:
             parts.append(f"{label} x{c['ratio']:.2f} (best peer {c['best_peer']})")
     return f"{ours} / best peer: " + "; ".join(parts) if parts else ""
 
@@ -256,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                   "the most any routing can reuse; pooled LRU: one LRU cache of the whole fleet's KV blocks, a reference for "
                   "what the capacity allows.\n")
         overview = ["| workload | load | req/s | RR capacity | ours | " + " | ".join(label for label, _ in METRICS)
-                    + " | our hit | best peer hit | hit bound | pooled LRU | ours / RR TTFT mean |",
-                    "|" + "---|" * (10 + len(METRICS))]
+                    + " | our hit | best peer hit | hit bound | pooled LRU | ours / RR TTFT mean "
+                    "| ours / oracle E2E mean, p99 |",
+                    "|" + "---|" * (11 + len(METRICS))]
         detail: list[str] = []
         for w in names:
             argv_w = WORKLOADS[w]
@@ -289,14 +293,16 @@ def main(argv: list[str] | None = None) -> int:
                 detail.append(policy_table(runs))
                 for ours, cmp in cmps.items():
                     detail.append("\n" + ratio_line(cmp, ours))
-                    if not cmp:
+                    if "hit ratio" not in cmp:  # no peer ran
                         continue
                     rr = cmp["TTFT mean"].get("vs_round_robin", float("nan"))
+                    orc = [cmp[m].get(f"vs_{ORACLE}", float("nan")) for m in ("E2E mean", "E2E p99")]
                     overview.append(
                         f"| {w} | {frac} | {rate:g} | {cap if cap is None else f'{cap:.2f}'} | {ours} "
                         + "".join(f"| x{cmp[label]['ratio']:.2f} " for label, _ in METRICS)
                         + f"| {cmp['hit ratio']['ours']:.3f} | {cmp['hit ratio']['best_peer_value']:.3f} "
-                          f"({cmp['hit ratio']['best_peer']}) | {bound:.3f} | {pooled:.3f} | x{rr:.2f} |")
+                          f"({cmp['hit ratio']['best_peer']}) | {bound:.3f} | {pooled:.3f} | x{rr:.2f} "
+                          f"| x{orc[0]:.2f}, x{orc[1]:.2f} |")
                 detail.append("")
             data["workloads"][w] = entry
             log(f"{w}: {len(res['runs'])} runs in {time.perf_counter() - t0:.0f} s")
@@ -310,14 +316,15 @@ def main(argv: list[str] | None = None) -> int:
         rs = ",".join(f"{r:g}" for r in rates)
         base_argv = [*WORKLOADS[w], *sized(n), *common, "--rates", rs]
         t0 = time.perf_counter()
-        res1 = run_sweep([*base_argv, "--policies", "e2_base,e2_rebal,e2"], out / "ablation" / "policies", plots)
+        res1 = run_sweep([*base_argv, "--policies", f"{ORACLE},e2_base,e2_rebal,e2"], out / "ablation" / "policies",
+                         plots)
         res2 = run_sweep([*base_argv, "--policies", "e2", "--engine-scheduling", "preble_groups"],
                          out / "ablation" / "preble_groups", plots)
         for r in res2["runs"]:
             r["policy"] = "e2 + preble_groups"
         md.append(f"## b. Ablation (claim 8), {w}\n")
-        md.append("e2_base (E2 only) -> e2_rebal (+ rebalancing, replication) -> e2 (+ P/D balancing) -> "
-                  "e2 + preble_groups (+ the engines' local priority groups). No oracle-partition step.\n")
+        md.append("oracle_partition -> e2_base (E2 only) -> e2_rebal (+ rebalancing, replication) -> e2 (+ P/D "
+                  "balancing) -> e2 + preble_groups (+ the engines' local priority groups).\n")
         data["ablation"] = {"workload": w, "rates": rates, "runs": []}
         for rate in rates:
             runs = [r for r in res1["runs"] + res2["runs"] if abs(next(iter(r["load"].values())) - rate) < 1e-9]

@@ -116,10 +116,13 @@ class RouterConfig(BaseModel):
     @field_validator("routing")
     @classmethod
     def _known_policy(cls, v: RoutingConfig) -> RoutingConfig:
-        from switchyard.router.policies.registry import POLICIES, make_policy
+        from switchyard.router.policies.registry import POLICIES, SIMULATOR_ONLY, make_policy
 
         if v.policy not in POLICIES:
             raise ValueError(f"unknown policy {v.policy!r}; known: {', '.join(sorted(POLICIES))}")
+        if v.policy in SIMULATOR_ONLY:
+            raise ValueError(f"policy {v.policy!r} needs the whole workload in advance (an oracle); it runs only in "
+                             "the simulator (`switchyard bench sim`)")
         if v.params:
             make_policy(v.policy, v.params)  # a wrong key or value fails here, at load, not at startup
         return v

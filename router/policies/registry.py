@@ -19,6 +19,7 @@ from switchyard.router.policies.base import Policy
 from switchyard.router.policies.dynamo_kv import DynamoKv
 from switchyard.router.policies.least_request import LeastRequest
 from switchyard.router.policies.llmd_scorer import LlmdScorer
+from switchyard.router.policies.oracle_partition import OraclePartition
 from switchyard.router.policies.power_of_two import PowerOfTwo
 from switchyard.router.policies.preble_e2 import PrebleE2, PrebleE2Base, PrebleE2Rebal
 from switchyard.router.policies.preserve import MinUsage, Preserve
@@ -38,6 +39,8 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "dynamo_kv": DynamoKv,
     "llmd_scorer": LlmdScorer,
     "aibrix_prefix": AibrixPrefix,
+    # Preble's oracle-partition baseline (specs/preble.md §7.4): needs the workload offline, so simulator only
+    "oracle_partition": OraclePartition,
     # Preble E2 (specs/preble.md), ablation order e2_base -> e2_rebal -> e2 (full); preble_e2 = e2 (file name)
     "e2": PrebleE2,
     "preble_e2": PrebleE2,
@@ -51,6 +54,7 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     **SWITCHYARD_ABLATIONS,
 }
 
+SIMULATOR_ONLY = frozenset({"oracle_partition"})  # policies that need the whole trace; the daemon refuses them
 DEFAULT_POLICY = "switchyard"  # README "Switchyard's default policy": measured against e2, smg_cache_aware, least_request
 
 

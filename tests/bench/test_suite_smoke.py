@@ -35,7 +35,7 @@ def test_decisions_preload_grows_the_tree(tmp_path: Path) -> None:
 
 def test_suite_smoke(tmp_path: Path) -> None:
     rc = suite.main(["--quick", "--num-requests", "40", "--ladder-requests", "30", "--workloads", "toolbench",
-                     "--policies", "e2,switchyard,smg_cache_aware,round_robin", "--sections", "a,b,c,e", "--jobs", "1",
+                     "--policies", "e2,switchyard,smg_cache_aware,oracle_partition,round_robin", "--sections", "a,b,c,e", "--jobs", "1",
                      "--rates", "toolbench=5,10", "toolbench-zipf1.1=8", "no-sharing=2", "--no-plots",
                      "--out", str(tmp_path)])
     assert rc == 0
@@ -53,7 +53,10 @@ def test_suite_smoke(tmp_path: Path) -> None:
         assert cmp["TTFT mean"]["best_peer"] == "smg_cache_aware"
         assert cmp["warm TTFT p99"]["ours"] == next(r for r in loads[0]["runs"] if r["policy"] == ours)["metrics"][
             "ttft_warm_s"]["p99"]
-    assert {r["policy"] for r in data["ablation"]["runs"]} == {"e2_base", "e2_rebal", "e2", "e2 + preble_groups"}
+        oracle = next(r for r in loads[0]["runs"] if r["policy"] == "oracle_partition")["metrics"]["e2e_s"]["mean"]
+        assert cmp["E2E mean"]["vs_oracle_partition"] == pytest.approx(cmp["E2E mean"]["ours"] / oracle)
+    assert {r["policy"] for r in data["ablation"]["runs"]} == {"oracle_partition", "e2_base", "e2_rebal", "e2",
+                                                                "e2 + preble_groups"}
     assert (tmp_path / "workloads" / "toolbench" / "results.json").is_file()
 
 
