@@ -46,6 +46,11 @@ cdef extern from "Python.h":
 cdef extern from *:
     int _popcount "__builtin_popcountll"(unsigned long long x) nogil
     int _ctz "__builtin_ctzll"(unsigned long long x) nogil
+    void _prefetch "__builtin_prefetch"(const void* addr) nogil
+
+# blocks ahead whose index slots a run of puts prefetches (`_reserve`): a cold slot costs a cache miss, and the
+# misses of one run's puts, independent of each other, then overlap instead of queueing
+cdef Py_ssize_t _PREFETCH_AHEAD = 16
 
 
 MAX_WORKERS = 64
@@ -304,6 +309,18 @@ cdef class RadixTree:
         self._slots[i].node = <PyObject*>node
         self._nidx += 1
         return NULL
+
+    cdef size_t _reserve(self, uint64_t* keys, Py_ssize_t n, bint adding) except? 0:
+        """Before a run of n puts: when `adding` (new keys), grow the index now so the run never moves the table;
+        prefetch the first keys' slots; return the mask of the run's prefetches (the table's, which it keeps)."""
+        cdef Py_ssize_t i
+        cdef size_t mask
+        while adding and (self._nidx + n + 1) * 10 > <Py_ssize_t>self._cap * 7:
+            self._grow()
+        mask = self._cap - 1
+        for i in range(n if n < _PREFETCH_AHEAD else _PREFETCH_AHEAD):
+            _prefetch(&self._slots[_home(keys[i], mask)])
+        return mask
 
     cdef int _grow(self) except -1:
         cdef size_t old_cap = self._cap, cap = self._cap * 2, mask = cap - 1, i, j
@@ -667,7 +684,10 @@ cdef class RadixTree:
         node._parent._children[PyLong_FromUnsignedLongLong(upper._blocks[0])] = upper
         upper._children[PyLong_FromUnsignedLongLong(node._blocks[0])] = node
         node._parent = upper
+        cdef size_t mask = self._reserve(upper._blocks, k, False)  # replacements: no new slots
         for i in range(k):
+            if i + _PREFETCH_AHEAD < k:
+                _prefetch(&self._slots[_home(upper._blocks[i + _PREFETCH_AHEAD], mask)])
             self._put(upper._blocks[i], upper, True)
         self._num_nodes += 1
         return upper
@@ -686,7 +706,10 @@ cdef class RadixTree:
         """
         cdef Node leaf = self._new_node(blocks, n, parent.context_blocks + parent._n, parent, now)
         cdef Py_ssize_t r = 0
+        cdef size_t mask = self._reserve(blocks, n, True)
         while r < n:
+            if r + _PREFETCH_AHEAD < n:
+                _prefetch(&self._slots[_home(blocks[r + _PREFETCH_AHEAD], mask)])
             if self._put(blocks[r], leaf, False) != NULL:
                 break
             r += 1
@@ -893,7 +916,10 @@ cdef class RadixTree:
                     continue
                 parent = node._parent
                 del parent._children[PyLong_FromUnsignedLongLong(node._blocks[0])]
+                self._reserve(node._blocks, node._n, False)
                 for j in range(node._n):
+                    if j + _PREFETCH_AHEAD < node._n:
+                        _prefetch(&self._slots[_home(node._blocks[j + _PREFETCH_AHEAD], self._cap - 1)])
                     self._del(node._blocks[j])
                 if removed_out is not None and node._asg_mask:
                     removed_out.append((node.blocks, node.assigned))

@@ -1,6 +1,7 @@
 """Micro-benchmark of the global prefix radix tree (`switchyard bench radix`): match, insert and a routing
 decision (match + a per-worker cost over 16 workers), p50/p99 in µs, Cython build vs Python reference, on
-realistic trees of 10k and 100k nodes (shared system prompts, tool/document branches, per-user questions).
+realistic trees of 10k and 100k nodes (shared system prompts, tool/document branches, per-user questions), plus
+the insert of a cold video-like prompt (`COLD_BLOCKS` new blocks, a VideoQA dispatch's leaf) into the same tree.
 
 Quick (a few seconds): `switchyard bench radix --nodes 10000 --ops 2000`.
 Full (about a minute, mostly building the 100k-node trees in Python): `switchyard bench radix`.
@@ -27,6 +28,7 @@ except ImportError:  # pragma: no cover - the table then has the reference only
     _radix_c = None
 
 NUM_WORKERS = 16
+COLD_BLOCKS = 600  # a Preble VideoQA video in 16-token blocks (~9.6k tokens)
 WORKER_IDS = [f"worker-{i}" for i in range(NUM_WORKERS)]
 
 
@@ -119,6 +121,14 @@ def measure(mod: ModuleType, target_nodes: int, num_ops: int, seed: int) -> dict
         t = clock()
         tree.insert(q, now)  # type: ignore[attr-defined]
         insert_ns.append(clock() - t)
+    rng = random.Random(seed + 1)
+    cold_ns = []
+    for _ in range(max(1, num_ops // 10)):
+        q = [rng.getrandbits(64) for _ in range(COLD_BLOCKS)]
+        now += 0.01
+        t = clock()
+        tree.insert(q, now)  # type: ignore[attr-defined]
+        cold_ns.append(clock() - t)
     return {
         "impl": "c" if mod is _radix_c else "py",
         "target_nodes": target_nodes,
@@ -133,20 +143,23 @@ def measure(mod: ModuleType, target_nodes: int, num_ops: int, seed: int) -> dict
         "decision_p99_us": round(pct(decide_ns, 0.99), 2),
         "insert_p50_us": round(pct(insert_ns, 0.50), 2),
         "insert_p99_us": round(pct(insert_ns, 0.99), 2),
+        "cold_insert_blocks": COLD_BLOCKS,
+        "cold_insert_p50_us": round(pct(cold_ns, 0.50), 2),
+        "cold_insert_p99_us": round(pct(cold_ns, 0.99), 2),
     }
 
 
 def to_markdown(rows: list[dict]) -> str:
     lines = [
         "| impl | nodes | blocks | query blocks (mean) | match p50 / p99 µs | decision p50 / p99 µs "
-        "| insert p50 / p99 µs |",
-        "|---|---|---|---|---|---|---|",
+        f"| insert p50 / p99 µs | cold {COLD_BLOCKS}-block insert p50 / p99 µs |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['impl']} | {r['nodes']} | {r['blocks']} | {r['mean_query_blocks']} "
             f"| {r['match_p50_us']} / {r['match_p99_us']} | {r['decision_p50_us']} / {r['decision_p99_us']} "
-            f"| {r['insert_p50_us']} / {r['insert_p99_us']} |"
+            f"| {r['insert_p50_us']} / {r['insert_p99_us']} | {r['cold_insert_p50_us']} / {r['cold_insert_p99_us']} |"
         )
     return "\n".join(lines) + "\n"
 

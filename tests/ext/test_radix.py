@@ -447,7 +447,7 @@ def test_bench_smoke(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert bench.main(["--nodes", "300", "--ops", "50", "--out", str(tmp_path)]) == 0
     rows = __import__("json").loads((tmp_path / "radix.json").read_text())["rows"]
     assert {r["impl"] for r in rows} == ({"py", "c"} if _radix_c is not None else {"py"})
-    assert all(r["nodes"] >= 300 and r["match_p50_us"] > 0 for r in rows)
+    assert all(r["nodes"] >= 300 and r["match_p50_us"] > 0 and r["cold_insert_p50_us"] > 0 for r in rows)
 
 
 @pytest.mark.skipif(_radix_c is None, reason="the Cython build did not load (test_c_extension_loaded fails)")
