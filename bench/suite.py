@@ -5,10 +5,10 @@ combined markdown summary plus each sweep's own JSON/markdown/PNGs (`bench sim`'
 Sections (specs/preble.md §8, §10):
   a. workloads: preble toolbench (uniform, and Zipf 1.1), agent, programming, videoqa, loogle, mooncake-conversation,
      preble-azure-mix; policies e2 and its peers (smg_cache_aware, smg_least_load, dynamo_kv, llmd_scorer,
-     aibrix_prefix) plus Preble's oracle partition (claim 6), round_robin and least_request; 4 workers. Profiles: toolbench/agent/programming on
-     llama2-70b-h100-tp4; videoqa/loogle/azure-mix on llama3-8b-a100 with 20,000 KV blocks per worker (their
-     ~10k-25k-token prompts exceed the 70B's 4096 limit; 20k blocks keep the cache contended); mooncake on
-     llama3-8b-a100 (its full KV).
+     aibrix_prefix) plus Preble's oracle partition (claim 6), round_robin and least_request; 4 workers. Profiles:
+     toolbench/agent/programming on llama2-70b-h100-tp4; videoqa/loogle/azure-mix on llama3-8b-a100 with 20,000 KV
+     blocks per worker (their ~10k-25k-token prompts exceed the 70B's 4096 limit; 20k blocks keep the cache
+     contended); mooncake on llama3-8b-a100 (its full KV).
   b. ablation (claim 8) on toolbench Zipf 1.1: oracle_partition -> e2_base (E2) -> e2_rebal -> e2 -> e2 +
      --engine-scheduling preble_groups.
   c. no sharing (claim 3): poisson arrivals, unique prompts (lognormal 1024 / 128 tokens), llama3-8b-a100:
