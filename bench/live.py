@@ -7,7 +7,9 @@ it received the request and when it produced the first token (`--timings-log`). 
 
 i.e. everything the client waited for that the engine did not cause: the router's admission, tokenization,
 hashing, queueing, policy and two extra loopback hops. The same load is also sent straight to the workers
-(client -> worker, round-robin), in the same run, as the baseline for what loopback gRPC alone costs.
+(client -> worker, round-robin), in the same run, as the baseline for what loopback gRPC alone costs, and through
+a bare relay (`bench relay`: the router's Generate on the daemon's grpc.aio/uvloop stack, round-robin, no logic)
+for what one more Python gRPC hop costs; Switchyard above the relay is its own logic.
 Router CPU per request comes from the router process's /proc CPU time over each rate step.
 
 Quick: `switchyard bench live --rates 20,50 --duration 5`. Full (default): rates 25,50,100,200,400, 15 s each.
@@ -172,18 +174,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     for w in workers:
         router_args += ["--worker", w.address]
     router = procs.start("router", router_args)
+    relay = procs.start("relay", ["bench", "relay", *itertools.chain.from_iterable(("--worker", w.address)
+                                                                                    for w in workers)])
     result: dict[str, Any] = {"policy": args.policy, "workers": args.workers, "profile": args.profile,
                               "duration_s": args.duration, "prompt_len": args.prompt_len,
                               "output_len": args.output_len, "steps": []}
     rng = np.random.default_rng(args.seed)
-    with procs.running([*workers, router]):
-        async with AsyncRouterClient(router.address, admin_address=router.extra.get("admin")) as client:
+    with procs.running([*workers, router, relay]):
+        async with (
+            AsyncRouterClient(router.address, admin_address=router.extra.get("admin")) as client,
+            AsyncRouterClient(relay.address) as relay_client,
+        ):
             await _wait_routable(client, args.workers)
             channels = [grpc.aio.insecure_channel(w.address) for w in workers]
             stubs = [worker_pb2_grpc.WorkerStub(c) for c in channels]
             # Warm-up: connections, code paths, caches.
             warm = _prompts(rng, 20, args.prompt_len, args.prefix_groups)
             await _drive(lambda s, p: _via_router(client, s, p, args.output_len), 20, 1.0, warm, "warm", rng)
+            await _drive(lambda s, p: _via_router(relay_client, s, p, args.output_len), 20, 1.0, warm, "wrelay", rng)
             # Background CPU (Stats polls, health, ticks) with no traffic, to separate it from per-request work.
             cpu0, t0 = router.cpu_seconds(), time.perf_counter()
             await asyncio.sleep(args.idle_probe_s)
@@ -195,6 +203,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 count = int(rate * args.duration) + 1
                 prompts = _prompts(rng, count, args.prompt_len, args.prefix_groups)
                 routed_prompts = _prompts(rng, count, args.prompt_len, args.prefix_groups)
+                relay_prompts = _prompts(rng, count, args.prompt_len, args.prefix_groups)
                 rr = itertools.cycle(stubs)
                 t0 = time.perf_counter()
                 direct = await _drive(
@@ -202,6 +211,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     rate, args.duration, prompts, f"d{rate:g}", rng,
                 )
                 direct_wall = time.perf_counter() - t0
+                relay_cpu0, t0 = relay.cpu_seconds(), time.perf_counter()
+                relayed = await _drive(
+                    lambda s, p: _via_router(relay_client, s, p, args.output_len),
+                    rate, args.duration, relay_prompts, f"b{rate:g}", rng,
+                )
+                relay_wall, relay_cpu_s = time.perf_counter() - t0, relay.cpu_seconds() - relay_cpu0
                 cpu0 = router.cpu_seconds()
                 t0 = time.perf_counter()
                 routed = await _drive(
@@ -217,12 +232,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     max(0.0, cpu_s - idle_cpu_frac * routed_wall) / max(1, len(routed)) * 1e6
                 )
                 step["direct"] = _step_result(direct, timings, rate, direct_wall)
+                step["relay"] = _step_result(relayed, timings, rate, relay_wall)
+                step["relay"]["cpu_us_per_request"] = relay_cpu_s / max(1, len(relayed)) * 1e6
                 result["steps"].append(step)
-                a, d = step["added_ttft_ms"], step["direct"]["added_ttft_ms"]
+                a, d, b = step["added_ttft_ms"], step["direct"]["added_ttft_ms"], step["relay"]["added_ttft_ms"]
                 print(
                     f"rate {rate:7.1f}/s  ok {step['num_ok']}/{step['num_requests']}  "
                     f"router-added TTFT p50 {a['p50']:.2f} ms p99 {a['p99']:.2f} ms  "
-                    f"(direct-to-worker gRPC p50 {d['p50']:.2f} p99 {d['p99']:.2f})  "
+                    f"(bare relay p50 {b['p50']:.2f} p99 {b['p99']:.2f}; "
+                    f"direct-to-worker gRPC p50 {d['p50']:.2f} p99 {d['p99']:.2f})  "
                     f"router CPU {step['router_cpu_us_per_request']:.0f} us/req "
                     f"({step['router_cpu_us_per_request_net']:.0f} net of idle background)",
                     flush=True,
@@ -270,22 +288,25 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"# bench live: {result['workers']} simulated workers, policy {result['policy']}",
         "",
-        "| offered req/s | achieved req/s | ok | router-added TTFT p50 ms | p99 ms | direct gRPC p50 ms | p99 ms "
-        "| router CPU us/req | net of idle |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| offered req/s | achieved req/s | ok | router-added TTFT p50 ms | p99 ms | bare relay p50 ms | p99 ms "
+        "| direct gRPC p50 ms | p99 ms | router CPU us/req | net of idle | relay CPU us/req |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in result["steps"]:
-        a, d = s["added_ttft_ms"], s["direct"]["added_ttft_ms"]
+        a, d, b = s["added_ttft_ms"], s["direct"]["added_ttft_ms"], s["relay"]["added_ttft_ms"]
         lines.append(
             f"| {s['offered_rate']:g} | {s['achieved_rate']:.1f} | {s['num_ok']}/{s['num_requests']} "
-            f"| {a['p50']:.2f} | {a['p99']:.2f} | {d['p50']:.2f} | {d['p99']:.2f} "
-            f"| {s['router_cpu_us_per_request']:.0f} | {s['router_cpu_us_per_request_net']:.0f} |"
+            f"| {a['p50']:.2f} | {a['p99']:.2f} | {b['p50']:.2f} | {b['p99']:.2f} | {d['p50']:.2f} | {d['p99']:.2f} "
+            f"| {s['router_cpu_us_per_request']:.0f} | {s['router_cpu_us_per_request_net']:.0f} "
+            f"| {s['relay']['cpu_us_per_request']:.0f} |"
         )
     lines += [
         "",
         f"Saturation rate: {result['saturation_rate']} req/s. Router idle background CPU: "
         f"{100 * result['router_idle_cpu_frac']:.1f}% of a core. Router-added TTFT = client TTFT - worker TTFT "
-        "(worker timestamps); 'direct gRPC' is the same measure with the client talking to the workers directly.",
+        "(worker timestamps); 'direct gRPC' is the same measure with the client talking to the workers directly; "
+        "'bare relay' through `bench relay` (the router's Generate on the same grpc.aio/uvloop stack, round-robin, no "
+        "admission, policy or metrics): the floor of a Python gRPC router.",
         f"Each request: {result['prompt_len']}-token prompt, {result['output_len']} output tokens streamed.",
         "",
     ]
@@ -304,6 +325,8 @@ def plot(result: dict[str, Any], out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     for key, label in (("p50", "router-added p50"), ("p99", "router-added p99")):
         ax.plot(rates, [s["added_ttft_ms"][key] for s in result["steps"]], marker="o", label=label)
+    ax.plot(rates, [s["relay"]["added_ttft_ms"]["p50"] for s in result["steps"]], ls=":", marker="s",
+            label="bare relay p50 (Python gRPC floor)")
     ax.plot(rates, [s["direct"]["added_ttft_ms"]["p99"] for s in result["steps"]], ls="--", marker="x",
             label="direct-to-worker p99 (baseline)")
     ax.set_xlabel("offered load (req/s)")

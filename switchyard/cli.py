@@ -14,6 +14,7 @@ commands:
   demo               the main job: router + 4 simulated workers + a Mooncake slice, printing a results table
   bench sim          discrete-event simulation of N workers in virtual time
   bench live         router + simulated worker processes over loopback gRPC: router-added latency
+  bench relay        a bare gRPC relay with no routing logic (bench live's floor of a Python gRPC router)
   bench profiles     fit error of each performance profile against the measured tables
   bench radix        micro-benchmark of the global prefix radix tree (match, insert; Cython vs Python)
   bench decisions    routing decisions/s and select latency of each policy alone, vs Preble's 634/245/2931
@@ -35,6 +36,7 @@ COMMANDS: dict[tuple[str, ...], str] = {
     ("demo",): "switchyard.bench.demo",
     ("bench", "sim"): "switchyard.bench.sim",
     ("bench", "live"): "switchyard.bench.live",
+    ("bench", "relay"): "switchyard.bench.relay",
     ("bench", "profiles"): "switchyard.bench.profiles",
     ("bench", "radix"): "switchyard.bench.micro.radix",
     ("bench", "decisions"): "switchyard.bench.micro.decisions",

@@ -1,0 +1,85 @@
+"""`switchyard bench relay`: the floor of a Python gRPC router, a baseline for `bench live`.
+
+It serves the router's `Generate` on the same stack as the daemon (grpc.aio on uvloop, the daemon's server and
+channel options) and does nothing a router decides: no admission, hashing, queue, policy, metrics or hooks. A
+token-id request goes round-robin to the next worker as a `WorkerGenerateRequest`, and the worker's chunks come
+back as they arrive. Switchyard's router-added latency minus this relay's is what its own logic costs; the
+relay's minus the direct-to-worker baseline is what one more Python gRPC hop costs.
+
+Benchmark only (`bench live` starts it beside the router): token-id prompts only, no retries, no Admin service.
+Prints `READY host:port` once serving, like `switchyard serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import signal
+import sys
+from collections.abc import AsyncIterator
+
+import grpc
+
+from switchyard.router.registry import CHANNEL_OPTIONS
+from switchyard.router.server import SERVER_OPTIONS
+from switchyard.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+
+class Relay(router_pb2_grpc.RouterServicer):
+    def __init__(self, stubs: list[worker_pb2_grpc.WorkerStub]) -> None:
+        self._next = itertools.cycle(stubs)
+
+    async def Generate(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateChunk]:
+        if request.WhichOneof("input") != "tokens" or not request.tokens.ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the relay takes token-id prompts only")
+        call = next(self._next).Generate(
+            worker_pb2.WorkerGenerateRequest(
+                request_id=request.request_id, prompt_token_ids=request.tokens.ids, sampling=request.sampling
+            ),
+            timeout=context.time_remaining(),
+        )
+        try:
+            async for wc in call:
+                yield router_pb2.GenerateChunk(
+                    request_id=request.request_id, token_ids=wc.token_ids, text=wc.text,
+                    finish_reason=wc.finish_reason, usage=wc.usage,
+                )
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), e.details() or "")
+
+
+async def serve(workers: list[str], host: str, port: int) -> None:
+    channels = [grpc.aio.insecure_channel(w, options=CHANNEL_OPTIONS) for w in workers]
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    router_pb2_grpc.add_RouterServicer_to_server(Relay([worker_pb2_grpc.WorkerStub(c) for c in channels]), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await asyncio.gather(*(c.channel_ready() for c in channels))
+    await server.start()
+    print(f"READY {host}:{bound}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=1.0)
+    for c in channels:
+        await c.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="switchyard bench relay", description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", action="append", required=True, help="worker host:port (repeat)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    args = ap.parse_args(argv)
+    import uvloop
+
+    uvloop.run(serve(args.worker, args.host, args.port))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""End to end: `bench relay` (bench live's floor of a Python gRPC router) over real worker processes: a token-id
+request streams every token back with the worker's final chunk, requests alternate over the workers, and a text
+prompt is refused with INVALID_ARGUMENT."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from switchyard.bench import procs
+from switchyard.router.client import RouterClient, make_request
+from switchyard.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "mistral-7b-sim"
+
+
+def test_relay_streams_round_robin_and_refuses_text() -> None:
+    workers = [
+        procs.start(f"w{i}", ["worker", "sim", "--port", "0", "--worker-id", f"w{i}", "--time-scale", "0.01"])
+        for i in range(2)
+    ]
+    relay = procs.start("relay", ["bench", "relay", *(x for w in workers for x in ("--worker", w.address))])
+    with procs.running([*workers, relay]), RouterClient(relay.address) as c:
+        for i in range(4):
+            chunks = list(c.generate(request=make_request(
+                MODEL, token_ids=[1, *range(100 + i, 164 + i)], max_tokens=5, ignore_eos=True, request_id=f"r{i}")))
+            assert sum(len(ch.token_ids) for ch in chunks) == 5
+            assert {ch.request_id for ch in chunks} == {f"r{i}"}
+            assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert chunks[-1].usage.prompt_tokens == 65
+        with pytest.raises(grpc.RpcError) as err:
+            list(c.generate(request=make_request(MODEL, prompt="hello", max_tokens=2)))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # round-robin: each worker served two of the four requests
+        for w in workers:
+            with grpc.insecure_channel(w.address) as ch:
+                stats = worker_pb2_grpc.WorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=5)
+            assert stats.num_requests_received == 2
