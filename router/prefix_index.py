@@ -19,10 +19,15 @@ class PrefixIndex:
     Each worker seen gets a bit (the lowest free one; freed again by remove_worker). The masks keep ingestion
     to a dict read and write per stored hash, done in C for a whole event (this runs once per KV event of every
     worker, ~1.5M hashes per simulated Mooncake run), and make match() a running AND.
+
+    NOTE: the mask map is built on the first `match` and kept from then on. Until a policy asks (E2 and the
+    default policy keep their own tree; only `dynamo_kv` reads this one), ingestion keeps only the per-worker sets
+    that `num_blocks` and `holds` read, half the dict work per event; the map built later equals the one kept
+    from the start.
     """
 
     def __init__(self) -> None:
-        self._hash_to_mask: dict[int, int] = {}
+        self._hash_to_mask: dict[int, int] | None = None  # `_masks`: built on the first match
         self._worker_to_hashes: dict[str, set[int]] = {}
         self._worker_bit: dict[str, int] = {}
         self._bit_worker: dict[int, str] = {}  # bit -> worker
@@ -46,13 +51,17 @@ class PrefixIndex:
                 hashes = event.block_hashes
                 bit = self._bit(worker_id)
                 self._worker_to_hashes[worker_id].update(hashes)
-                # h2m[h] = h2m.get(h, 0) | bit for each h, iterated in C (or-ing is idempotent: no held check)
-                h2m.update(zip(hashes, map(bit.__or__, map(h2m.get, hashes, repeat(0))), strict=True))
+                if h2m is not None:
+                    # h2m[h] = h2m.get(h, 0) | bit for each h, iterated in C (or-ing is idempotent: no held check)
+                    h2m.update(zip(hashes, map(bit.__or__, map(h2m.get, hashes, repeat(0))), strict=True))
             elif isinstance(event, BlockRemoved):
                 held = self._worker_to_hashes.get(worker_id)
                 if not held:
                     continue
                 hashes = event.block_hashes
+                if h2m is None:
+                    held.difference_update(hashes)
+                    continue
                 if len(hashes) == 1:
                     h = hashes[0]
                     if h in held:
@@ -76,20 +85,30 @@ class PrefixIndex:
         if bit is None:
             return
         del self._bit_worker[bit]
-        if held:
+        if held and self._hash_to_mask is not None:
             self._drop(list(held), ~bit)
 
     def _drop(self, hashes: list[int], keep: int) -> None:
         """Clear the bits outside `keep` from held hashes: pop them all, put back those another worker still
         holds (iterated in C)."""
-        h2m = self._hash_to_mask
+        h2m = self._masks()
         masks = list(map(keep.__and__, map(h2m.pop, hashes)))
         h2m.update(compress(zip(hashes, masks), masks))  # noqa: B905 - same lengths
+
+    def _masks(self) -> dict[int, int]:
+        """The hash -> worker-mask map, built from the per-worker sets on first use."""
+        h2m = self._hash_to_mask
+        if h2m is None:
+            h2m = self._hash_to_mask = {}
+            for worker_id, hashes in self._worker_to_hashes.items():
+                bit = self._worker_bit[worker_id]
+                h2m.update(zip(hashes, map(bit.__or__, map(h2m.get, hashes, repeat(0))), strict=True))
+        return h2m
 
     def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """Per worker, the number of leading blocks of `block_hashes` it holds (workers with 0 are omitted)."""
         matched: dict[str, int] = {}
-        get = self._hash_to_mask.get
+        get = self._masks().get
         alive = -1  # every worker
         n = 0
         for h in block_hashes:
@@ -111,6 +130,12 @@ class PrefixIndex:
             low = mask & -mask
             matched[bit_worker[low]] = n
             mask ^= low
+
+    def num_hashes(self) -> int:
+        """Distinct hashes held by any worker (without building the mask map when nobody asked for it yet)."""
+        if self._hash_to_mask is not None:
+            return len(self._hash_to_mask)
+        return len(set().union(*self._worker_to_hashes.values()))
 
     def num_blocks(self, worker_id: str) -> int:
         return len(self._worker_to_hashes.get(worker_id, ()))

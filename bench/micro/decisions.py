@@ -202,7 +202,7 @@ def _state_size(policy: Policy, fleet: Fleet) -> tuple[str, int]:
             stack.extend(node.children.values())
         return "tree nodes", count
     index = fleet.prefix_index(MODEL)
-    return "indexed blocks", len(getattr(index, "_hash_to_mask", {}))
+    return "indexed blocks", index.num_hashes() if index is not None else 0
 
 
 def preload(fleet: Fleet, policies: list[Policy], workers: dict[WorkerId, WorkerModel], num_nodes: int) -> None:

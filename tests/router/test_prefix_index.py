@@ -185,3 +185,39 @@ def test_engine_event_stream_gives_the_same_index_as_per_block_events(seed: int)
     hashes = sorted(ref.held.get("w", set()))
     assert idx.num_blocks("w") == per_block.num_blocks("w") == len(hashes)
     assert all(idx.holds("w", h) and per_block.holds("w", h) for h in hashes)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_mask_map_built_late_equals_the_one_kept_from_the_start(seed: int) -> None:
+    """The worker-mask map is built on the first match: an index first asked after a random stretch of events
+    (stores, coalesced removals, clears, departures) answers as one asked after every event, and keeps doing so."""
+    rng = random.Random(seed)
+    workers = [f"w{i}" for i in range(rng.randrange(2, 8))]
+    eager, lazy, ref = PrefixIndex(), PrefixIndex(), RefIndex()
+    probes = [list(range(k, k + 6)) for k in range(0, 36, 2)] + [[rng.randrange(40) for _ in range(4)]]
+    eager.match([0])
+    first_ask = rng.randrange(50, 250)
+    for step in range(300):
+        w = rng.choice(workers)
+        x = rng.random()
+        if x < 0.03:
+            for idx in (eager, lazy, ref):
+                idx.remove_worker(w)
+            continue
+        if x < 0.55:
+            start = rng.randrange(40)
+            batch: list[KvEvent] = [_stored(*range(start, min(40, start + rng.randrange(1, 8))))]
+        elif x < 0.97:
+            batch = [BlockRemoved(tuple(rng.randrange(40) for _ in range(rng.randrange(1, 10))))]
+        else:
+            batch = [AllBlocksCleared()]
+        for idx in (eager, lazy, ref):
+            idx.apply(w, batch)
+        assert (lazy._hash_to_mask is None) == (step < first_ask)  # nobody asked yet: no map kept
+        assert lazy.num_hashes() == len(set().union(*ref.held.values()))
+        if step >= first_ask:
+            _check(lazy, ref, workers, probes)
+        if step + 1 == first_ask:
+            assert [lazy.match(p) for p in probes] == [eager.match(p) for p in probes]
+    _check(lazy, ref, workers, probes)
+    _check(eager, ref, workers, probes)
