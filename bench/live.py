@@ -473,6 +473,9 @@ async def run_peers(
     # Switchyard's own steps (gRPC) as the first rows of the side-by-side table.
     out["switchyard"] = {"router": "switchyard", "policy": result["policy"], "transport": "grpc",
                          "steps": result["steps"]}  # fmt: skip
+    # and the bare relay's (the floor of a Python gRPC router, no routing logic), with its CPU per request
+    out["relay"] = {"router": "bare relay", "policy": "round_robin", "transport": "grpc", "steps": [
+        {**s["relay"], "router_cpu_us_per_request": s["relay"]["cpu_us_per_request"]} for s in result["steps"]]}
     print(peers_markdown(out), flush=True)
     return out
 
@@ -485,7 +488,7 @@ def peers_markdown(p: dict[str, Any]) -> str:
         "| router CPU us/req | net of idle |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    runs = [p["switchyard"], *p["runs"]] if p.get("switchyard") else p["runs"]
+    runs = [*(p[k] for k in ("switchyard", "relay") if p.get(k)), *p["runs"]]
     for run in runs:
         transport = run.get("transport", p.get("transport", "http"))
         for s in run["steps"]:
@@ -501,7 +504,8 @@ def peers_markdown(p: dict[str, Any]) -> str:
         "",
         "Router-added TTFT = client TTFT - worker TTFT (the worker's own receive / first-token timestamps). "
         "'direct' is the same measure with the client talking HTTP to the workers (round-robin): the HTTP "
-        "baseline for smg and vllm-router; Switchyard's own direct-gRPC baseline is in the table above. "
+        "baseline for smg and vllm-router; Switchyard's own direct-gRPC baseline is in the table above. 'bare relay': "
+        "`bench relay`, the router's Generate on Switchyard's grpc.aio/uvloop stack with no routing logic. "
         "Hit ratio: prefix-cached / prompt tokens, from the workers' timings. Router CPU from /proc/<pid>/stat.",
     ]
     return "\n".join(lines)
