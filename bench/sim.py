@@ -630,6 +630,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="preble-toolbench / azure-mix: Zipf exponent of tool popularity (paper: 1.1); default uniform",
     )
+    g.add_argument(
+        "--samples-apart",
+        action="store_true",
+        help="preble-programming: a problem's samples arrive as separate Poisson arrivals, not at one instant",
+    )
     g = p.add_argument_group("report")
     g.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO, s")
     g.add_argument("--slo-tpot", type=float, default=0.1, help="TPOT SLO, s")
@@ -653,6 +658,7 @@ def _preble_spec(args: argparse.Namespace) -> preble.PrebleSpec:
         ).max_model_len,  # prompt + output never exceed the engines' limit
         num_tools=args.num_tools,
         zipf=args.zipf,
+        samples_together=not args.samples_apart,
     )
 
 

@@ -175,3 +175,15 @@ def test_tiny_sim_run_with_priority_groups() -> None:
     # unchanged default: the plain synthetic workload still runs FCFS
     plain = make_workload(WorkloadSpec(num_requests=5), seed=0)
     assert sim.Simulator(plain, sim.SimConfig(num_workers=1)).cores[0].config.scheduling == "fcfs"
+
+
+def test_sim_samples_apart_flag() -> None:
+    """`--samples-apart`: a programming problem's samples arrive one by one instead of at one instant."""
+    p = sim.build_parser()
+    common = ["--trace", "preble-programming", "--num-requests", "400", "--rate", "8"]
+    for extra, together in (([], True), (["--samples-apart"], False)):
+        t = sim.load_workload(p.parse_args([*common, *extra]))
+        by_problem: dict[int, set[float]] = {}
+        for r in t.requests:
+            by_problem.setdefault(r.segments[1][1], set()).add(r.arrival_s)
+        assert all(len(times) == 1 for times in by_problem.values()) == together
