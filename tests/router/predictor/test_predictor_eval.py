@@ -76,6 +76,10 @@ def test_learning_curve_trains_on_growing_subsets() -> None:
     curve = learning_curve(x, y, tx, ty, fractions=(0.05, 1.0), epochs=100, lr=0.05)
     assert [c["train"] for c in curve] == [10, 200]
     assert curve[1]["mae"] < 15 and curve[1]["n"] == 40  # the whole set learns both clusters
+    # the whole-split point reuses the main row's predictions instead of training again
+    given = np.full(len(ty), 7.0)
+    again = learning_curve(x, y, tx, ty, fractions=(0.05, 1.0), epochs=100, lr=0.05, full_pred=given)
+    assert again[0] == curve[0] and again[1] == {"fraction": 1.0, "train": 200, **length_metrics(given, ty)}
 
 
 def test_table_prints_preserve_table_2_beside_ours() -> None:
