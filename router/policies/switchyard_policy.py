@@ -168,9 +168,8 @@ class SwitchyardConfig(E2Config):
     # Q_w, I_w: r's prefill joins the prompts queued on w when they fit one iteration (T + m <= B), instead of
     # running in an iteration of its own
     joint_prefill: bool = True
-    # T_mem: the KV fraction above which O prices the anticipated occupancy as preempted (PreServe §6: 0.8). The
-    # margin under 1.0 hedges prediction error; 0.8 over-priced it: near capacity the placement chased anticipated
-    # peaks at the cost of queues (70B ShareGPT at 0.95-1.0x: SLO 0.81 → 0.95 with true lengths; README)
+    # T_mem: the KV fraction above which O prices the anticipated occupancy as preempted (PreServe §6: 0.8; why
+    # 0.9 here: the module docstring's O)
     t_mem: float = Field(default=0.9, gt=0, le=1)
     horizon: int = Field(default=100, ge=1)  # l: iterations of the virtual peak (PreServe §5.1)
     max_len: int = Field(default=4096, ge=1)  # L: longest record the anticipator keeps (PreServe §5.1)
