@@ -894,6 +894,7 @@ cdef class RadixTree:
         cdef Py_ssize_t budget = -1 if budget_blocks is None else max(0, <Py_ssize_t>budget_blocks)
         cdef Node node, parent
         cdef uint64_t bits
+        cdef size_t mask
         cdef int s
         cdef dict dead = self._dead
         cdef long long limit = <long long>floor(now - window_s) + 1
@@ -916,10 +917,10 @@ cdef class RadixTree:
                     continue
                 parent = node._parent
                 del parent._children[PyLong_FromUnsignedLongLong(node._blocks[0])]
-                self._reserve(node._blocks, node._n, False)
+                mask = self._reserve(node._blocks, node._n, False)  # deletions never move the table
                 for j in range(node._n):
                     if j + _PREFETCH_AHEAD < node._n:
-                        _prefetch(&self._slots[_home(node._blocks[j + _PREFETCH_AHEAD], self._cap - 1)])
+                        _prefetch(&self._slots[_home(node._blocks[j + _PREFETCH_AHEAD], mask)])
                     self._del(node._blocks[j])
                 if removed_out is not None and node._asg_mask:
                     removed_out.append((node.blocks, node.assigned))
