@@ -640,9 +640,22 @@ class PrebleE2(Policy):
         cached = min(cached_blocks * bs, max(0, ctx.num_prompt_tokens - 1))
         missed = ctx.num_prompt_tokens - cached
         prefill_s = self.cost_model(w).prefill_s(missed, cached)
-        before = self.tree.num_blocks
         path = self.tree.insert(hashes, now) if hashes else []
-        new = self.tree.num_blocks - before  # the new leaf's blocks, path[-1] when any
+        ev = self.evicted.get(w)
+        if ev:  # re-assigned: predicted resident again
+            # NOTE: exact, and before `assign`: a hash enters evicted[w] only while its node is assigned to w and
+            # leaves it when stored on w, so only blocks past w's resident run, in nodes already assigned to w,
+            # can be there (a new leaf's were in no node). A video-QA split re-assigns a ~600-block resident node.
+            pos = 0
+            for node in path:
+                nb = node.num_blocks
+                if w in node.assigned:
+                    r = node.resident_on(w)
+                    if r < nb:
+                        ev.difference_update(hashes[pos + r: pos + nb])
+                pos += nb
+            if pos < len(hashes):
+                ev.difference_update(hashes[pos:])
         self.tree.assign(path, w, now)
         self._tree_gen += 1
         if self.lru and matched is not None:
@@ -651,14 +664,6 @@ class PrebleE2(Policy):
                 self._touch(matched + path)  # a split moved matched[-1] under a new node: reconcile every index
             else:
                 self._touch_holders(matched)  # only last_access moved; the new leaves after it hold nothing yet
-        ev = self.evicted.get(w)
-        if ev:  # re-assigned: predicted resident again (a new leaf's blocks were in no node, so in no set)
-            if new:
-                end = sum(node.num_blocks for node in path)  # the path covers hashes[:end]; the leaf its tail
-                ev.difference_update(hashes[: end - new])
-                ev.difference_update(hashes[end:])
-            else:
-                ev.difference_update(hashes)
         win = self.cfg.node_window_s
         for node in path:
             if not isinstance(node.stats, NodeStats):
