@@ -15,7 +15,7 @@ what SWITCHYARD_NO_EXTENSIONS=1 selects).
 
 This VM's timings drift by up to ±30% between runs. `--paired` runs the listed policies side by side in one pass
 over the same states (the first one's decisions are dispatched to all) and reports, per policy, the median of its
-per-request select time over the first policy's: e.g. `--policies e2,e2-py --paired` for the Cython tree's speed-up.
+per-request select and on_dispatch times over the first policy's: e.g. `--policies e2,e2-py --paired` for the Cython tree's speed-up.
 
 Quick: `switchyard bench decisions --num-requests 2000`. Paper size (50k toolbench requests; VideoQA ~12.9k
 requests = 1500 videos at 8.6 questions each), all policies, 8 and 16 workers: `switchyard bench decisions`
@@ -238,7 +238,8 @@ def run_side_by_side(
 
     Every policy gets every hook; at each arrival each one selects on the same fleet state, timed on its own, in
     an order that rotates by request (so none is always the first after a hook's cache misses); the first
-    policy's decision is dispatched, to the fleet and to every policy's `on_dispatch`. The others are thus
+    policy's decision is dispatched, to the fleet and to every policy's `on_dispatch` (in the same rotating order:
+    unrotated, the first policy's dispatch ran ~20% slower than an identical second's). The others are thus
     priced on the first one's trajectory: the paired ratios compare the cost of the same decisions (two builds or
     configurations of one policy decide alike) free of this VM's run-to-run drift. With one policy this is the
     plain run.
@@ -341,9 +342,10 @@ def run_side_by_side(
             if decision is None:
                 raise RuntimeError(f"{policy_names[0]} chose no worker for {ctx.request_id}")
             fleet.note_dispatch(decision.worker_id)
-            for j, policy in enumerate(policies):
+            for r in range(k):  # rotated too: the first after the selects pays their cache misses
+                j = (i + r) % k
                 t0 = clock()
-                policy.on_dispatch(ctx, decision, now)
+                policies[j].on_dispatch(ctx, decision, now)
                 dispatch_ns[j, i] = clock() - t0
             wid = decision.worker_id
             wm = workers[wid]
@@ -391,6 +393,7 @@ def run_side_by_side(
             # per request, this policy's select time over the first one's, on the same state
             row["paired_with"] = policy_names[0]
             row["paired_select_ratio_median"] = round(float(np.median(sel / np.maximum(select_ns[0], 1))), 3)
+            row["paired_dispatch_ratio_median"] = round(float(np.median(dis / np.maximum(dispatch_ns[0], 1))), 3)
         rows.append(row)
     return rows
 
@@ -417,7 +420,7 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     row = dict(sorted(runs, key=lambda r: r["select_p50_us"])[(len(runs) - 1) // 2])
     keys = ["select_p50_us", "select_p99_us", "decisions_per_s", "cpu_steal_frac"]
     if "paired_select_ratio_median" in row:
-        keys.append("paired_select_ratio_median")
+        keys += ["paired_select_ratio_median", "paired_dispatch_ratio_median"]
     row["runs"] = {k: [r[k] for r in runs] for k in keys}
     return row
 
@@ -444,16 +447,21 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
         lines += [
             "",
             "Paired (`--paired`): every policy selected on the same states in one pass, the first one's decisions "
-            "dispatched; the ratio is the median over requests of its select time over the first policy's.",
+            "dispatched to all (selects and dispatches timed in an order rotating by request); a ratio is the median "
+            "over requests of its time over the first policy's.",
             "",
-            "| workload | workers | policy | vs | median select ratio, each run | select p50 / p99 µs |",
-            "|---|---|---|---|---|---|",
+            "| workload | workers | policy | vs | median select ratio, each run | median on_dispatch ratio, each run "
+            "| select p50 / p99 µs | on_dispatch p50 / p99 µs |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in paired:
-            ratios = ", ".join(f"{x:.3f}" for x in r["runs"]["paired_select_ratio_median"]) if "runs" in r else (
-                f"{r['paired_select_ratio_median']:.3f}")
-            lines.append(f"| {r['workload']} | {r['workers']} | {r['policy']} | {r['paired_with']} | {ratios} "
-                         f"| {r['select_p50_us']} / {r['select_p99_us']} |")
+            sel, dis = (
+                ", ".join(f"{x:.3f}" for x in r["runs"][key]) if "runs" in r else f"{r[key]:.3f}"
+                for key in ("paired_select_ratio_median", "paired_dispatch_ratio_median")
+            )
+            lines.append(f"| {r['workload']} | {r['workers']} | {r['policy']} | {r['paired_with']} | {sel} | {dis} "
+                         f"| {r['select_p50_us']} / {r['select_p99_us']} | {r['dispatch_p50_us']} / "
+                         f"{r['dispatch_p99_us']} |")
     return "\n".join(lines) + "\n"
 
 

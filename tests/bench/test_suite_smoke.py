@@ -81,9 +81,11 @@ def test_steal_share_from_cpu_times() -> None:
 def test_decisions_paired_runs_every_policy_on_the_first_ones_decisions(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """--paired: one pass, every policy selects on the same states and gets the first policy's decision."""
+    """--paired: one pass, every policy selects on the same states and gets the first policy's decision, in an
+    order that rotates by request."""
     selected: dict[str, list[str]] = {}
     dispatched: dict[str, list[str]] = {}
+    dispatch_order: list[str] = []
     make = decisions.make_bench_policy
 
     def recording(name: str) -> Any:
@@ -97,6 +99,7 @@ def test_decisions_paired_runs_every_policy_on_the_first_ones_decisions(
 
         def dis(ctx: Any, decision: Any, now: float) -> None:
             dispatched.setdefault(name, []).append(decision.worker_id)
+            dispatch_order.append(name)
             on_dispatch(ctx, decision, now)
 
         pol.select, pol.on_dispatch = sel, dis  # type: ignore[method-assign]
@@ -112,6 +115,8 @@ def test_decisions_paired_runs_every_policy_on_the_first_ones_decisions(
     assert selected["e2"] != selected["round_robin"]  # so the check above is not vacuous
     rows = json.loads((tmp_path / "decisions.json").read_text())["rows"]
     assert [r["paired_with"] for r in rows] == ["round_robin"] * 3
-    assert rows[0]["paired_select_ratio_median"] == 1.0
+    assert rows[0]["paired_select_ratio_median"] == rows[0]["paired_dispatch_ratio_median"] == 1.0
+    names = ["round_robin", "e2", "e2-py"]  # the dispatches rotate as the selects do: none always runs first
+    assert dispatch_order[:9] == names + names[1:] + names[:1] + names[2:] + names[:2]
     assert rows[1]["state_size"] == rows[2]["state_size"]
     assert "| toolbench-200 | 4 | e2 | round_robin |" in (tmp_path / "decisions.md").read_text()
