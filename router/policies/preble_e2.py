@@ -77,6 +77,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -215,9 +216,11 @@ class PrebleE2(Policy):
         self._turn = 0
         self._facts: dict[WorkerId, _Facts] = {}
         # NOTE: select's hot-path memos, exact (see `cost_model`, `load_s`, `_remember`, `_pool_index`): per worker
-        # its cost model and (history version, moves version, valid from, oldest live entry's t, L); per model the
-        # fleet's routable sequence last remembered; per pool (by identity) {worker id: 0} and {worker id: view}
-        self._load_memo: dict[WorkerId, tuple[int, int, float, float, float]] = {}
+        # its cost model and (valid from, oldest live entry's t, L), dropped by its history's and moves' `on_change`;
+        # per model the fleet's routable sequence last remembered; per pool (by identity) {worker id: 0} and
+        # {worker id: view}
+        self._load_memo: dict[WorkerId, tuple[float, float, float]] = {}
+        self.moved_load.on_change = self._drop_load_memo
         self._cost_memo: dict[WorkerId, CostModel] = {}
         self._remembered: dict[str, Any] = {}
         self._pool_memo: tuple[Any, dict[WorkerId, int], dict[WorkerId, WorkerView]] | None = None
@@ -256,28 +259,29 @@ class PrebleE2(Policy):
         """L_i: the history sum plus what rebalancing moved within H.
 
         NOTE: read for every priced worker of every select, and piecewise constant in `now`: it changes only when
-        the worker's history or the moves change (their `version`s) or when `now` passes the expiry of the
-        oldest live entry or move. The last value is kept per worker with that oldest time, and holds while that
-        entry is still live by the sums' own test (t >= now - H), for a cost model whose answers never change
-        (`ProfileCost`; `_remember`, `on_dispatch` and `on_worker_change` drop the memo when the model can
-        change). Exact: the same sums give the same float. The hooks that change a history and `on_tick`
-        (expiry, moves) refresh it, off the selects' path.
+        the worker's history or the moves change (their `on_change` drops the memo) or when `now` passes the
+        expiry of the oldest live entry or move. The last value is kept per worker with that oldest time, and
+        holds while that entry is still live by the sums' own test (t >= now - H), for a cost model whose answers
+        never change (`ProfileCost`; `_remember`, `on_dispatch` and `on_worker_change` drop the memo when the
+        model can change). Exact: the same sums give the same float. The hooks that change a history and
+        `on_tick` (expiry, moves) refresh it, off the selects' path.
         """
-        h = self.history.get(w)
-        hv = h.version if h is not None else -1
         memo = self._load_memo.get(w)
-        win = self.cfg.history_window_s
-        if (memo is not None and memo[0] == hv and memo[1] == self.moved_load.version(w) and memo[2] <= now
-                and now - win <= memo[3]):
-            return memo[4]
+        cutoff = now - self.cfg.history_window_s
+        if memo is not None and memo[0] <= now and cutoff <= memo[1]:
+            return memo[2]
+        h = self.history.get(w)
         cost = self.cost_model(w)
-        cutoff = now - win
         base = h.load_s(now, cost, self.cfg.decode_pricing == "marginal") if h is not None else 0.0
         v = base + self.moved_load.sum_s(w, cutoff)
         if type(cost) is ProfileCost:
             first = min(h.first_live_t(now) if h is not None else math.inf, self.moved_load.first_t(w, cutoff))
-            self._load_memo[w] = (hv, self.moved_load.version(w), now, first, v)
+            self._load_memo[w] = (now, first, v)
         return v
+
+    def _drop_load_memo(self, w: str) -> None:
+        """The `on_change` of w's history and of the moves: L's memo no longer holds."""
+        self._load_memo.pop(w, None)  # type: ignore[call-overload]
 
     def _cached_blocks(self, w: WorkerId, m: Any, hashes: tuple[int, ...]) -> int:
         """max(resident run, assigned run cut at the first block evicted since assignment)."""
@@ -681,6 +685,7 @@ class PrebleE2(Policy):
         hist = self.history.get(w)
         if hist is None:
             hist = self.history[w] = WorkerHistory(self.cfg.history_window_s, self.cfg.history_max_requests)
+            hist.on_change = partial(self._drop_load_memo, w)
         hist.add(HistoryEntry(now, ctx.request_id, prefill_s, ctx.num_prompt_tokens, decode, hashes))
         hw = self.hit_ratio.get(w)
         if hw is None:

@@ -9,7 +9,7 @@ import heapq
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +37,8 @@ class WorkerHistory:
     and only the three sums and the count are maintained: O(1) per dispatch, finish and expiry. H is a
     duration (`window_s`) and optionally also a count (`max_requests`, errata E2).
 
-    `version` counts the changes of the entries, for the caller's memo of L (`PrebleE2.load_s`).
+    `on_change`, when set, is called at every change of the entries: the caller drops its memo of L
+    (`PrebleE2.load_s`) then, so reading the memo costs one lookup, not a comparison of versions.
     """
 
     def __init__(self, window_s: float, max_requests: int | None = None) -> None:
@@ -48,10 +49,11 @@ class WorkerHistory:
         self.sum_prefill_s = 0.0
         self.sum_prompt_tokens = 0
         self.sum_decode_tokens = 0
-        self.version = 0  # bumped by every change of the entries (callers' memos compare it)
+        self.on_change: Callable[[], None] | None = None  # called at every change of the entries
 
     def add(self, e: HistoryEntry) -> None:
-        self.version += 1
+        if self.on_change is not None:
+            self.on_change()
         self.entries.append(e)
         self.by_id[e.request_id] = e  # a retry on the same worker replaces the lookup (both entries count)
         self.sum_prefill_s += e.prefill_s
@@ -65,12 +67,14 @@ class WorkerHistory:
     def set_decode(self, request_id: str, decode_tokens: int) -> None:
         e = self.by_id.get(request_id)
         if e is not None:
-            self.version += 1
+            if self.on_change is not None:
+                self.on_change()
             self.sum_decode_tokens += decode_tokens - e.decode_tokens
             e.decode_tokens = decode_tokens
 
     def _pop(self) -> None:
-        self.version += 1
+        if self.on_change is not None:
+            self.on_change()
         e = self.entries.popleft()
         if self.by_id.get(e.request_id) is e:
             del self.by_id[e.request_id]
@@ -134,24 +138,22 @@ class MovedLoad:
     NOTE: each worker's last sum is kept with the cutoffs it holds for (moves are made in time order, so those
     since a cutoff are a suffix; the sum stands while the cutoff stays between the one it was taken at and the
     suffix's first move) until a move of that worker is added, expired or dropped. Exact: the same moves in the
-    same order. `version(worker)` changes with that worker's moves only, so a move onto one worker leaves the
-    other workers' memos of L (`PrebleE2.load_s`) standing.
+    same order. `on_change(worker)`, when set, is called at every change of that worker's moves only, so a
+    move onto one worker leaves the other workers' memos of L (`PrebleE2.load_s`) standing.
     """
 
-    __slots__ = ("by_worker", "memo", "unordered", "versions")
+    __slots__ = ("by_worker", "memo", "on_change", "unordered")
 
     def __init__(self) -> None:
-        self.versions: dict[str, int] = {}  # worker -> count of changes of its moves (callers' memos compare it)
+        self.on_change: Callable[[str], None] | None = None  # called with the worker at every change of its moves
         self.by_worker: dict[str, deque[tuple[float, float]]] = {}
         self.memo: dict[str, tuple[float, float, float]] = {}  # worker -> (cutoff, first move counted t, Σ)
         self.unordered: set[str] = set()  # workers given a move older than their last (never memoised)
 
-    def version(self, worker: str) -> int:
-        return self.versions.get(worker, 0)
-
     def _changed(self, worker: str) -> None:
-        self.versions[worker] = self.versions.get(worker, 0) + 1
         self.memo.pop(worker, None)
+        if self.on_change is not None:
+            self.on_change(worker)
 
     def add(self, now: float, worker: str, delta_s: float) -> None:
         self._changed(worker)
