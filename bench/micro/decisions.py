@@ -15,7 +15,9 @@ what SWITCHYARD_NO_EXTENSIONS=1 selects).
 
 This VM's timings drift by up to ±30% between runs. `--paired` runs the listed policies side by side in one pass
 over the same states (the first one's decisions are dispatched to all) and reports, per policy, the median of its
-per-request select and on_dispatch times over the first policy's: e.g. `--policies e2,e2-py --paired` for the Cython tree's speed-up.
+per-request select and on_dispatch times over the first policy's: e.g. `--policies e2,e2-py --paired` for the
+Cython tree's speed-up, `--policies e2@e81af29,e2 --paired` for a change to E2's modules since that commit
+(`NAME@REV`: bench/micro/revision.py).
 
 Quick: `switchyard bench decisions --num-requests 2000`. Paper size (50k toolbench requests; VideoQA ~12.9k
 requests = 1500 videos at 8.6 questions each), all policies, 8 and 16 workers: `switchyard bench decisions`
@@ -39,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from switchyard.bench.micro.revision import policy_at
 from switchyard.bench.preble_workloads import PrebleSpec, make_toolbench, make_videoqa
 from switchyard.bench.traces import PromptFactory, Trace
 from switchyard.router.fleet import Fleet, StatsSample, WorkerInfo, WorkerState
@@ -87,7 +90,11 @@ DEFAULT_POLICIES = ("e2", "e2-py", "smg_cache_aware", "dynamo_kv", "round_robin"
 
 
 def make_bench_policy(name: str) -> Policy:
-    """A registry policy; `e2-py` = e2 on the Python reference radix tree."""
+    """A registry policy; `e2-py` = e2 on the Python reference radix tree; `NAME@REV` = the policy's modules as
+    git revision REV wrote them (`bench/micro/revision.py`)."""
+    if "@" in name:
+        base, rev = name.split("@", 1)
+        return policy_at(base, rev)
     if name == "e2-py":
         from switchyard.ext import radix_py
 
@@ -507,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="switchyard bench decisions", description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated; known: {','.join(WORKLOADS)}")
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                    help="comma-separated registry names; e2-py = e2 on the Python reference tree")
+                    help="comma-separated registry names; e2-py = e2 on the Python reference tree; NAME@REV = the "
+                         "policy's modules at git revision REV (with --paired: a change measured in one run)")
     ap.add_argument("--workers", default="8,16", help="comma-separated fleet sizes")
     ap.add_argument("--num-requests", type=int, default=50_000,
                     help="requests per workload (paper: 50,000; VideoQA is capped at 12,900 = 1500 videos)")

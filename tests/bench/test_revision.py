@@ -1,0 +1,44 @@
+"""`NAME@REV` in `bench decisions`: a policy as an earlier git revision wrote it, imported beside today's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import switchyard.router.policies as current
+from switchyard.bench.micro import decisions
+from switchyard.bench.micro.revision import package_at, policy_at
+from switchyard.router.policies.preble_e2 import PrebleE2
+
+REPO = Path(current.__file__).resolve().parents[2]
+
+
+def test_a_revision_s_policy_is_its_own_copy_of_that_revision_s_modules() -> None:
+    p = policy_at("e2", "HEAD")
+    pkg = package_at("HEAD")
+    assert type(p).__name__ == "PrebleE2" and type(p) is not PrebleE2  # not today's class
+    assert type(p).__module__ == f"{pkg}.preble_e2"
+    head = subprocess.run(["git", "-C", str(REPO), "show", "HEAD:router/policies/preble_e2.py"],
+                          check=True, capture_output=True, text=True).stdout
+    copied = Path(sys.modules[f"{pkg}.preble_e2"].__file__ or "").read_text()
+    assert copied == head.replace("switchyard.router.policies", pkg)  # that revision's text, imports renamed
+    assert "switchyard.router.policies" in head  # so the rename was exercised
+    assert policy_at("e2", "HEAD") is not p  # a fresh policy per call, from the one copy
+    assert package_at("HEAD") == pkg
+
+
+def test_decisions_runs_a_revision_beside_today_s_policy(tmp_path: Path) -> None:
+    rc = decisions.main(["--num-requests", "30", "--workloads", "toolbench-200", "--workers", "4", "--paired",
+                         "--policies", "e2@HEAD,e2", "--out", str(tmp_path), "--no-plot"])
+    assert rc == 0
+    rows = json.loads((tmp_path / "decisions.json").read_text())["rows"]
+    assert [(r["policy"], r["paired_with"]) for r in rows] == [("e2@HEAD", "e2@HEAD"), ("e2", "e2@HEAD")]
+
+
+def test_an_unknown_revision_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="no-such-revision"):
+        policy_at("e2", "no-such-revision")
