@@ -7,7 +7,7 @@ for a request is the longest run of leading hashes resident on it. Duplicate Blo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from itertools import compress, repeat
 
 from switchyard.workers.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
@@ -52,8 +52,7 @@ class PrefixIndex:
                 bit = self._bit(worker_id)
                 self._worker_to_hashes[worker_id].update(hashes)
                 if h2m is not None:
-                    # h2m[h] = h2m.get(h, 0) | bit for each h, iterated in C (or-ing is idempotent: no held check)
-                    h2m.update(zip(hashes, map(bit.__or__, map(h2m.get, hashes, repeat(0))), strict=True))
+                    _or_bit(h2m, hashes, bit)  # idempotent: no held check
             elif isinstance(event, BlockRemoved):
                 held = self._worker_to_hashes.get(worker_id)
                 if not held:
@@ -101,8 +100,7 @@ class PrefixIndex:
         if h2m is None:
             h2m = self._hash_to_mask = {}
             for worker_id, hashes in self._worker_to_hashes.items():
-                bit = self._worker_bit[worker_id]
-                h2m.update(zip(hashes, map(bit.__or__, map(h2m.get, hashes, repeat(0))), strict=True))
+                _or_bit(h2m, hashes, self._worker_bit[worker_id])
         return h2m
 
     def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
@@ -142,3 +140,8 @@ class PrefixIndex:
 
     def holds(self, worker_id: str, block_hash: int) -> bool:
         return block_hash in self._worker_to_hashes.get(worker_id, ())
+
+
+def _or_bit(h2m: dict[int, int], hashes: Collection[int], bit: int) -> None:
+    """h2m[h] = h2m.get(h, 0) | bit for each h, iterated in C (`hashes` is read twice, in the same order)."""
+    h2m.update(zip(hashes, map(bit.__or__, map(h2m.get, hashes, repeat(0))), strict=True))
