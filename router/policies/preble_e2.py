@@ -82,6 +82,7 @@ from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from switchyard.ext.e2_select import BoundsEnv, exploit_set, ordered_bounds, raw_bounds
 from switchyard.ext.radix import RadixTree
 from switchyard.router.policies.base import (
     Decision,
@@ -222,6 +223,14 @@ class PrebleE2(Policy):
         self._load_memo: dict[WorkerId, tuple[float, float, float]] = {}
         self.moved_load.on_change = self._drop_load_memo
         self._cost_memo: dict[WorkerId, CostModel] = {}
+        cfg = self.cfg
+        self._bounds_env = BoundsEnv(  # what the bound kernel reads, by reference (`_raw_bounds`)
+            cost_memo=self._cost_memo, cost_model=self.cost_model, facts=self._facts, lru=self.lru,
+            resident_count=self.resident_count, outstanding=self.outstanding, load_memo=self._load_memo,
+            load_s=self.load_s, window_s=cfg.history_window_s, evict_on=cfg.eviction_cost != "off",
+            assume_full=cfg.assume_full, with_l=cfg.load_signal != "outstanding",
+            with_q=cfg.load_signal != "history",
+        )
         self._remembered: dict[str, Any] = {}
         self._pool_memo: tuple[Any, dict[WorkerId, int], dict[WorkerId, WorkerView]] | None = None
         self._models: set[str] = set()
@@ -340,55 +349,9 @@ class PrebleE2(Policy):
     def _raw_bounds(
         self, ws: Sequence[WorkerView], ctx: RoutingContext, cached: dict[WorkerId, int], now: float
     ) -> list[tuple[float, float, float, int]]:
-        """(L, R, Q, blocks R_k would evict) of each worker of `ws`, in order, with R priced once per (cached
-        blocks, block size, cost model): an explore prices every routable worker, and most of them hold the same
-        prefix (often none).
-
-        NOTE: the hot loop of every explore and multi-holder exploit: the config is read once, conditionals stand
-        in for min()/max() calls, and no record is built per worker
-        (`_cheapest` builds `Cost`s only for the workers it prices).
-        """
-        cfg = self.cfg
-        n = len(ctx.prompt_token_ids)
-        evict_on, assume_full = cfg.eviction_cost != "off", cfg.assume_full
-        with_l, with_q = cfg.load_signal != "outstanding", cfg.load_signal != "history"
-        cost_memo, lru, resident_count, outstanding = self._cost_memo, self.lru, self.resident_count, self.outstanding
-        facts = self._facts
-        r_memo: dict[tuple[int, int, int], tuple[int, float]] = {}
-        out: list[tuple[float, float, float, int]] = []
-        for w in ws:
-            wid = w.worker_id
-            cost = cost_memo.get(wid) or self.cost_model(wid)
-            f = facts.get(wid)  # the view's static Info, without its properties (`_remember`)
-            if f is None:
-                bs, cap = w.block_size, w.kv_capacity_blocks
-            else:
-                bs, cap = f.block_size, f.kv_capacity_blocks
-            cb = cached[wid]
-            rk = (cb, bs, id(cost))  # the cost objects outlive the call (held by the memo): ids are stable
-            got = r_memo.get(rk)
-            if got is None:
-                tok = cb * bs
-                if tok >= n:  # the last token is always computed
-                    tok = n - 1 if n > 0 else 0
-                got = r_memo[rk] = (n - tok, cost.prefill_s(n - tok, tok))
-            missed, r = got
-            evict = 0
-            if evict_on and wid in lru:
-                used = resident_count.get(wid, 0)
-                by_stats = int(w.kv_usage_frac * cap)
-                if by_stats > used:
-                    used = by_stats
-                need = -(-missed // bs)
-                evict = need if assume_full else need - (cap - used if cap > used else 0)
-            load = self.load_s(wid, now) if with_l else 0.0
-            q = 0.0
-            if with_q:
-                o = outstanding.get(wid)
-                if o is not None and o.queued_s > 0:
-                    q = o.queued_s
-            out.append((load, r, q, evict))
-        return out
+        """(L, R, Q, blocks R_k would evict) of each worker of `ws`, in order (`ext/e2_select`: the hot loop of
+        every explore and multi-holder exploit, in Cython)."""
+        return raw_bounds(self._bounds_env, ws, cached, len(ctx.prompt_token_ids), now)
 
     def _with_evict(self, c: Cost, w: WorkerView, evict: int, now: float, protected: set[int]) -> Cost:
         """`c` with M, the recompute cost of what evicting `evict` blocks on w would take from others."""
@@ -444,11 +407,8 @@ class PrebleE2(Policy):
         many small cold prefixes) is priced only for workers whose bound L + R + Q can still win, in bound
         order; float addition is monotone, so a bound above the best total cannot become the argmin.
         """
-        n, turn = len(ws), self._turn
         # (L + R + Q: Cost.total_s with M = 0, the same float; rotated index, unique, so the sort never reads on)
-        bounds = [(load + r + q, (i - turn) % n, i, load, r, q, evict)
-                  for i, (load, r, q, evict) in enumerate(self._raw_bounds(ws, ctx, cached, now))]
-        bounds.sort()
+        bounds = ordered_bounds(self._bounds_env, ws, cached, len(ctx.prompt_token_ids), now, self._turn)
         protected: set[int] | None = None
         best: WorkerView | None = None
         best_key: tuple[float, int] = (0.0, 0)
@@ -587,25 +547,14 @@ class PrebleE2(Policy):
     def _exploit_set(
         self, key: Any, key_end: int, pool: list[WorkerView], cached: dict[WorkerId, int], now: float
     ) -> list[WorkerView]:
+        """KS: the pool workers holding the key portion (`cached` is in pool order), a rebalancing redirect heavy
+        → light applied and replicas added (`ext/e2_select.exploit_set`)."""
         if key is None:
             return []
         st = key.stats
-        by_id = self._pool_index(pool)[1]
-        if not (isinstance(st, NodeStats) and (st.redirect or st.replicas)):
-            # no redirect or replica to apply: the holders themselves, in pool order (`cached` is in pool order)
-            return [by_id[wid] for wid, c in cached.items() if c >= key_end]
-        ks = [wid for wid, c in cached.items() if c >= key_end]
-        if not ks:
-            return []
-        redirect = st.redirect
-        if redirect:
-            for i, wid in enumerate(ks):
-                got = redirect.get(wid)
-                if got is not None and got[1] >= now and got[0] in by_id:
-                    ks[i] = got[0]  # rebalanced: future exploit traffic of this node goes light
-        if st.replicas:  # replicas only widen an existing holder set
-            ks += [r for r, until in st.replicas.items() if until >= now and r in by_id]
-        return [by_id[w] for w in dict.fromkeys(ks)]
+        if isinstance(st, NodeStats):
+            return exploit_set(cached, key_end, self._pool_index(pool)[1], st.redirect, st.replicas, now)
+        return exploit_set(cached, key_end, self._pool_index(pool)[1], None, None, now)
 
     def _decide(
         self, ctx: RoutingContext, w: WorkerView, why: str, cached_len: int, missed_len: int, costs: dict[WorkerId, Cost]

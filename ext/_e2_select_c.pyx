@@ -1,0 +1,178 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""Cython build of `e2_select_py` (its docstring is the contract): the same objects, floats and ints, in the same
+order.
+
+Why a rewrite: the reference is a loop of dict reads, attribute reads and small tuples per worker, all bytecode.
+Here the dict reads are C calls on the policy's dicts, the R memo is a C array scanned linearly (candidates hold
+one or two distinct prefix lengths), L's memo is tested in C, and the rotated order is built and sorted without
+an intermediate list. The Python-level calls left are the cost model's `prefill_s` per distinct prefix, the view's
+`kv_usage_frac` property and `load_s` on a memo miss.
+"""
+
+from cpython.dict cimport PyDict_GetItem, PyDict_Next
+from cpython.object cimport PyObject
+from cpython.tuple cimport PyTuple_CheckExact, PyTuple_GET_ITEM, PyTuple_GET_SIZE
+
+cdef extern from "Python.h":
+    double PyFloat_AsDouble(object) except? -1.0
+
+cdef enum:
+    _MEMO = 16
+
+
+def exploit_set(dict cached, Py_ssize_t key_end, dict by_id, redirect, replicas, double now):
+    """As `e2_select_py.exploit_set`."""
+    cdef Py_ssize_t pos = 0, i, j, n
+    cdef PyObject* k
+    cdef PyObject* v
+    cdef list ks = []
+    cdef list out
+    cdef object got, wid
+    while PyDict_Next(cached, &pos, &k, &v):
+        if <Py_ssize_t><object>v >= key_end:
+            ks.append(<object>k)
+    if not (redirect or replicas):
+        return [by_id[wid] for wid in ks]
+    if not ks:
+        return []  # replicas only widen an existing holder set
+    if redirect:
+        for i in range(len(ks)):
+            got = redirect.get(ks[i])
+            if got is not None and got[1] >= now and got[0] in by_id:
+                ks[i] = got[0]
+    if replicas:
+        for wid, got in (<dict?>replicas).items():
+            if got >= now and wid in by_id:
+                ks.append(wid)
+    out = []
+    n = len(ks)
+    for i in range(n):  # each worker once, at its first place (holder sets are small: a scan beats a set)
+        wid = ks[i]
+        for j in range(i):
+            if ks[j] == wid:
+                break
+        else:
+            out.append(by_id[wid])
+    return out
+
+
+cdef class BoundsEnv:
+    """As `e2_select_py.BoundsEnv`."""
+
+    cdef public dict cost_memo, facts, lru, resident_count, outstanding, load_memo
+    cdef public object cost_model, load_s
+    cdef public double window_s
+    cdef public bint evict_on, assume_full, with_l, with_q
+
+    def __init__(self, *, dict cost_memo, cost_model, dict facts, dict lru, dict resident_count, dict outstanding,
+                 dict load_memo, load_s, double window_s, bint evict_on, bint assume_full, bint with_l,
+                 bint with_q):
+        self.cost_memo, self.cost_model, self.facts = cost_memo, cost_model, facts
+        self.lru, self.resident_count, self.outstanding = lru, resident_count, outstanding
+        self.load_memo, self.load_s, self.window_s = load_memo, load_s, window_s
+        self.evict_on, self.assume_full, self.with_l, self.with_q = evict_on, assume_full, with_l, with_q
+
+
+cdef inline Py_ssize_t _floordiv(Py_ssize_t a, Py_ssize_t b):
+    """Python's a // b (rounds toward minus infinity), for b > 0."""
+    cdef Py_ssize_t q = a / b
+    if (a % b != 0) and (a < 0):
+        q -= 1
+    return q
+
+
+cdef inline Py_ssize_t _pymod(Py_ssize_t a, Py_ssize_t m):
+    """Python's a % m for m > 0 (never negative)."""
+    cdef Py_ssize_t r = a % m
+    return r + m if r < 0 else r
+
+
+cdef int _fill(BoundsEnv env, object ws, dict cached, Py_ssize_t n, double now, list out, bint ordered,
+               Py_ssize_t turn) except -1:
+    cdef Py_ssize_t m = len(ws), i = 0, cb, bs, cap, tok, missed, used, by_stats, need, evict, k, nmemo = 0
+    cdef double r, load, q, cutoff = now - env.window_s
+    cdef PyObject* p
+    cdef object wid, cost, f, o
+    # R's memo: (cached blocks, block size, cost model) -> (missed tokens, R), up to _MEMO entries (candidates
+    # hold one or two distinct prefix lengths; past that R is priced again, the same float); `held` keeps the
+    # models alive, so their addresses stay unique for the call
+    cdef Py_ssize_t mk_cb[_MEMO]
+    cdef Py_ssize_t mk_bs[_MEMO]
+    cdef Py_ssize_t mk_missed[_MEMO]
+    cdef void* mk_cost[_MEMO]
+    cdef double mk_r[_MEMO]
+    cdef list held = []
+    for w in ws:
+        wid = w.worker_id
+        p = PyDict_GetItem(env.cost_memo, wid)
+        cost = <object>p if p is not NULL else None
+        if not cost:
+            cost = env.cost_model(wid)
+        p = PyDict_GetItem(env.facts, wid)
+        if p is NULL:
+            bs, cap = w.block_size, w.kv_capacity_blocks
+        else:
+            f = <object>p
+            bs, cap = f.block_size, f.kv_capacity_blocks
+        cb = cached[wid]
+        for k in range(nmemo):
+            if mk_cb[k] == cb and mk_bs[k] == bs and mk_cost[k] == <void*>cost:
+                missed, r = mk_missed[k], mk_r[k]
+                break
+        else:
+            tok = cb * bs
+            if tok >= n:  # the last token is always computed
+                tok = n - 1 if n > 0 else 0
+            missed = n - tok
+            r = PyFloat_AsDouble(cost.prefill_s(missed, tok))
+            if nmemo < _MEMO:
+                held.append(cost)
+                mk_cb[nmemo], mk_bs[nmemo], mk_cost[nmemo] = cb, bs, <void*>cost
+                mk_missed[nmemo], mk_r[nmemo] = missed, r
+                nmemo += 1
+        evict = 0
+        if env.evict_on and PyDict_GetItem(env.lru, wid) is not NULL:
+            p = PyDict_GetItem(env.resident_count, wid)
+            used = <object>p if p is not NULL else 0
+            by_stats = <Py_ssize_t>(PyFloat_AsDouble(w.kv_usage_frac) * <double>cap)
+            if by_stats > used:
+                used = by_stats
+            need = -_floordiv(-missed, bs)
+            evict = need if env.assume_full else need - (cap - used if cap > used else 0)
+        load = 0.0
+        if env.with_l:
+            p = PyDict_GetItem(env.load_memo, wid)
+            if (p is not NULL and PyTuple_CheckExact(<object>p) and PyTuple_GET_SIZE(<object>p) == 3
+                    and PyFloat_AsDouble(<object>PyTuple_GET_ITEM(<object>p, 0)) <= now
+                    and cutoff <= PyFloat_AsDouble(<object>PyTuple_GET_ITEM(<object>p, 1))):
+                load = PyFloat_AsDouble(<object>PyTuple_GET_ITEM(<object>p, 2))
+            else:
+                load = PyFloat_AsDouble(env.load_s(wid, now))
+        q = 0.0
+        if env.with_q:
+            p = PyDict_GetItem(env.outstanding, wid)
+            if p is not NULL:
+                o = (<object>p).queued_s
+                if o > 0:
+                    q = PyFloat_AsDouble(o)
+        if ordered:
+            out.append((load + r + q, _pymod(i - turn, m), i, load, r, q, evict))
+        else:
+            out.append((load, r, q, evict))
+        i += 1
+    return 0
+
+
+def raw_bounds(BoundsEnv env, ws, dict cached, Py_ssize_t n, double now):
+    """As `e2_select_py.raw_bounds`."""
+    cdef list out = []
+    _fill(env, ws, cached, n, now, out, False, 0)
+    return out
+
+
+def ordered_bounds(BoundsEnv env, ws, dict cached, Py_ssize_t n, double now, Py_ssize_t turn):
+    """As `e2_select_py.ordered_bounds`."""
+    cdef list out = []
+    _fill(env, ws, cached, n, now, out, True, turn)
+    out.sort()
+    return out

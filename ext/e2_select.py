@@ -1,0 +1,28 @@
+"""Selects E2's per-select loops: the Cython build when present, else the Python reference.
+
+SWITCHYARD_NO_EXTENSIONS=1 forces the reference. `IMPLEMENTATION` says which one loaded. The contract is the
+docstring of `e2_select_py`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from switchyard.ext.e2_select_py import BoundsEnv, exploit_set, ordered_bounds, raw_bounds
+
+IMPLEMENTATION = "py"
+
+if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
+    try:
+        from switchyard.ext._e2_select_c import (  # type: ignore[no-redef]  # noqa: F811
+            BoundsEnv,
+            exploit_set,
+            ordered_bounds,
+            raw_bounds,
+        )
+
+        IMPLEMENTATION = "c"
+    except ImportError:  # pragma: no cover - exercised by test_c_extension_loaded
+        pass
+
+__all__ = ["IMPLEMENTATION", "BoundsEnv", "exploit_set", "ordered_bounds", "raw_bounds"]

@@ -1,0 +1,121 @@
+"""E2's per-select loops (Preble §5.1-5.2, `router/policies/preble_e2.py`): the exploit set and the per-worker
+lower bounds (LOADCOST without M).
+
+Reference build (obviously correct); `_e2_select_c.pyx` is the Cython build, `e2_select.py` the selector.
+
+- `exploit_set`: the workers holding a prompt's key portion, with a rebalancing redirect and replicas applied.
+- `raw_bounds` / `ordered_bounds`: every explore and every exploit with several holders prices each candidate:
+  L (its history load), R (the request's own uncached prefill on it), Q (prefill queued ahead of it) and how many
+  blocks the request would evict there (M is priced afterwards only for the workers whose bound can still win).
+  The policy's state is read through a `BoundsEnv` that holds its dicts by reference, never written here except
+  through `load_s` on a memo miss.
+
+Duck-typed (nothing here imports from `router/`): a worker view has `worker_id`, `kv_usage_frac`, `block_size`
+and `kv_capacity_blocks`; a cost model `prefill_s(missed, cached)`; facts `block_size` and `kv_capacity_blocks`;
+an outstanding record `queued_s`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+Bound = tuple[float, float, float, int]  # (L, R, Q, blocks R_k would evict)
+Ordered = tuple[float, int, int, float, float, float, int]  # (L + R + Q, rotated index, index, L, R, Q, evict)
+
+
+def exploit_set(
+    cached: dict[Any, int], key_end: int, by_id: dict[Any, Any], redirect: dict[Any, tuple[Any, float]] | None,
+    replicas: dict[Any, float] | None, now: float,
+) -> list[Any]:
+    """The views (`by_id[w]`; every key of `cached` is in it) of the workers w with `cached[w] >= key_end`, in
+    `cached`'s order, each replaced by its live redirect target (`redirect[w] = (target, until)`, live while
+    until >= now, a target in `by_id`), then the live replicas in `by_id` (`replicas[w] = until`) added; each
+    worker once, at its first place."""
+    ks = [wid for wid, c in cached.items() if c >= key_end]
+    if not (redirect or replicas):
+        return [by_id[wid] for wid in ks]
+    if not ks:
+        return []  # replicas only widen an existing holder set
+    if redirect:
+        for i, wid in enumerate(ks):
+            got = redirect.get(wid)
+            if got is not None and got[1] >= now and got[0] in by_id:
+                ks[i] = got[0]
+    if replicas:
+        ks += [r for r, until in replicas.items() if until >= now and r in by_id]
+    return [by_id[w] for w in dict.fromkeys(ks)]
+
+
+class BoundsEnv:
+    """What the bounds read of the policy: its dicts (by reference, so they stay current), its two fallbacks
+    and its configuration.
+
+    - `load_memo[w] = (valid_from, first, L)`: L holds while valid_from <= now and now - window_s <= first
+      (`PrebleE2.load_s`'s rule); otherwise `load_s(w, now)` computes (and re-memoises) it.
+    - `cost_memo[w]`, else `cost_model(w)`: w's cost model.
+    - `facts[w]`: w's static block size and KV capacity (else read from the view).
+    """
+
+    __slots__ = ("cost_memo", "cost_model", "facts", "lru", "resident_count", "outstanding", "load_memo",
+                 "load_s", "window_s", "evict_on", "assume_full", "with_l", "with_q")
+
+    def __init__(
+        self, *, cost_memo: dict[Any, Any], cost_model: Callable[[Any], Any], facts: dict[Any, Any],
+        lru: dict[Any, Any], resident_count: dict[Any, int], outstanding: dict[Any, Any],
+        load_memo: dict[Any, tuple[float, float, float]], load_s: Callable[[Any, float], float], window_s: float,
+        evict_on: bool, assume_full: bool, with_l: bool, with_q: bool,
+    ) -> None:
+        self.cost_memo, self.cost_model, self.facts = cost_memo, cost_model, facts
+        self.lru, self.resident_count, self.outstanding = lru, resident_count, outstanding
+        self.load_memo, self.load_s, self.window_s = load_memo, load_s, window_s
+        self.evict_on, self.assume_full, self.with_l, self.with_q = evict_on, assume_full, with_l, with_q
+
+
+def raw_bounds(env: BoundsEnv, ws: Sequence[Any], cached: dict[Any, int], n: int, now: float) -> list[Bound]:
+    """(L, R, Q, blocks R_k would evict) of each worker of `ws`, in order, for a prompt of `n` tokens of which
+    worker w holds the leading `cached[w]` blocks. R is priced once per (cached blocks, block size, cost model):
+    most candidates hold the same prefix (often none)."""
+    load_memo, cutoff = env.load_memo, now - env.window_s
+    r_memo: dict[tuple[int, int, int], tuple[int, float]] = {}
+    out: list[Bound] = []
+    for w in ws:
+        wid = w.worker_id
+        cost = env.cost_memo.get(wid) or env.cost_model(wid)
+        f = env.facts.get(wid)
+        bs, cap = (w.block_size, w.kv_capacity_blocks) if f is None else (f.block_size, f.kv_capacity_blocks)
+        cb = cached[wid]
+        rk = (cb, bs, id(cost))  # the cost objects outlive the call (the memo holds them): ids are stable
+        got = r_memo.get(rk)
+        if got is None:
+            tok = min(cb * bs, max(n - 1, 0))  # the last token is always computed
+            got = r_memo[rk] = (n - tok, cost.prefill_s(n - tok, tok))
+        missed, r = got
+        evict = 0
+        if env.evict_on and wid in env.lru:
+            used = max(env.resident_count.get(wid, 0), int(w.kv_usage_frac * cap))
+            need = -(-missed // bs)
+            evict = need if env.assume_full else need - max(cap - used, 0)
+        load = 0.0
+        if env.with_l:
+            memo = load_memo.get(wid)
+            load = memo[2] if memo is not None and memo[0] <= now and cutoff <= memo[1] else env.load_s(wid, now)
+        q = 0.0
+        if env.with_q:
+            o = env.outstanding.get(wid)
+            if o is not None and o.queued_s > 0:
+                q = o.queued_s
+        out.append((load, r, q, evict))
+    return out
+
+
+def ordered_bounds(
+    env: BoundsEnv, ws: Sequence[Any], cached: dict[Any, int], n: int, now: float, turn: int
+) -> list[Ordered]:
+    """`raw_bounds` as (L + R + Q, (index − turn) mod len(ws), index, L, R, Q, evict), sorted: the order in which
+    a branch and bound prices M. The rotated index is unique, so the sort never compares past it."""
+    m = len(ws)
+    out = [(load + r + q, (i - turn) % m, i, load, r, q, evict)
+           for i, (load, r, q, evict) in enumerate(raw_bounds(env, ws, cached, n, now))]
+    out.sort()
+    return out

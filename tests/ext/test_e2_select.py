@@ -1,0 +1,170 @@
+"""E2's bound kernel: the Cython build against the reference, float for float, over policy states built through
+E2's hooks, every configuration switch, both memo paths of L, and R's memo past its capacity."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+from ext_testlib import NO_EXTENSIONS
+from hook_fuzz import drive, random_prompts
+
+from switchyard.ext import e2_select, e2_select_py
+from switchyard.router.policies.base import WorkerId
+from switchyard.router.policies.preble_cost import profile_cost
+from switchyard.router.policies.preble_e2 import E2Config, PrebleE2
+from switchyard.workers.engine.profiles import PROFILES
+
+try:
+    from switchyard.ext import _e2_select_c
+except ImportError:  # pragma: no cover - test_c_extension_loaded reports it
+    _e2_select_c = None
+
+WORKERS = [WorkerId(f"w{i}") for i in range(4)]
+
+
+@pytest.mark.skip_in_ci_ok  # skipping is right when the opt-out is set on purpose
+def test_c_extension_loaded() -> None:
+    if NO_EXTENSIONS:
+        pytest.skip("SWITCHYARD_NO_EXTENSIONS is set")
+    assert _e2_select_c is not None, "switchyard.ext._e2_select_c did not build or import"
+    assert e2_select.IMPLEMENTATION == "c"
+    assert e2_select.raw_bounds is _e2_select_c.raw_bounds
+
+
+@dataclass
+class View:
+    """What the kernel reads of a worker view."""
+
+    worker_id: WorkerId
+    kv_usage_frac: float
+    block_size: int
+    kv_capacity_blocks: int
+
+
+@dataclass
+class Facts:
+    block_size: int
+    kv_capacity_blocks: int
+
+
+def _envs(policy: PrebleE2, facts: dict, flags: dict) -> tuple[object, object]:  # type: ignore[type-arg]
+    """(reference env, Cython env) over the same policy dicts; cost models vary per worker (R's memo keys)."""
+    models = [profile_cost(name) for name in PROFILES]
+    kw = dict(
+        cost_memo={}, cost_model=lambda w: models[int(w[1:]) % len(models)], facts=facts, lru=policy.lru,
+        resident_count=policy.resident_count, outstanding=policy.outstanding, load_memo=policy._load_memo,
+        load_s=policy.load_s, window_s=policy.cfg.history_window_s, **flags,
+    )
+    return e2_select_py.BoundsEnv(**kw), _e2_select_c.BoundsEnv(**kw)  # type: ignore[union-attr]
+
+
+@pytest.mark.c_extension
+@pytest.mark.skipif(_e2_select_c is None, reason="Cython extension not built")
+@pytest.mark.parametrize("seed", range(6))
+def test_cython_bounds_equal_reference(seed: int) -> None:
+    rng = random.Random(seed)
+    policy = PrebleE2(E2Config(history_window_s=2.0))  # a short H: L's memo expires between steps
+    prompts = random_prompts(rng, 40, labels=50)
+    clock = [0.0]
+    seen = {"evict": 0, "queued": 0, "memo_miss": 0, "many_r": 0, "no_facts": 0}
+    for step in drive(policy, rng, prompts, WORKERS, 300, clock=clock):
+        if step % 3:
+            continue
+        now = clock[0] + rng.choice([0.0, 0.5, 3.0])
+        # beyond the driven workers: unknown ones (no history, no LRU, no facts), up to 40 for R's memo
+        ws = [View(WorkerId(f"w{i}"), rng.random(), rng.choice([1, 2, 16]), rng.randint(1, 40))
+              for i in rng.sample(range(40), rng.randint(1, 40))]
+        facts = {v.worker_id: Facts(rng.choice([1, 16]), rng.randint(1, 40)) for v in ws if rng.random() < 0.7}
+        seen["no_facts"] += len(ws) - len(facts)
+        cached = {v.worker_id: rng.randint(0, 12) for v in ws}
+        n = rng.choice([0, 1, 5, 16, 64, 200])
+        turn = rng.randint(-50, 10**6)
+        flags = dict(evict_on=rng.random() < 0.8, assume_full=rng.random() < 0.3, with_l=rng.random() < 0.8,
+                     with_q=rng.random() < 0.8)
+        ref_env, c_env = _envs(policy, facts, flags)
+        seen["memo_miss"] += sum(1 for v in ws if v.worker_id not in policy._load_memo)
+        got = _e2_select_c.raw_bounds(c_env, ws, cached, n, now)  # type: ignore[union-attr]
+        want = e2_select_py.raw_bounds(ref_env, ws, cached, n, now)
+        assert got == want
+        assert [tuple(map(type, t)) for t in got] == [tuple(map(type, t)) for t in want]
+        order = _e2_select_c.ordered_bounds(c_env, ws, cached, n, now, turn)  # type: ignore[union-attr]
+        assert order == e2_select_py.ordered_bounds(ref_env, ws, cached, n, now, turn)
+        assert sorted(t[1] for t in order) == list(range(len(ws)))  # the rotated index is a permutation
+        seen["evict"] += sum(1 for t in want if t[3] > 0)
+        seen["queued"] += sum(1 for t in want if t[2] > 0)
+        seen["many_r"] += len({(cached[v.worker_id], facts[v.worker_id].block_size if v.worker_id in facts
+                                else v.block_size, int(v.worker_id[1:]) % len(PROFILES)) for v in ws}) > 16
+    assert all(seen.values()), seen  # every path was exercised
+
+
+@pytest.mark.parametrize("mod", ["py", "c"])
+def test_bounds_price_each_term(mod: str) -> None:
+    """A worked case: L from the memo, R from the cost model, Q from the outstanding record, and the eviction
+    need against free blocks (capacity minus the larger of resident blocks and KV usage)."""
+    impl = e2_select_py if mod == "py" else _e2_select_c
+    if impl is None:
+        pytest.skip("Cython extension not built")
+
+    class Cost:
+        def prefill_s(self, missed: int, cached: int) -> float:
+            return missed * 0.001 + cached * 0.0001
+
+    class Out:
+        queued_s = 0.25
+
+    cost = Cost()
+    w0, w1 = WorkerId("a"), WorkerId("b")
+    env = impl.BoundsEnv(
+        cost_memo={w0: cost, w1: cost}, cost_model=lambda w: cost, facts={w0: Facts(16, 10)}, lru={w0: object()},
+        resident_count={w0: 8}, outstanding={w1: Out()}, load_memo={w0: (5.0, 4.0, 1.5)},
+        load_s=lambda w, now: 9.0, window_s=3.0, evict_on=True, assume_full=False, with_l=True, with_q=True,
+    )
+    ws = [View(w0, 0.5, 16, 10), View(w1, 0.0, 16, 10)]
+    # w0: 2 of 5 blocks cached -> 48 missed tokens = 3 blocks, 10 - max(8, 5) = 2 free -> evicts 1; L memo holds
+    # at now=6 (5 <= 6 and 6 - 3 <= 4). w1 holds all 5 blocks, but the last token is always computed: 1 missed.
+    got = impl.raw_bounds(env, ws, {w0: 2, w1: 5}, 80, 6.0)
+    assert got == [(1.5, 48 * 0.001 + 32 * 0.0001, 0.0, 1), (9.0, 1 * 0.001 + 79 * 0.0001, 0.25, 0)]
+    assert impl.raw_bounds(env, ws[:1], {w0: 2}, 80, 7.5)[0][0] == 9.0  # 7.5 - 3 > 4: the memo expired
+    order = impl.ordered_bounds(env, ws, {w0: 0, w1: 0}, 80, 6.0, 1)
+    assert [(t[1], t[2]) for t in order] == [(1, 0), (0, 1)]  # w0's bound is lower; w1 rotated to 0
+
+
+@pytest.mark.c_extension
+@pytest.mark.skipif(_e2_select_c is None, reason="Cython extension not built")
+@pytest.mark.parametrize("seed", range(4))
+def test_cython_exploit_set_equals_reference(seed: int) -> None:
+    rng = random.Random(seed)
+    shapes = set()
+    for _ in range(400):
+        ids = [WorkerId(f"w{i}") for i in range(rng.randint(1, 20))]
+        by_id = {w: View(w, 0.0, 16, 10) for w in ids}
+        cached = {w: rng.randint(0, 6) for w in ids}
+        key_end = rng.randint(0, 6)
+        others = ids + [WorkerId("gone"), WorkerId("left")]  # redirect targets and replicas outside the pool
+        redirect = rng.choice([None, {}, {w: (rng.choice(others), rng.choice([1.0, 2.0, 3.0]))
+                                          for w in rng.sample(ids, rng.randint(1, len(ids)))}])
+        replicas = rng.choice([None, {}, {w: rng.choice([1.0, 2.0, 3.0]) for w in rng.sample(others, 3)
+                                          if len(others) >= 3}])
+        want = e2_select_py.exploit_set(cached, key_end, by_id, redirect, replicas, 2.0)
+        got = _e2_select_c.exploit_set(cached, key_end, by_id, redirect, replicas, 2.0)  # type: ignore[union-attr]
+        assert [id(v) for v in got] == [id(v) for v in want]
+        shapes.add((bool(redirect), bool(replicas), len(want) > 0))
+    assert len(shapes) >= 6  # with and without redirects and replicas, empty and not
+
+
+@pytest.mark.parametrize("mod", ["py", "c"])
+def test_exploit_set_applies_redirects_and_replicas(mod: str) -> None:
+    impl = e2_select_py if mod == "py" else _e2_select_c
+    if impl is None:
+        pytest.skip("Cython extension not built")
+    a, b, c, d = (WorkerId(x) for x in "abcd")
+    views = {w: View(w, 0.0, 16, 10) for w in (a, b, c, d)}
+    cached = {a: 4, b: 1, c: 3, d: 0}  # key portion ends at block 3: a and c hold it
+    assert impl.exploit_set(cached, 3, views, None, None, 5.0) == [views[a], views[c]]
+    # a's traffic redirected to d (live), c's to b (expired); replicas: b live, a (already in), "x" not routable
+    got = impl.exploit_set(cached, 3, views, {a: (d, 6.0), c: (b, 4.0)}, {b: 5.0, a: 9.0, "x": 9.0}, 5.0)
+    assert got == [views[d], views[c], views[b], views[a]]
+    assert impl.exploit_set(cached, 5, views, {}, {b: 9.0}, 5.0) == []  # replicas only widen a holder set
+
