@@ -19,6 +19,7 @@ commands:
   bench radix        micro-benchmark of the global prefix radix tree (match, insert; Cython vs Python)
   bench decisions    routing decisions/s and select latency of each policy alone, vs Preble's 634/245/2931
   bench suite        the simulator campaign: Preble workloads x policies x 2 loads, ablation, no-sharing, scaling
+  bench e2-select    micro-benchmark of E2's per-select loops (exploit set, bounds; Cython vs Python, same calls)
   bench anticipator  micro-benchmark of the per-worker load anticipator (add, finish, peak query; Cython vs Python)
   bench predictor    output-length predictor latency: teacher/student, fp32/int8, batch 1 and batched, 1 thread
   bench routing      PreServe RQ3: ShareGPT Poisson load on 4 simulated workers, policies x predictors
@@ -41,6 +42,7 @@ COMMANDS: dict[tuple[str, ...], str] = {
     ("bench", "radix"): "switchyard.bench.micro.radix",
     ("bench", "decisions"): "switchyard.bench.micro.decisions",
     ("bench", "suite"): "switchyard.bench.suite",
+    ("bench", "e2-select"): "switchyard.bench.micro.e2_select",
     ("bench", "anticipator"): "switchyard.bench.micro.anticipator",
     ("bench", "predictor"): "switchyard.bench.predictor_latency",
     ("bench", "routing"): "switchyard.bench.routing",

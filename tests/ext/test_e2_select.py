@@ -3,6 +3,7 @@ E2's hooks, every configuration switch, both memo paths of L, and R's memo past 
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 
@@ -168,3 +169,20 @@ def test_exploit_set_applies_redirects_and_replicas(mod: str) -> None:
     assert got == [views[d], views[c], views[b], views[a]]
     assert impl.exploit_set(cached, 5, views, {}, {b: 9.0}, 5.0) == []  # replicas only widen a holder set
 
+
+@pytest.mark.c_extension
+@pytest.mark.skipif(_e2_select_c is None, reason="Cython extension not built")
+def test_bench_smoke(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`switchyard bench e2-select` times both builds on E2's own calls, and leaves E2 as it found it."""
+    from switchyard.bench.micro import e2_select as bench
+    from switchyard.router.policies import preble_e2
+
+    before = preble_e2.exploit_set, preble_e2.ordered_bounds
+    args = ["--runs", "toolbench-200:400,videoqa-1500:200", "--preload-nodes", "0", "--out", str(tmp_path),
+            "--no-plot"]
+    assert bench.main(args) == 0
+    assert (preble_e2.exploit_set, preble_e2.ordered_bounds) == before
+    rows = json.loads((tmp_path / "e2_select.json").read_text())["rows"]
+    assert {(r["workload"], r["op"]) for r in rows} == {
+        (w, op) for w in ("toolbench-200", "videoqa-1500") for op in ("exploit_set", "ordered_bounds")}
+    assert all(r["calls"] > 0 and 0 < r["c_p50_us"] <= r["c_p99_us"] for r in rows)

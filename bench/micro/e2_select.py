@@ -1,0 +1,189 @@
+"""Micro-benchmark of E2's per-select loops (`switchyard bench e2-select`): `exploit_set` and `ordered_bounds`
+(`ext/e2_select`), Cython build vs Python reference, on the calls E2 makes while `switchyard bench decisions`
+streams a workload through it (16 workers, a preloaded tree). Every call is made by both builds on the same
+arguments, in an order that alternates by call, and timed; the two answers must agree (the run stops otherwise).
+The ratio is the median over calls of Cython's time over the reference's.
+
+Quick: `switchyard bench e2-select --num-requests 2000 --preload-nodes 0`. Default: toolbench-200 with 50,000
+requests (the decision-cost goal's "past the warm-up" case) and videoqa-1500 with 3,000, on a 100k-node tree
+(a few minutes). Writes results/micro/e2_select.{json,md,png} and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from switchyard.bench.micro.decisions import WORKLOADS, prepare, run_one
+from switchyard.ext import e2_select_py
+from switchyard.router.policies import preble_e2
+
+try:
+    from switchyard.ext import _e2_select_c
+except ImportError:  # pragma: no cover - main reports it
+    _e2_select_c = None
+
+DEFAULT_RUNS = "toolbench-200:50000,videoqa-1500:3000"
+OPS = ("exploit_set", "ordered_bounds")
+
+
+@contextmanager
+def paired_calls(times: dict[str, dict[str, list[int]]], sizes: list[int]) -> Iterator[None]:
+    """While active, E2's calls of the two loops run both builds (alternating which goes first), time each into
+    `times[op][build]`, check they agree, and return the Cython build's answer. `sizes`: candidates per bounds
+    call."""
+    assert _e2_select_c is not None
+    c = _e2_select_c
+    ref_envs: dict[int, tuple[Any, Any]] = {}
+    turn = [0]
+    clock = time.perf_counter_ns
+
+    def twice(op: str, py_call: Callable[[], Any], c_call: Callable[[], Any]) -> tuple[Any, Any]:
+        turn[0] += 1
+        order = [("py", py_call), ("c", c_call)] if turn[0] % 2 else [("c", c_call), ("py", py_call)]
+        got = {}
+        for build, call in order:
+            t0 = clock()
+            got[build] = call()
+            times[op][build].append(clock() - t0)
+        return got["py"], got["c"]
+
+    def exploit_set(cached: Any, key_end: int, by_id: Any, redirect: Any, replicas: Any, now: float) -> Any:
+        py, cy = twice("exploit_set", lambda: e2_select_py.exploit_set(cached, key_end, by_id, redirect, replicas, now),
+                       lambda: c.exploit_set(cached, key_end, by_id, redirect, replicas, now))
+        if [id(v) for v in py] != [id(v) for v in cy]:
+            raise AssertionError(f"exploit_set: the builds disagree: {py} != {cy}")
+        return cy
+
+    def ordered_bounds(env: Any, ws: Any, cached: Any, n: int, now: float, turn_: int) -> Any:
+        got = ref_envs.get(id(env))
+        if got is None or got[0] is not env:  # the policy's env, mirrored once for the reference
+            kw = {k: getattr(env, k) for k in e2_select_py.BoundsEnv.__slots__}
+            got = ref_envs[id(env)] = (env, e2_select_py.BoundsEnv(**kw))
+        ref = got[1]
+        sizes.append(len(ws))
+        py, cy = twice("ordered_bounds", lambda: e2_select_py.ordered_bounds(ref, ws, cached, n, now, turn_),
+                       lambda: c.ordered_bounds(env, ws, cached, n, now, turn_))
+        if py != cy:
+            raise AssertionError(f"ordered_bounds: the builds disagree: {py} != {cy}")
+        return cy
+
+    saved = preble_e2.exploit_set, preble_e2.ordered_bounds
+    preble_e2.exploit_set, preble_e2.ordered_bounds = exploit_set, ordered_bounds  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        preble_e2.exploit_set, preble_e2.ordered_bounds = saved
+
+
+def measure(workload: str, num_requests: int, workers: int, preload_nodes: int, seed: int) -> list[dict[str, Any]]:
+    """One row per loop: calls, p50/p99 µs of each build, the median per-call ratio."""
+    wl = WORKLOADS[workload]
+    prep = prepare(wl, num_requests, seed)
+    times: dict[str, dict[str, list[int]]] = {op: {"py": [], "c": []} for op in OPS}
+    sizes: list[int] = []
+    with paired_calls(times, sizes):
+        run_one(prep, wl, "e2", workers, preload_nodes)
+    rows = []
+    for op in OPS:
+        py, cy = np.array(times[op]["py"], dtype=float), np.array(times[op]["c"], dtype=float)
+        if not len(py):
+            continue
+        rows.append({
+            "workload": workload, "requests": num_requests, "workers": workers, "preload_nodes": preload_nodes,
+            "op": op, "calls": len(py),
+            "candidates_p50": float(np.median(sizes)) if op == "ordered_bounds" and sizes else None,
+            "py_p50_us": round(float(np.median(py)) / 1e3, 2), "py_p99_us": round(float(np.percentile(py, 99)) / 1e3, 2),
+            "c_p50_us": round(float(np.median(cy)) / 1e3, 2), "c_p99_us": round(float(np.percentile(cy, 99)) / 1e3, 2),
+            "median_ratio": round(float(np.median(cy / np.maximum(py, 1.0))), 3),
+        })
+    return rows
+
+
+def to_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| workload, requests | loop | calls | candidates p50 | reference p50 / p99 µs | Cython p50 / p99 µs |"
+        " median ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cand = f"{r['candidates_p50']:g}" if r["candidates_p50"] is not None else "-"
+        lines.append(
+            f"| {r['workload']}, {r['requests']:,} | {r['op']} | {r['calls']:,} | {cand} | {r['py_p50_us']} / "
+            f"{r['py_p99_us']} | {r['c_p50_us']} / {r['c_p99_us']} | x{r['median_ratio']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Bars: p50 and p99 µs per (workload, loop), reference and Cython side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['workload']}\n{r['op']}" for r in rows]
+    series = [("py", "p50"), ("py", "p99"), ("c", "p50"), ("c", "p99")]
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for k, (build, stat) in enumerate(series):
+        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(rows))]
+        ax.bar(xs, [r[f"{build}_{stat}_us"] for r in rows], width,
+               label=f"{'Cython' if build == 'c' else 'reference'} {stat}")
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("µs per call")
+    ax.set_title("E2's per-select loops, both builds on the same calls, one core")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="switchyard bench e2-select", description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", default=DEFAULT_RUNS,
+                    help=f"comma-separated WORKLOAD:REQUESTS (known: {','.join(WORKLOADS)}); default {DEFAULT_RUNS}")
+    ap.add_argument("--num-requests", type=int, default=None, help="override every run's request count")
+    ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--preload-nodes", type=int, default=100_000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("results/micro"), help="output folder")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    if _e2_select_c is None:
+        print("switchyard.ext._e2_select_c is not built (pip install -e .): nothing to compare", file=sys.stderr)
+        return 2
+    runs = []
+    for item in args.runs.split(","):
+        name, _, count = item.partition(":")
+        if name not in WORKLOADS:
+            ap.error(f"unknown workload {name!r}")
+        runs.append((name, args.num_requests or int(count or 2000)))
+    rows = [row for name, count in runs for row in measure(name, count, args.workers, args.preload_nodes, args.seed)]
+    md = to_markdown(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"python": platform.python_version(), "machine": platform.machine(), "seed": args.seed}
+    written = [args.out / "e2_select.json", args.out / "e2_select.md"]
+    written[0].write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    written[1].write_text(md)
+    if not args.no_plot and rows:
+        written.append(plot(rows, args.out / "e2_select.png"))
+    print(md, end="")
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
