@@ -762,9 +762,12 @@ class PrebleE2(Policy):
         lru = self.lru
         for node in nodes:
             res = node.resident
-            for w in res:
+            if not res:
+                continue
+            k, parent, attached = id(node), node.parent, node.is_attached
+            for w, run in res.items():
                 idx = lru.get(w)
-                if idx is not None:
+                if idx is not None and not (run > 0 and attached and idx.touch_unmoved(node, k, parent)):
                     idx.touch(w, node, res)
 
     def on_worker_change(self, worker_id: WorkerId, now: float) -> None:

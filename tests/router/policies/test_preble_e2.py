@@ -11,6 +11,7 @@ Reference costs of that profile (PerfProfile.iteration_time_s, seconds):
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import zlib
 
 import pytest
@@ -308,6 +309,21 @@ def test_incremental_load_equals_recomputation(ops: list[tuple], window_s: float
         assert hist.load_s(now, COST) == pytest.approx(expected, rel=1e-9, abs=1e-9)
         assert hist.live_sums(now)[0] == n
 
+
+
+@settings(max_examples=100, deadline=None)
+@given(tokens=st.lists(st.integers(0, 300), max_size=200), reads=st.lists(st.booleans(), min_size=200, max_size=200))
+def test_node_median_decode_is_the_windowed_median(tokens: list[int], reads: list[bool]) -> None:
+    """The key node's median output length, kept from sorted values, is `statistics.median` of its last 64,
+    however reads and adds interleave (duplicates and the deque's evictions included)."""
+    stats = preble_load.NodeStats()
+    assert stats.median_decode() is None
+    for i, t in enumerate(tokens):
+        stats.add_decode(t)
+        if reads[i]:
+            assert stats.median_decode() == statistics.median(tokens[max(0, i - 63): i + 1])
+    if tokens:
+        assert stats.median_decode() == statistics.median(tokens[-64:])
 
 # ---------------------------------------------------------------------------------------------- rebalancing
 @pytest.mark.usefixtures("impl")
