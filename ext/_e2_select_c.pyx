@@ -4,12 +4,14 @@ order.
 
 Why a rewrite: the reference is a loop of dict reads, attribute reads and small tuples per worker, all bytecode.
 Here the dict reads are C calls on the policy's dicts, the R memo is a C array scanned linearly (candidates hold
-one or two distinct prefix lengths), L's memo is tested in C, and the rotated order is built and sorted without
-an intermediate list. The Python-level calls left are the cost model's `prefill_s` per distinct prefix, the view's
-`kv_usage_frac` property and `load_s` on a memo miss.
+one or two distinct prefix lengths), L's memo is tested in C, and the bounds are C structs, ordered and walked by
+the branch and bound without a tuple per candidate. The Python-level calls left are the cost model's `prefill_s`
+per distinct prefix, the view's `kv_usage_frac` property, `load_s` on a memo miss, and M per priced worker that
+would evict.
 """
 
 from cpython.dict cimport PyDict_GetItem, PyDict_Next
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_CheckExact, PyTuple_GET_ITEM, PyTuple_GET_SIZE
 
@@ -87,8 +89,14 @@ cdef inline Py_ssize_t _pymod(Py_ssize_t a, Py_ssize_t m):
     return r + m if r < 0 else r
 
 
-cdef int _fill(BoundsEnv env, object ws, dict cached, Py_ssize_t n, double now, list out, bint ordered,
+cdef struct Bound:
+    double load, r, q, lb  # L, R, Q and the bound L + R + Q
+    Py_ssize_t evict, rot  # blocks R_k would evict; the rotated index
+
+
+cdef int _fill(BoundsEnv env, object ws, dict cached, Py_ssize_t n, double now, Bound* out,
                Py_ssize_t turn) except -1:
+    """Each worker's `Bound` into out[0..len(ws))."""
     cdef Py_ssize_t m = len(ws), i = 0, cb, bs, cap, tok, missed, used, by_stats, need, evict, k, nmemo = 0
     cdef double r, load, q, cutoff = now - env.window_s
     cdef PyObject* p
@@ -103,6 +111,8 @@ cdef int _fill(BoundsEnv env, object ws, dict cached, Py_ssize_t n, double now, 
     cdef double mk_r[_MEMO]
     cdef list held = []
     for w in ws:
+        if i >= m:  # the sequence grew under us (it cannot through the policy): never write past the array
+            break
         wid = w.worker_id
         p = PyDict_GetItem(env.cost_memo, wid)
         cost = <object>p if p is not NULL else None
@@ -155,24 +165,71 @@ cdef int _fill(BoundsEnv env, object ws, dict cached, Py_ssize_t n, double now, 
                 o = (<object>p).queued_s
                 if o > 0:
                     q = PyFloat_AsDouble(o)
-        if ordered:
-            out.append((load + r + q, _pymod(i - turn, m), i, load, r, q, evict))
-        else:
-            out.append((load, r, q, evict))
+        out[i].load, out[i].r, out[i].q, out[i].evict = load, r, q, evict
+        out[i].lb = load + r + q
+        out[i].rot = _pymod(i - turn, m)
         i += 1
+    if i != m:
+        raise ValueError("e2_select: the candidate sequence changed length while it was priced")
     return 0
+
+
+cdef inline bint _before(Bound* a, Bound* b):
+    """(a.lb, a.rot) < (b.lb, b.rot), as Python compares the tuples."""
+    return a.lb < b.lb or (a.lb == b.lb and a.rot < b.rot)
 
 
 def raw_bounds(BoundsEnv env, ws, dict cached, Py_ssize_t n, double now):
     """As `e2_select_py.raw_bounds`."""
+    cdef Py_ssize_t m = len(ws), i
     cdef list out = []
-    _fill(env, ws, cached, n, now, out, False, 0)
+    cdef Bound* b = <Bound*>PyMem_Malloc((m if m else 1) * sizeof(Bound))
+    if b == NULL:
+        raise MemoryError()
+    try:
+        _fill(env, ws, cached, n, now, b, 0)
+        for i in range(m):
+            out.append((b[i].load, b[i].r, b[i].q, b[i].evict))
+    finally:
+        PyMem_Free(b)
     return out
 
 
-def ordered_bounds(BoundsEnv env, ws, dict cached, Py_ssize_t n, double now, Py_ssize_t turn):
-    """As `e2_select_py.ordered_bounds`."""
-    cdef list out = []
-    _fill(env, ws, cached, n, now, out, True, turn)
-    out.sort()
-    return out
+def cheapest(BoundsEnv env, ws, dict cached, Py_ssize_t n, double now, Py_ssize_t turn, price_m):
+    """As `e2_select_py.cheapest`: the bounds in C structs, ordered by an insertion sort of their indices (a
+    candidate set is at most the fleet), the branch and bound over them in C; Python only for M."""
+    cdef Py_ssize_t m = len(ws), i, j, t, best = -1
+    cdef double mm, total, best_total = 0.0
+    cdef Py_ssize_t best_rot = 0
+    cdef list priced = []
+    cdef Bound* b
+    cdef Py_ssize_t* order
+    if m == 0:
+        raise ValueError("cheapest: no worker to price")
+    b = <Bound*>PyMem_Malloc(m * sizeof(Bound) + m * sizeof(Py_ssize_t))
+    if b == NULL:
+        raise MemoryError()
+    order = <Py_ssize_t*>(<char*>b + m * sizeof(Bound))
+    try:
+        _fill(env, ws, cached, n, now, b, turn)
+        for i in range(m):
+            t = i
+            j = i
+            while j > 0 and _before(&b[t], &b[order[j - 1]]):
+                order[j] = order[j - 1]
+                j -= 1
+            order[j] = t
+        for j in range(m):
+            i = order[j]
+            if best >= 0 and (b[i].lb > best_total or (b[i].lb == best_total and b[i].rot > best_rot)):
+                break  # this bound and every later one exceed the best total
+            mm = 0.0
+            if b[i].evict > 0:
+                mm = PyFloat_AsDouble(price_m(i, b[i].evict))
+            priced.append((i, b[i].load, mm, b[i].r, b[i].q))
+            total = b[i].load + mm + b[i].r + b[i].q
+            if best < 0 or total < best_total or (total == best_total and b[i].rot < best_rot):
+                best, best_total, best_rot = i, total, b[i].rot
+    finally:
+        PyMem_Free(b)
+    return best, priced

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from switchyard.ext.e2_select_py import BoundsEnv, exploit_set, ordered_bounds, raw_bounds
+from switchyard.ext.e2_select_py import BoundsEnv, cheapest, exploit_set, raw_bounds
 
 IMPLEMENTATION = "py"
 
@@ -16,8 +16,8 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
     try:
         from switchyard.ext._e2_select_c import (  # type: ignore[no-redef]  # noqa: F811
             BoundsEnv,
+            cheapest,
             exploit_set,
-            ordered_bounds,
             raw_bounds,
         )
 
@@ -25,4 +25,4 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
     except ImportError:  # pragma: no cover - exercised by test_c_extension_loaded
         pass
 
-__all__ = ["IMPLEMENTATION", "BoundsEnv", "exploit_set", "ordered_bounds", "raw_bounds"]
+__all__ = ["IMPLEMENTATION", "BoundsEnv", "cheapest", "exploit_set", "raw_bounds"]

@@ -4,11 +4,11 @@ lower bounds (LOADCOST without M).
 Reference build (obviously correct); `_e2_select_c.pyx` is the Cython build, `e2_select.py` the selector.
 
 - `exploit_set`: the workers holding a prompt's key portion, with a rebalancing redirect and replicas applied.
-- `raw_bounds` / `ordered_bounds`: every explore and every exploit with several holders prices each candidate:
-  L (its history load), R (the request's own uncached prefill on it), Q (prefill queued ahead of it) and how many
-  blocks the request would evict there (M is priced afterwards only for the workers whose bound can still win).
-  The policy's state is read through a `BoundsEnv` that holds its dicts by reference, never written here except
-  through `load_s` on a memo miss.
+- `raw_bounds`: each candidate's L (its history load), R (the request's own uncached prefill on it), Q (prefill
+  queued ahead of it) and how many blocks the request would evict there. The policy's state is read through a
+  `BoundsEnv` that holds its dicts by reference, never written here except through `load_s` on a memo miss.
+- `cheapest`: the branch and bound of every explore and every exploit with several holders over those bounds,
+  asking the caller for M only where it can still change the answer.
 
 Duck-typed (nothing here imports from `router/`): a worker view has `worker_id`, `kv_usage_frac`, `block_size`
 and `kv_capacity_blocks`; a cost model `prefill_s(missed, cached)`; facts `block_size` and `kv_capacity_blocks`;
@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 Bound = tuple[float, float, float, int]  # (L, R, Q, blocks R_k would evict)
-Ordered = tuple[float, int, int, float, float, float, int]  # (L + R + Q, rotated index, index, L, R, Q, evict)
+Priced = tuple[int, float, float, float, float]  # (index, L, M, R, Q)
 
 
 def exploit_set(
@@ -109,13 +109,32 @@ def raw_bounds(env: BoundsEnv, ws: Sequence[Any], cached: dict[Any, int], n: int
     return out
 
 
-def ordered_bounds(
-    env: BoundsEnv, ws: Sequence[Any], cached: dict[Any, int], n: int, now: float, turn: int
-) -> list[Ordered]:
-    """`raw_bounds` as (L + R + Q, (index − turn) mod len(ws), index, L, R, Q, evict), sorted: the order in which
-    a branch and bound prices M. The rotated index is unique, so the sort never compares past it."""
+def cheapest(
+    env: BoundsEnv, ws: Sequence[Any], cached: dict[Any, int], n: int, now: float, turn: int,
+    price_m: Callable[[int, int], float],
+) -> tuple[int, list[Priced]]:
+    """E2's branch and bound: (the index in `ws` of the worker with the lowest (LOADCOST, rotated index), every
+    worker priced on the way as (index, L, M, R, Q), in pricing order).
+
+    The workers are taken in order of (bound L + R + Q, (index − turn) mod len(ws)); the rotated index is unique,
+    so no two keys tie. M = `price_m(index, blocks to evict)` (an LRU simulation, the expensive part) is asked
+    only of a worker that would evict and whose bound can still win; LOADCOST = L + M + R + Q, summed in that order
+    (`Cost.total_s`'s), so with M = 0 it is the bound itself. Float addition is monotone: once a bound exceeds the
+    best LOADCOST so far, so does every later worker's LOADCOST, and the walk stops.
+    """
+    if not ws:
+        raise ValueError("cheapest: no worker to price")
     m = len(ws)
-    out = [(load + r + q, (i - turn) % m, i, load, r, q, evict)
-           for i, (load, r, q, evict) in enumerate(raw_bounds(env, ws, cached, n, now))]
-    out.sort()
-    return out
+    order = sorted((load + r + q, (i - turn) % m, i, load, r, q, evict)
+                   for i, (load, r, q, evict) in enumerate(raw_bounds(env, ws, cached, n, now)))
+    best, best_key = -1, (0.0, 0)
+    priced: list[Priced] = []
+    for lb, rot, i, load, r, q, evict in order:
+        if best >= 0 and (lb, rot) > best_key:
+            break  # this bound and every later one exceed the best total
+        mm = price_m(i, evict) if evict > 0 else 0.0
+        priced.append((i, load, mm, r, q))
+        key = (load + mm + r + q, rot)
+        if best < 0 or key < best_key:
+            best, best_key = i, key
+    return best, priced

@@ -1,7 +1,8 @@
-"""Micro-benchmark of E2's per-select loops (`switchyard bench e2-select`): `exploit_set` and `ordered_bounds`
-(`ext/e2_select`), Cython build vs Python reference, on the calls E2 makes while `switchyard bench decisions`
-streams a workload through it (16 workers, a preloaded tree). Every call is made by both builds on the same
-arguments, in an order that alternates by call, and timed; the two answers must agree (the run stops otherwise).
+"""Micro-benchmark of E2's per-select loops (`switchyard bench e2-select`): `exploit_set` and `cheapest` (the
+bounds and the branch and bound; `ext/e2_select`), Cython build vs Python reference, on the calls E2 makes while
+`switchyard bench decisions` streams a workload through it (16 workers, a preloaded tree). Every call is made by
+both builds on the same arguments, in an order that alternates by call, and timed; the two answers must agree
+(the run stops otherwise).
 The ratio is the median over calls of Cython's time over the reference's.
 
 Quick: `switchyard bench e2-select --num-requests 2000 --preload-nodes 0`. Default: toolbench-200 with 50,000
@@ -33,14 +34,14 @@ except ImportError:  # pragma: no cover - main reports it
     _e2_select_c = None
 
 DEFAULT_RUNS = "toolbench-200:50000,videoqa-1500:3000"
-OPS = ("exploit_set", "ordered_bounds")
+OPS = ("exploit_set", "cheapest")
 
 
 @contextmanager
 def paired_calls(times: dict[str, dict[str, list[int]]], sizes: list[int]) -> Iterator[None]:
     """While active, E2's calls of the two loops run both builds (alternating which goes first), time each into
-    `times[op][build]`, check they agree, and return the Cython build's answer. `sizes`: candidates per bounds
-    call."""
+    `times[op][build]`, check they agree, and return the Cython build's answer. `sizes`: candidates per
+    `cheapest` call."""
     assert _e2_select_c is not None
     c = _e2_select_c
     ref_envs: dict[int, tuple[Any, Any]] = {}
@@ -64,25 +65,38 @@ def paired_calls(times: dict[str, dict[str, list[int]]], sizes: list[int]) -> It
             raise AssertionError(f"exploit_set: the builds disagree: {py} != {cy}")
         return cy
 
-    def ordered_bounds(env: Any, ws: Any, cached: Any, n: int, now: float, turn_: int) -> Any:
+    def cheapest(env: Any, ws: Any, cached: Any, n: int, now: float, turn_: int, price_m: Any) -> Any:
         got = ref_envs.get(id(env))
         if got is None or got[0] is not env:  # the policy's env, mirrored once for the reference
             kw = {k: getattr(env, k) for k in e2_select_py.BoundsEnv.__slots__}
             got = ref_envs[id(env)] = (env, e2_select_py.BoundsEnv(**kw))
         ref = got[1]
         sizes.append(len(ws))
-        py, cy = twice("ordered_bounds", lambda: e2_select_py.ordered_bounds(ref, ws, cached, n, now, turn_),
-                       lambda: c.ordered_bounds(env, ws, cached, n, now, turn_))
-        if py != cy:
-            raise AssertionError(f"ordered_bounds: the builds disagree: {py} != {cy}")
+        # an untimed reference pass asks the policy for M (the LRU simulation, with its memo: asked once, as
+        # the policy would); the timed passes of both builds get those answers replayed, so each is timed on
+        # the same questions without the simulation, and L's memo misses are already filled
+        ms: dict[tuple[int, int], float] = {}
+
+        def record(i: int, evict: int) -> float:
+            v = ms[(i, evict)] = price_m(i, evict)
+            return v
+
+        want = e2_select_py.cheapest(ref, ws, cached, n, now, turn_, record)
+        def replay(i: int, evict: int) -> float:
+            return ms[(i, evict)]
+
+        py, cy = twice("cheapest", lambda: e2_select_py.cheapest(ref, ws, cached, n, now, turn_, replay),
+                       lambda: c.cheapest(env, ws, cached, n, now, turn_, replay))
+        if not py == cy == want:
+            raise AssertionError(f"cheapest: the builds disagree: {py} != {cy}")
         return cy
 
-    saved = preble_e2.exploit_set, preble_e2.ordered_bounds
-    preble_e2.exploit_set, preble_e2.ordered_bounds = exploit_set, ordered_bounds  # type: ignore[assignment]
+    saved = preble_e2.exploit_set, preble_e2.cheapest
+    preble_e2.exploit_set, preble_e2.cheapest = exploit_set, cheapest  # type: ignore[assignment]
     try:
         yield
     finally:
-        preble_e2.exploit_set, preble_e2.ordered_bounds = saved
+        preble_e2.exploit_set, preble_e2.cheapest = saved
 
 
 def measure(workload: str, num_requests: int, workers: int, preload_nodes: int, seed: int) -> list[dict[str, Any]]:
@@ -101,9 +115,11 @@ def measure(workload: str, num_requests: int, workers: int, preload_nodes: int, 
         rows.append({
             "workload": workload, "requests": num_requests, "workers": workers, "preload_nodes": preload_nodes,
             "op": op, "calls": len(py),
-            "candidates_p50": float(np.median(sizes)) if op == "ordered_bounds" and sizes else None,
-            "py_p50_us": round(float(np.median(py)) / 1e3, 2), "py_p99_us": round(float(np.percentile(py, 99)) / 1e3, 2),
-            "c_p50_us": round(float(np.median(cy)) / 1e3, 2), "c_p99_us": round(float(np.percentile(cy, 99)) / 1e3, 2),
+            "candidates_p50": float(np.median(sizes)) if op == "cheapest" and sizes else None,
+            "py_p50_us": round(float(np.median(py)) / 1e3, 2),
+            "py_p99_us": round(float(np.percentile(py, 99)) / 1e3, 2),
+            "c_p50_us": round(float(np.median(cy)) / 1e3, 2),
+            "c_p99_us": round(float(np.percentile(cy, 99)) / 1e3, 2),
             "median_ratio": round(float(np.median(cy / np.maximum(py, 1.0))), 3),
         })
     return rows

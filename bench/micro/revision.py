@@ -67,5 +67,11 @@ def package_at(rev: str) -> str:
 
 def policy_at(name: str, rev: str) -> Any:
     """Registry policy `name` built by `router/policies/` as it was at git revision `rev`."""
-    registry = importlib.import_module(f"{package_at(rev)}.registry")
+    try:
+        registry = importlib.import_module(f"{package_at(rev)}.registry")
+    except ImportError as e:  # e.g. a name that revision imports from `ext/`, which today's no longer has
+        raise ValueError(
+            f"router/policies at {rev!r} does not import beside today's tree (only router/policies is copied; "
+            f"ext/ and the rest are today's): {e}"
+        ) from e
     return registry.make_policy(name)

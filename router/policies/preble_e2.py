@@ -82,7 +82,7 @@ from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from switchyard.ext.e2_select import BoundsEnv, exploit_set, ordered_bounds, raw_bounds
+from switchyard.ext.e2_select import BoundsEnv, cheapest, exploit_set, raw_bounds
 from switchyard.ext.radix import RadixTree
 from switchyard.router.policies.base import (
     Decision,
@@ -354,13 +354,16 @@ class PrebleE2(Policy):
         return raw_bounds(self._bounds_env, ws, cached, len(ctx.prompt_token_ids), now)
 
     def _with_evict(self, c: Cost, w: WorkerView, evict: int, now: float, protected: set[int]) -> Cost:
-        """`c` with M, the recompute cost of what evicting `evict` blocks on w would take from others."""
+        """`c` with M (`_evict_s`)."""
+        return Cost(c.load_s, self._evict_s(w, evict, now, protected), c.prefill_s, c.queue_s)
+
+    def _evict_s(self, w: WorkerView, evict: int, now: float, protected: set[int]) -> float:
+        """M: the recompute cost of what evicting `evict` blocks on w would take from others."""
         wid = w.worker_id
-        m = self.lru[wid].eviction_cost(
+        return self.lru[wid].eviction_cost(
             wid, evict, protected, now, self.cfg.node_window_s, w.block_size, self.cost_model(wid),
             self.cfg.eviction_cost,
         )
-        return Cost(c.load_s, m, c.prefill_s, c.queue_s)
 
     def queue_s(self, w: WorkerId) -> float:
         """Q_i: Σ PT_r over requests dispatched to i that have no first token yet (their prefill is ahead)."""
@@ -401,34 +404,23 @@ class PrebleE2(Policy):
     def _cheapest(
         self, ws: list[WorkerView], ctx: RoutingContext, cached: dict[WorkerId, int], path: list[Any], now: float
     ) -> tuple[WorkerView, dict[WorkerId, Cost]]:
-        """The first worker of `ws` with the lowest (LOADCOST, rotated index), and the LOADCOSTs it priced.
+        """The worker of `ws` with the lowest (LOADCOST, rotated index), and the LOADCOSTs it priced.
 
-        Branch and bound, exact: M (an LRU eviction simulation, hundreds of steps when a long prompt must evict
-        many small cold prefixes) is priced only for workers whose bound L + R + Q can still win, in bound
-        order; float addition is monotone, so a bound above the best total cannot become the argmin.
+        Branch and bound, exact (`ext/e2_select.cheapest`): M (an LRU eviction simulation, hundreds of steps when a
+        long prompt must evict many small cold prefixes) is priced only for workers whose bound L + R + Q can
+        still win, in bound order; float addition is monotone, so a bound above the best total cannot become the
+        argmin.
         """
-        # (L + R + Q: Cost.total_s with M = 0, the same float; rotated index, unique, so the sort never reads on)
-        bounds = ordered_bounds(self._bounds_env, ws, cached, len(ctx.prompt_token_ids), now, self._turn)
         protected: set[int] | None = None
-        best: WorkerView | None = None
-        best_key: tuple[float, int] = (0.0, 0)
-        costs: dict[WorkerId, Cost] = {}
-        for lb, rot, i, load, r, q, evict in bounds:
-            if best is not None and (lb, rot) > best_key:
-                break  # this bound and every later one exceed the best total
-            w = ws[i]
-            c = Cost(load, 0.0, r, q)
-            if evict > 0:
-                if protected is None:
-                    protected = {id(x) for x in path}
-                c = self._with_evict(c, w, evict, now, protected)
-            costs[w.worker_id] = c
-            key = (c.total_s, rot)
-            if best is None or key < best_key:
-                best, best_key = w, key
-        if best is None:
-            raise ValueError("_cheapest: no worker to price")
-        return best, costs
+
+        def price_m(i: int, evict: int) -> float:
+            nonlocal protected
+            if protected is None:
+                protected = {id(x) for x in path}
+            return self._evict_s(ws[i], evict, now, protected)
+
+        best, priced = cheapest(self._bounds_env, ws, cached, len(ctx.prompt_token_ids), now, self._turn, price_m)
+        return ws[best], {ws[i].worker_id: Cost(load, m, r, q) for i, load, m, r, q in priced}
 
     def prefix(
         self, ctx: RoutingContext, pool: Sequence[WorkerView]

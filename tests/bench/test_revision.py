@@ -42,3 +42,9 @@ def test_decisions_runs_a_revision_beside_today_s_policy(tmp_path: Path) -> None
 def test_an_unknown_revision_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="no-such-revision"):
         policy_at("e2", "no-such-revision")
+
+
+def test_a_revision_that_needs_an_older_ext_is_a_clear_error() -> None:
+    # 6c2da1b's E2 imports `ordered_bounds` from ext/e2_select, which the next commit folded into `cheapest`
+    with pytest.raises(ValueError, match="only router/policies is copied.*ordered_bounds"):
+        policy_at("e2", "6c2da1b")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -50,6 +51,21 @@ class Facts:
     kv_capacity_blocks: int
 
 
+def _m_of(i: int, evict: int) -> float:
+    """A stand-in M, a fixed function of (worker index, blocks to evict)."""
+    return ((i * 7919 + evict) % 13) * 0.01
+
+
+def _pricer(asked: list[tuple[int, int]]) -> Callable[[int, int], float]:
+    """`_m_of`, recording each question in `asked`."""
+
+    def price(i: int, evict: int) -> float:
+        asked.append((i, evict))
+        return _m_of(i, evict)
+
+    return price
+
+
 def _envs(policy: PrebleE2, facts: dict, flags: dict) -> tuple[object, object]:  # type: ignore[type-arg]
     """(reference env, Cython env) over the same policy dicts; cost models vary per worker (R's memo keys)."""
     models = [profile_cost(name) for name in PROFILES]
@@ -69,14 +85,15 @@ def test_cython_bounds_equal_reference(seed: int) -> None:
     policy = PrebleE2(E2Config(history_window_s=2.0))  # a short H: L's memo expires between steps
     prompts = random_prompts(rng, 40, labels=50)
     clock = [0.0]
-    seen = {"evict": 0, "queued": 0, "memo_miss": 0, "many_r": 0, "no_facts": 0}
+    seen = {"evict": 0, "queued": 0, "memo_miss": 0, "many_r": 0, "no_facts": 0, "pruned": 0, "m_asked": 0}
     for step in drive(policy, rng, prompts, WORKERS, 300, clock=clock):
         if step % 3:
             continue
         now = clock[0] + rng.choice([0.0, 0.5, 3.0])
-        # beyond the driven workers: unknown ones (no history, no LRU, no facts), up to 40 for R's memo
-        ws = [View(WorkerId(f"w{i}"), rng.random(), rng.choice([1, 2, 16]), rng.randint(1, 40))
-              for i in rng.sample(range(40), rng.randint(1, 40))]
+        # every other step beyond the driven workers: unknown ones (no history, no LRU, no facts), up to 40 for R's
+        # memo; else only driven ones (with LRU indexes, so M is asked)
+        ids = rng.sample(range(40), rng.randint(1, 40)) if step % 2 else rng.sample(range(4), rng.randint(1, 4))
+        ws = [View(WorkerId(f"w{i}"), rng.random(), rng.choice([1, 2, 16]), rng.randint(1, 40)) for i in ids]
         facts = {v.worker_id: Facts(rng.choice([1, 16]), rng.randint(1, 40)) for v in ws if rng.random() < 0.7}
         seen["no_facts"] += len(ws) - len(facts)
         cached = {v.worker_id: rng.randint(0, 12) for v in ws}
@@ -90,9 +107,18 @@ def test_cython_bounds_equal_reference(seed: int) -> None:
         want = e2_select_py.raw_bounds(ref_env, ws, cached, n, now)
         assert got == want
         assert [tuple(map(type, t)) for t in got] == [tuple(map(type, t)) for t in want]
-        order = _e2_select_c.ordered_bounds(c_env, ws, cached, n, now, turn)  # type: ignore[union-attr]
-        assert order == e2_select_py.ordered_bounds(ref_env, ws, cached, n, now, turn)
-        assert sorted(t[1] for t in order) == list(range(len(ws)))  # the rotated index is a permutation
+        # the branch and bound: the same answer, the same M asked in the same order, and the exact argmin of
+        # (L + M + R + Q, rotated index) over every worker with M priced for all
+        asked_c: list[tuple[int, int]] = []
+        asked_py: list[tuple[int, int]] = []
+        got_best = _e2_select_c.cheapest(c_env, ws, cached, n, now, turn, _pricer(asked_c))  # type: ignore[union-attr]
+        assert got_best == e2_select_py.cheapest(ref_env, ws, cached, n, now, turn, _pricer(asked_py))
+        assert asked_c == asked_py
+        full = [(load + (_m_of(j, ev) if ev > 0 else 0.0) + r + q, (j - turn) % len(ws), j)
+                for j, (load, r, q, ev) in enumerate(want)]
+        assert got_best[0] == min(full)[2]
+        seen["pruned"] += len(got_best[1]) < len(ws)
+        seen["m_asked"] += len(asked_c) > 0
         seen["evict"] += sum(1 for t in want if t[3] > 0)
         seen["queued"] += sum(1 for t in want if t[2] > 0)
         seen["many_r"] += len({(cached[v.worker_id], facts[v.worker_id].block_size if v.worker_id in facts
@@ -128,8 +154,17 @@ def test_bounds_price_each_term(mod: str) -> None:
     got = impl.raw_bounds(env, ws, {w0: 2, w1: 5}, 80, 6.0)
     assert got == [(1.5, 48 * 0.001 + 32 * 0.0001, 0.0, 1), (9.0, 1 * 0.001 + 79 * 0.0001, 0.25, 0)]
     assert impl.raw_bounds(env, ws[:1], {w0: 2}, 80, 7.5)[0][0] == 9.0  # 7.5 - 3 > 4: the memo expired
-    order = impl.ordered_bounds(env, ws, {w0: 0, w1: 0}, 80, 6.0, 1)
-    assert [(t[1], t[2]) for t in order] == [(1, 0), (0, 1)]  # w0's bound is lower; w1 rotated to 0
+    # the branch and bound, nothing cached: w0's bound 1.5 + R + 0 is below w1's 9.0 + R + 0.25, and w0 would
+    # evict 3 blocks (5 needed, 2 free), so M is asked of w0 first; with M = 0.5 w0 wins and w1, whose bound is
+    # above w0's total, is never priced; with M = 10 w1 is priced too and wins
+    r0 = 80 * 0.001 + 0 * 0.0001
+    asked: list[tuple[int, int]] = []
+    got = impl.cheapest(env, ws, {w0: 0, w1: 0}, 80, 6.0, 1, lambda i, ev: asked.append((i, ev)) or 0.5)
+    assert got == (0, [(0, 1.5, 0.5, r0, 0.0)]) and asked == [(0, 3)]
+    got = impl.cheapest(env, ws, {w0: 0, w1: 0}, 80, 6.0, 1, lambda i, ev: 10.0)
+    assert got == (1, [(0, 1.5, 10.0, r0, 0.0), (1, 9.0, 0.0, r0, 0.25)])
+    with pytest.raises(ValueError, match="no worker"):
+        impl.cheapest(env, [], {}, 80, 6.0, 1, lambda i, ev: 0.0)
 
 
 @pytest.mark.c_extension
@@ -177,12 +212,38 @@ def test_bench_smoke(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from switchyard.bench.micro import e2_select as bench
     from switchyard.router.policies import preble_e2
 
-    before = preble_e2.exploit_set, preble_e2.ordered_bounds
+    before = preble_e2.exploit_set, preble_e2.cheapest
     args = ["--runs", "toolbench-200:400,videoqa-1500:200", "--preload-nodes", "0", "--out", str(tmp_path),
             "--no-plot"]
     assert bench.main(args) == 0
-    assert (preble_e2.exploit_set, preble_e2.ordered_bounds) == before
+    assert (preble_e2.exploit_set, preble_e2.cheapest) == before
     rows = json.loads((tmp_path / "e2_select.json").read_text())["rows"]
     assert {(r["workload"], r["op"]) for r in rows} == {
-        (w, op) for w in ("toolbench-200", "videoqa-1500") for op in ("exploit_set", "ordered_bounds")}
+        (w, op) for w in ("toolbench-200", "videoqa-1500") for op in ("exploit_set", "cheapest")}
     assert all(r["calls"] > 0 and 0 < r["c_p50_us"] <= r["c_p99_us"] for r in rows)
+
+
+@pytest.mark.parametrize("mod", ["py", "c"])
+def test_cheapest_ties_go_to_the_lower_rotated_index(mod: str) -> None:
+    """Equal LOADCOSTs: the worker earlier in the rotation wins, also when the later one was priced (its bound
+    below the best total) and reached the tie only through its M."""
+    impl = e2_select_py if mod == "py" else _e2_select_c
+    if impl is None:
+        pytest.skip("Cython extension not built")
+
+    class Free:
+        def prefill_s(self, missed: int, cached: int) -> float:
+            return 0.0
+
+    a, b = WorkerId("a"), WorkerId("b")
+    env = impl.BoundsEnv(
+        cost_memo={a: Free(), b: Free()}, cost_model=lambda w: Free(), facts={}, lru={a: 1, b: 1},
+        resident_count={a: 10, b: 10}, outstanding={}, load_memo={a: (0.0, 0.0, 1.0), b: (0.0, 0.0, 1.5)},
+        load_s=lambda w, now: 0.0, window_s=1.0, evict_on=True, assume_full=False, with_l=True, with_q=True,
+    )
+    ws = [View(a, 1.0, 16, 10), View(b, 1.0, 16, 10)]
+    ms = {0: 1.0, 1: 0.5}  # a: 1.0 + 1.0 = 2.0; b: 1.5 + 0.5 = 2.0, priced since 1.5 < 2.0
+    best, priced = impl.cheapest(env, ws, {a: 0, b: 0}, 32, 0.0, 0, lambda i, ev: ms[i])
+    assert [p[0] for p in priced] == [0, 1] and best == 0  # rotated indices 0 and 1: a
+    best, priced = impl.cheapest(env, ws, {a: 0, b: 0}, 32, 0.0, 1, lambda i, ev: ms[i])
+    assert [p[0] for p in priced] == [0, 1] and best == 1  # turn 1: b's rotated index is 0

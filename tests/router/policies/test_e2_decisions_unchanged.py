@@ -286,9 +286,9 @@ def test_decisions_do_not_depend_on_memory_addresses(monkeypatch: pytest.MonkeyP
         priced: list[Any] = []
 
         class Recording(PrebleE2):
-            def _with_evict(self, c: Cost, w: WorkerView, evict: int, now: float, protected: set[int]) -> Cost:
-                got = super()._with_evict(c, w, evict, now, protected)
-                priced.append((w.worker_id, evict, got.evict_s))
+            def _evict_s(self, w: WorkerView, evict: int, now: float, protected: set[int]) -> float:
+                got = super()._evict_s(w, evict, now, protected)
+                priced.append((w.worker_id, evict, got))
                 return got
 
         with monkeypatch.context() as m:
