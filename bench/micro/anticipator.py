@@ -23,6 +23,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from switchyard.bench.micro.bars import grouped_bars
 from switchyard.bench.micro.radix import pct
 from switchyard.ext import anticipator_py
 
@@ -161,32 +162,13 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
 
 def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     """Bars (log scale): p50 and p99 µs per operation, one colour per build, the 20 µs goal as a line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     by = {(r["impl"], r["op"]): r for r in rows}
-    series = [(impl, stat) for impl in impls for stat in ("p50", "p99")]
-    width = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    for k, (impl, stat) in enumerate(series):
-        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(OPS))]
-        heights = [by[(impl, op)][f"{stat}_us"] if (impl, op) in by else 0 for op in OPS]
-        ax.bar(xs, heights, width, label=f"{'Cython' if impl == 'c' else 'Python'} {stat}")
-    ax.axhline(GOAL_P99_US, color="black", linestyle="--", linewidth=1, label=f"goal p99 {GOAL_P99_US:g} µs")
-    ax.set_yscale("log")
-    ax.set_xticks(range(len(OPS)))
-    ax.set_xticklabels(OPS, fontsize=8)
-    ax.set_ylabel("µs per call")
-    ax.set_title(f"Load anticipator, ~{rows[0]['records']} live requests per worker, one core")
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    series = [(f"{'Cython' if impl == 'c' else 'Python'} {stat}",
+               [by[(impl, op)][f"{stat}_us"] if (impl, op) in by else 0 for op in OPS])
+              for impl in impls for stat in ("p50", "p99")]
+    title = f"Load anticipator, ~{rows[0]['records']} live requests per worker, one core"
+    return grouped_bars(path, list(OPS), series, title, log=True, goal=(GOAL_P99_US, f"goal p99 {GOAL_P99_US:g} µs"))
 
 
 def main(argv: list[str] | None = None) -> int:

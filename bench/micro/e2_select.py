@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from switchyard.bench.micro.bars import grouped_bars
 from switchyard.bench.micro.decisions import WORKLOADS, prepare, run_one
 from switchyard.ext import e2_select_py
 from switchyard.router.policies import preble_e2
@@ -142,29 +143,10 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
 
 def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     """Bars: p50 and p99 µs per (workload, loop), reference and Cython side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r['workload']}\n{r['op']}" for r in rows]
-    series = [("py", "p50"), ("py", "p99"), ("c", "p50"), ("c", "p99")]
-    width = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    for k, (build, stat) in enumerate(series):
-        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(rows))]
-        ax.bar(xs, [r[f"{build}_{stat}_us"] for r in rows], width,
-               label=f"{'Cython' if build == 'c' else 'reference'} {stat}")
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels(labels, fontsize=8)
-    ax.set_ylabel("µs per call")
-    ax.set_title("E2's per-select loops, both builds on the same calls, one core")
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    series = [(f"{'Cython' if build == 'c' else 'reference'} {stat}", [r[f"{build}_{stat}_us"] for r in rows])
+              for build in ("py", "c") for stat in ("p50", "p99")]
+    return grouped_bars(path, [f"{r['workload']}\n{r['op']}" for r in rows], series,
+                        "E2's per-select loops, both builds on the same calls, one core")
 
 
 def main(argv: list[str] | None = None) -> int:
