@@ -1,5 +1,5 @@
-"""E2's per-select loops (Preble §5.1-5.2, `router/policies/preble_e2.py`): the exploit set and the per-worker
-lower bounds (LOADCOST without M).
+"""E2's per-select loops (Preble §5.1-5.2, `router/policies/preble_e2.py`): the exploit set, the per-worker
+lower bounds (LOADCOST without M) and the branch and bound over them.
 
 Reference build (obviously correct); `_e2_select_c.pyx` is the Cython build, `e2_select.py` the selector.
 

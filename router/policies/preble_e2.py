@@ -273,7 +273,9 @@ class PrebleE2(Policy):
         holds while that entry is still live by the sums' own test (t >= now - H), for a cost model whose answers
         never change (`ProfileCost`; `_remember`, `on_dispatch` and `on_worker_change` drop the memo when the
         model can change). Exact: the same sums give the same float. The hooks that change a history and
-        `on_tick` (expiry, moves) refresh it, off the selects' path.
+        `on_tick` (expiry, moves) refresh it, off the selects' path. The selects' bound loop
+        (`ext/e2_select`, `BoundsEnv`) reads this memo by the same rule and calls here on a miss: a change to the
+        memo's shape or rule goes there too.
         """
         memo = self._load_memo.get(w)
         cutoff = now - self.cfg.history_window_s
