@@ -14,7 +14,6 @@ Writes results/micro/anticipator.json, .md and .png and prints the table.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from switchyard.bench.micro.bars import grouped_bars
+from switchyard.bench.micro.output import grouped_bars, write_outputs
 from switchyard.bench.micro.radix import pct
 from switchyard.ext import anticipator_py
 
@@ -189,8 +188,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.impl in ("both", "py"):
         mods.append(anticipator_py)
     rows = [row for mod in mods for row in measure(mod, args.records, args.ops, args.seed)]
-    md = to_markdown(rows)
-    args.out.mkdir(parents=True, exist_ok=True)
     meta = {
         "python": platform.python_version(),
         "machine": platform.machine(),
@@ -200,13 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "goal_p99_us": GOAL_P99_US,
     }
-    written = [args.out / "anticipator.json", args.out / "anticipator.md"]
-    written[0].write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    written[1].write_text(md)
-    if not args.no_plot:
-        written.append(plot(rows, args.out / "anticipator.png"))
-    print(md, end="")
-    print("wrote " + ", ".join(str(p) for p in written))
+    draw = None if args.no_plot else lambda path: plot(rows, path)
+    write_outputs(args.out, "anticipator", meta, rows, to_markdown(rows), draw)
     return 0
 
 

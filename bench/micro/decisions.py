@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import gc
 import heapq
-import json
 import platform
 import sys
 import time
@@ -41,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from switchyard.bench.micro.output import write_outputs
 from switchyard.bench.micro.revision import policy_at
 from switchyard.bench.preble_workloads import PrebleSpec, make_toolbench, make_videoqa
 from switchyard.bench.traces import PromptFactory, Trace
@@ -574,20 +574,13 @@ def main(argv: list[str] | None = None) -> int:
             rows += [median_run(runs[p]) for p in policies]
         del prep
         gc.collect()
-    md = to_markdown(rows)
-    args.out.mkdir(parents=True, exist_ok=True)
     meta = {"python": platform.python_version(), "machine": platform.machine(), "processor": platform.processor(),
             "num_requests": args.num_requests, "seed": args.seed, "block_size": BLOCK_SIZE,
             "preload_nodes": args.preload_nodes,
             "paper_decisions_per_s": PAPER}
-    (args.out / "decisions.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    (args.out / "decisions.md").write_text(md)
-    written = [args.out / "decisions.json", args.out / "decisions.md"]
-    if not args.no_plot:
-        written.append(plot(rows, args.out / "decisions.png"))
     print()
-    print(md, end="")
-    print("wrote " + ", ".join(str(p) for p in written))
+    draw = None if args.no_plot else lambda path: plot(rows, path)
+    write_outputs(args.out, "decisions", meta, rows, to_markdown(rows), draw)
     return 0
 
 

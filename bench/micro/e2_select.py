@@ -13,7 +13,6 @@ requests (the decision-cost goal's "past the warm-up" case) and videoqa-1500 wit
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -24,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from switchyard.bench.micro.bars import grouped_bars
 from switchyard.bench.micro.decisions import WORKLOADS, prepare, run_one
+from switchyard.bench.micro.output import grouped_bars, write_outputs
 from switchyard.ext import e2_select_py
 from switchyard.router.policies import preble_e2
 
@@ -170,16 +169,9 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown workload {name!r}")
         runs.append((name, args.num_requests or int(count or 2000)))
     rows = [row for name, count in runs for row in measure(name, count, args.workers, args.preload_nodes, args.seed)]
-    md = to_markdown(rows)
-    args.out.mkdir(parents=True, exist_ok=True)
     meta = {"python": platform.python_version(), "machine": platform.machine(), "seed": args.seed}
-    written = [args.out / "e2_select.json", args.out / "e2_select.md"]
-    written[0].write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    written[1].write_text(md)
-    if not args.no_plot and rows:
-        written.append(plot(rows, args.out / "e2_select.png"))
-    print(md, end="")
-    print("wrote " + ", ".join(str(p) for p in written))
+    draw = None if args.no_plot or not rows else lambda path: plot(rows, path)
+    write_outputs(args.out, "e2_select", meta, rows, to_markdown(rows), draw)
     return 0
 
 

@@ -546,9 +546,8 @@ class PrebleE2(Policy):
         if key is None:
             return []
         st = key.stats
-        if isinstance(st, NodeStats):
-            return exploit_set(cached, key_end, self._pool_index(pool)[1], st.redirect, st.replicas, now)
-        return exploit_set(cached, key_end, self._pool_index(pool)[1], None, None, now)
+        redirect, replicas = (st.redirect, st.replicas) if isinstance(st, NodeStats) else (None, None)
+        return exploit_set(cached, key_end, self._pool_index(pool)[1], redirect, replicas, now)
 
     def _decide(
         self, ctx: RoutingContext, w: WorkerView, why: str, cached_len: int, missed_len: int, costs: dict[WorkerId, Cost]
