@@ -4,19 +4,28 @@ A change to a policy's hot path is measured against the code it replaces in the 
 (`switchyard bench decisions --policies e2@e81af29,e2 --paired`): this VM's timings drift by up to ±30% between
 runs, and paired ratios repeat to the third digit. The revision's `router/policies/` package is copied from git
 into a private package (its `switchyard.router.policies` imports renamed to it) and imported next to the
-current one. Everything it imports from outside that package, the compiled `ext/` structures included, is the
-current tree's: the pair differs only in the policy modules.
+current one.
+
+`ext/` too, when its sources at the revision differ from the working tree's (`git diff REV -- ext/`): its
+Python modules are copied into a second private package, and each `.pyx` that differs is compiled there with
+Cython (the `test` extra installs it; the build is cached per revision under `~/.cache/switchyard`), so a change
+to a compiled structure is measured against the build it replaces. A `.pyx` the revision shares with the
+working tree stays today's build (imported under its own name: both copies would be the same code). Everything
+else the copies import is the current tree's.
 """
 
 from __future__ import annotations
 
 import atexit
 import importlib
+import os
 import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +33,9 @@ import switchyard.router.policies as current
 
 PACKAGE = "switchyard.router.policies"
 _DIR = "router/policies"
+EXT_PACKAGE = "switchyard.ext"
+_EXT_DIR = "ext"
+COMPILE_ARGS = ["-O3", "-ffp-contract=off"]  # setup.py's
 _root: Path | None = None  # the folder on sys.path that holds the copied packages (one per process)
 
 
@@ -37,8 +49,79 @@ def _git(repo: Path, *args: str) -> str:
     return done.stdout
 
 
+def _copy(repo: Path, sha: str, src_dir: str, dest: Path, renames: Callable[[str], str], suffixes: tuple[str, ...]
+          ) -> list[str]:
+    """Write the files of `src_dir` at `sha` with these suffixes under `dest` (created whole or not at all),
+    imports renamed by `renames`; returns their names."""
+    files = [f for f in _git(repo, "ls-tree", "-r", "--name-only", sha, "--", src_dir).split()
+             if f.endswith(suffixes)]
+    if not dest.exists():
+        tmp = dest.parent / f".{dest.name}.part"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for f in files:
+            target = tmp / Path(f).relative_to(src_dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(renames(_git(repo, "show", f"{sha}:{f}")))
+        tmp.rename(dest)
+    return [Path(f).relative_to(src_dir).as_posix() for f in files]
+
+
+def _ext_at(repo: Path, sha: str) -> Callable[[str], str]:
+    """The rename of `switchyard.ext` imports for code of revision `sha`: identity when ext/'s sources there are
+    the working tree's, else to a private copy of that ext/ with its changed `.pyx` compiled."""
+    changed = {Path(f).name for f in _git(repo, "diff", "--name-only", sha, "--", _EXT_DIR).split()}
+    if not changed:
+        return lambda text: text
+    name = f"_switchyard_ext_{sha[:12]}"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "switchyard" / "revisions"
+    root = cache / f"{sha}-{sysconfig.get_config_var('SOABI')}"
+    pyx = {Path(f).stem for f in _git(repo, "ls-tree", "--name-only", sha, f"{_EXT_DIR}/").split() if f.endswith(".pyx")}
+    shared = {m for m in pyx if f"{m}.pyx" not in changed}  # compiled modules the working tree has too
+
+    def rename(text: str) -> str:
+        def one(m: re.Match[str]) -> str:
+            mod = m.group(1)
+            return m.group(0) if mod in shared else f"{name}{m.group(0)[len(EXT_PACKAGE):]}"
+
+        return re.sub(rf"\b{re.escape(EXT_PACKAGE)}(?:\.(\w+))?\b", one, text)
+
+    dest = root / name
+    done = root / f".{name}.built"
+    if not done.exists():
+        shutil.rmtree(dest, ignore_errors=True)
+        _copy(repo, sha, _EXT_DIR, dest, rename, (".py", ".pyx", ".pxd"))
+        _compile(dest, name, sorted(pyx - shared))
+        done.touch()
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return rename
+
+
+def _compile(pkg_dir: Path, pkg: str, modules: list[str]) -> None:
+    """Build `pkg.<module>` in place from `pkg_dir/<module>.pyx` for each module, as setup.py builds ext/."""
+    if not modules:
+        return
+    try:
+        from Cython.Build import cythonize
+        from setuptools import Distribution, Extension
+    except ImportError as e:
+        raise ValueError(f"NAME@REV needs Cython to build that revision's ext/ ({', '.join(modules)}): "
+                         f"pip install cython ({e})") from e
+    exts = cythonize(
+        [Extension(f"{pkg}.{m}", [str(pkg_dir / f"{m}.pyx")], extra_compile_args=COMPILE_ARGS) for m in modules],
+        compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False}, quiet=True,
+    )
+    cmd = Distribution({"ext_modules": exts, "script_name": "setup.py"}).get_command_obj("build_ext")
+    cmd.build_lib = str(pkg_dir.parent)  # type: ignore[attr-defined]
+    cmd.build_temp = str(pkg_dir / "build")  # type: ignore[attr-defined]
+    cmd.ensure_finalized()
+    cmd.run()
+
+
 def package_at(rev: str) -> str:
-    """The importable name of `router/policies/` at `rev` (copied once per process and revision)."""
+    """The importable name of `router/policies/` at `rev` (copied once per process and revision; its `ext/` as
+    `_ext_at` provides it)."""
     global _root
     repo = Path(current.__file__).resolve().parents[2]  # router/policies/__init__.py -> the checkout
     sha = _git(repo, "rev-parse", "--verify", f"{rev}^{{commit}}").strip()
@@ -49,19 +132,12 @@ def package_at(rev: str) -> str:
         sys.path.insert(0, str(_root))
     dest = _root / name
     if not dest.exists():
-        files = _git(repo, "ls-tree", "-r", "--name-only", sha, "--", _DIR).split()
-        if not any(f.endswith("/__init__.py") for f in files):
+        ext = _ext_at(repo, sha)
+        files = _copy(repo, sha, _DIR, dest, lambda text: ext(re.sub(rf"\b{re.escape(PACKAGE)}\b", name, text)),
+                      (".py",))
+        if "__init__.py" not in files:
+            shutil.rmtree(dest)
             raise ValueError(f"{rev} has no {_DIR} package")
-        tmp = _root / f".{name}.part"
-        tmp.mkdir()
-        for f in files:
-            if not f.endswith(".py"):
-                continue
-            text = _git(repo, "show", f"{sha}:{f}")
-            target = tmp / Path(f).relative_to(_DIR)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(re.sub(rf"\b{re.escape(PACKAGE)}\b", name, text))
-        tmp.rename(dest)
     return name
 
 
@@ -69,9 +145,9 @@ def policy_at(name: str, rev: str) -> Any:
     """Registry policy `name` built by `router/policies/` as it was at git revision `rev`."""
     try:
         registry = importlib.import_module(f"{package_at(rev)}.registry")
-    except ImportError as e:  # e.g. a name that revision imports from `ext/`, which today's no longer has
+    except ImportError as e:  # e.g. a name that revision imports from outside router/policies and ext/
         raise ValueError(
-            f"router/policies at {rev!r} does not import beside today's tree (only router/policies is copied; "
-            f"ext/ and the rest are today's): {e}"
+            f"router/policies at {rev!r} does not import beside today's tree (router/policies and ext/ are that "
+            f"revision's, the rest today's): {e}"
         ) from e
     return registry.make_policy(name)

@@ -12,6 +12,7 @@ import pytest
 import switchyard.router.policies as current
 from switchyard.bench.micro import decisions
 from switchyard.bench.micro.revision import package_at, policy_at
+from switchyard.ext.radix import RadixTree
 from switchyard.router.policies.preble_e2 import PrebleE2
 
 REPO = Path(current.__file__).resolve().parents[2]
@@ -22,9 +23,10 @@ def test_a_revision_s_policy_is_its_own_copy_of_that_revision_s_modules() -> Non
     pkg = package_at("HEAD")
     assert type(p).__name__ == "PrebleE2" and type(p) is not PrebleE2  # not today's class
     assert type(p).__module__ == f"{pkg}.preble_e2"
-    head = subprocess.run(["git", "-C", str(REPO), "show", "HEAD:router/policies/preble_e2.py"],
+    # a module that imports nothing from ext/ (whose imports are renamed too when ext/ differs from HEAD's)
+    head = subprocess.run(["git", "-C", str(REPO), "show", "HEAD:router/policies/round_robin.py"],
                           check=True, capture_output=True, text=True).stdout
-    copied = Path(sys.modules[f"{pkg}.preble_e2"].__file__ or "").read_text()
+    copied = (Path(sys.modules[f"{pkg}.preble_e2"].__file__ or "").parent / "round_robin.py").read_text()
     assert copied == head.replace("switchyard.router.policies", pkg)  # that revision's text, imports renamed
     assert "switchyard.router.policies" in head  # so the rename was exercised
     assert policy_at("e2", "HEAD") is not p  # a fresh policy per call, from the one copy
@@ -44,7 +46,18 @@ def test_an_unknown_revision_is_a_clear_error() -> None:
         policy_at("e2", "no-such-revision")
 
 
-def test_a_revision_that_needs_an_older_ext_is_a_clear_error() -> None:
-    # 6c2da1b's E2 imports `ordered_bounds` from ext/e2_select, which the next commit folded into `cheapest`
-    with pytest.raises(ValueError, match="only router/policies is copied.*ordered_bounds"):
-        policy_at("e2", "6c2da1b")
+def test_a_revision_with_another_ext_gets_that_revision_s_build(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # 6c2da1b's E2 imports `ordered_bounds` from ext/e2_select, which the next commit folded into `cheapest`:
+    # its ext/ is copied and its changed .pyx (only _e2_select_c) compiled; the rest stays today's build
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a cold cache: the build runs here
+    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "6c2da1b"], check=True, capture_output=True,
+                         text=True).stdout.strip()
+    p = policy_at("e2", "6c2da1b")
+    ext = f"_switchyard_ext_{sha[:12]}"
+    kernel = sys.modules[f"{ext}._e2_select_c"]
+    assert Path(kernel.__file__ or "").is_relative_to(tmp_path) and hasattr(kernel, "ordered_bounds")
+    assert sys.modules[f"{ext}.e2_select"].IMPLEMENTATION == "c"
+    assert type(p.tree) is RadixTree  # its .pyx is the same at 6c2da1b: today's build
+    rc = decisions.main(["--num-requests", "30", "--workloads", "toolbench-200", "--workers", "4", "--paired",
+                         "--policies", "e2@6c2da1b,e2", "--out", str(tmp_path / "out"), "--no-plot"])
+    assert rc == 0
