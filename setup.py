@@ -65,7 +65,7 @@ class EggInfoWithStubs(egg_info):
 
 extensions = cythonize(
     [
-        Extension(f"switchyard.ext.{pyx.stem}", [f"ext/{pyx.name}"], extra_compile_args=["-O3"])
+        Extension(f"switchyard.ext.{pyx.stem}", [f"ext/{pyx.name}"], extra_compile_args=["-O3", "-ffp-contract=off"])
         for pyx in sorted((ROOT / "ext").glob("*.pyx"))
     ],
     compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False},

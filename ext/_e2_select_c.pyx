@@ -5,9 +5,11 @@ order.
 Why a rewrite: the reference is a loop of dict reads, attribute reads and small tuples per worker, all bytecode.
 Here the dict reads are C calls on the policy's dicts, the R memo is a C array scanned linearly (candidates hold
 one or two distinct prefix lengths), L's memo is tested in C, and the bounds are C structs, ordered and walked by
-the branch and bound without a tuple per candidate. The Python-level calls left are the cost model's `prefill_s`
-per distinct prefix, the view's `kv_usage_frac` property, `load_s` on a memo miss, and M per priced worker that
-would evict.
+the branch and bound without a tuple per candidate. R is priced in C for a cost model with `terms` (`ProfileCost`'s
+formula, written out below in its order of operations: the same floats; the module is compiled with
+-ffp-contract=off, so no fused multiply-add rounds differently), and M's early exits (`m_is_zero`) are read in C.
+The Python-level calls left are `prefill_s` of other cost models, the view's `kv_usage_frac` property, `load_s` on a
+memo miss, and M per priced worker whose LRU simulation cannot be skipped.
 """
 
 from cpython.dict cimport PyDict_GetItem, PyDict_Next
@@ -17,6 +19,9 @@ from cpython.tuple cimport PyTuple_CheckExact, PyTuple_GET_ITEM, PyTuple_GET_SIZ
 
 cdef extern from "Python.h":
     double PyFloat_AsDouble(object) except? -1.0
+
+from cpython.float cimport PyFloat_CheckExact
+from cpython.long cimport PyLong_CheckExact
 
 cdef enum:
     _MEMO = 16
@@ -73,6 +78,58 @@ cdef class BoundsEnv:
         self.lru, self.resident_count, self.outstanding = lru, resident_count, outstanding
         self.load_memo, self.load_s, self.window_s = load_memo, load_s, window_s
         self.evict_on, self.assume_full, self.with_l, self.with_q = evict_on, assume_full, with_l, with_q
+
+
+cdef double _prefill_s(object cost, Py_ssize_t missed, Py_ssize_t cached) except? -1.0:
+    """`cost.prefill_s(missed, cached)`. For a cost model whose `terms` are (step_ms, per_decode_ms,
+    decode_ctx_ms_per_ktok, prefill_ms, lin_ms_per_tok, knee_tokens, attn_pair_ratio), six floats and an int
+    (`ProfileCost`), its formula in C, operation for operation; anything else is asked."""
+    cdef object k = getattr(cost, "terms", None)
+    cdef Py_ssize_t e, c, over
+    cdef double t
+    if (type(k) is tuple and PyTuple_GET_SIZE(k) == 7 and PyLong_CheckExact(<object>PyTuple_GET_ITEM(k, 5))
+            and PyFloat_CheckExact(<object>PyTuple_GET_ITEM(k, 0)) and PyFloat_CheckExact(<object>PyTuple_GET_ITEM(k, 1))
+            and PyFloat_CheckExact(<object>PyTuple_GET_ITEM(k, 2)) and PyFloat_CheckExact(<object>PyTuple_GET_ITEM(k, 3))
+            and PyFloat_CheckExact(<object>PyTuple_GET_ITEM(k, 4)) and PyFloat_CheckExact(<object>PyTuple_GET_ITEM(k, 6))
+            and 0 <= missed < 1 << 26 and 0 <= cached < 1 << 26):  # e·c and e·(e+1) stay exact in a double and int64
+        e, c = missed, cached
+        over = e - <Py_ssize_t>(<object>PyTuple_GET_ITEM(k, 5))
+        if over < 0:
+            over = 0
+        t = (PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 0)) + PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 1)) * 0.0
+             + PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 2)) * 0.0 / 1000.0
+             + PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 4))
+             * (<double>over + PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 6)) * <double>(e * c + e * (e + 1) / 2)))
+        if e:
+            t += PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 3))
+        return 0.001 * t
+    return PyFloat_AsDouble(cost.prefill_s(missed, cached))
+
+
+def m_is_zero(lru, path, Py_ssize_t need):
+    """As `e2_select_py.m_is_zero`."""
+    return _m_is_zero(lru, path, need)
+
+
+cdef bint _m_is_zero(object lru, object path, Py_ssize_t need) except -1:
+    cdef object fb, c
+    cdef dict cand
+    cdef Py_ssize_t cold
+    cdef PyObject* p
+    if not lru.heap:
+        return True
+    fb = lru.floor_b
+    if fb is None:
+        return need <= 0
+    cold = lru.below
+    cand = lru.cand
+    for node in path:
+        p = PyDict_GetItem(cand, id(node))
+        if p is not NULL:
+            c = <object>p
+            if c[0] < fb:
+                cold -= <Py_ssize_t>c[1]
+    return cold >= need
 
 
 cdef inline Py_ssize_t _floordiv(Py_ssize_t a, Py_ssize_t b):
@@ -134,7 +191,7 @@ cdef int _fill(BoundsEnv env, object ws, dict cached, Py_ssize_t n, double now, 
             if tok >= n:  # the last token is always computed
                 tok = n - 1 if n > 0 else 0
             missed = n - tok
-            r = PyFloat_AsDouble(cost.prefill_s(missed, tok))
+            r = _prefill_s(cost, missed, tok)
             if nmemo < _MEMO:
                 held.append(cost)
                 mk_cb[nmemo], mk_bs[nmemo], mk_cost[nmemo] = cb, bs, <void*>cost
@@ -195,9 +252,10 @@ def raw_bounds(BoundsEnv env, ws, dict cached, Py_ssize_t n, double now):
     return out
 
 
-def cheapest(BoundsEnv env, ws, dict cached, Py_ssize_t n, double now, Py_ssize_t turn, price_m):
+def cheapest(BoundsEnv env, ws, dict cached, Py_ssize_t n, double now, Py_ssize_t turn, price_m, path):
     """As `e2_select_py.cheapest`: the bounds in C structs, ordered by an insertion sort of their indices (a
-    candidate set is at most the fleet), the branch and bound over them in C; Python only for M."""
+    candidate set is at most the fleet), the branch and bound over them in C; Python only for M past its early
+    exits."""
     cdef Py_ssize_t m = len(ws), i, j, t, best = -1
     cdef double mm, total, best_total = 0.0
     cdef Py_ssize_t best_rot = 0
@@ -224,7 +282,7 @@ def cheapest(BoundsEnv env, ws, dict cached, Py_ssize_t n, double now, Py_ssize_
             if best >= 0 and (b[i].lb > best_total or (b[i].lb == best_total and b[i].rot > best_rot)):
                 break  # this bound and every later one exceed the best total
             mm = 0.0
-            if b[i].evict > 0:
+            if b[i].evict > 0 and not _m_is_zero(env.lru[ws[i].worker_id], path, b[i].evict):
                 mm = PyFloat_AsDouble(price_m(i, b[i].evict))
             priced.append((i, b[i].load, mm, b[i].r, b[i].q))
             total = b[i].load + mm + b[i].r + b[i].q

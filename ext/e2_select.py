@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from switchyard.ext.e2_select_py import BoundsEnv, cheapest, exploit_set, raw_bounds
+from switchyard.ext.e2_select_py import BoundsEnv, Priced, cheapest, exploit_set, m_is_zero, raw_bounds
 
 IMPLEMENTATION = "py"
 
@@ -18,6 +18,7 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
             BoundsEnv,
             cheapest,
             exploit_set,
+            m_is_zero,
             raw_bounds,
         )
 
@@ -25,4 +26,4 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
     except ImportError:  # pragma: no cover - exercised by test_c_extension_loaded
         pass
 
-__all__ = ["IMPLEMENTATION", "BoundsEnv", "cheapest", "exploit_set", "raw_bounds"]
+__all__ = ["IMPLEMENTATION", "BoundsEnv", "Priced", "cheapest", "exploit_set", "m_is_zero", "raw_bounds"]

@@ -8,11 +8,12 @@ Reference build (obviously correct); `_e2_select_c.pyx` is the Cython build, `e2
   queued ahead of it) and how many blocks the request would evict there. The policy's state is read through a
   `BoundsEnv` that holds its dicts by reference, never written here except through `load_s` on a memo miss.
 - `cheapest`: the branch and bound of every explore and every exploit with several holders over those bounds,
-  asking the caller for M only where it can still change the answer.
+  asking the caller for M only where it can still change the answer and `m_is_zero` cannot tell it is 0.
 
 Duck-typed (nothing here imports from `router/`): a worker view has `worker_id`, `kv_usage_frac`, `block_size`
-and `kv_capacity_blocks`; a cost model `prefill_s(missed, cached)`; facts `block_size` and `kv_capacity_blocks`;
-an outstanding record `queued_s`.
+and `kv_capacity_blocks`; a cost model `prefill_s(missed, cached)` (the Cython build computes it in C from
+`terms` where a model has them: `ProfileCost`); facts `block_size` and `kv_capacity_blocks`; an outstanding record
+`queued_s`; an LRU index `heap`, `floor_b`, `below`, `cand` and `cold_blocks` (`LruIndex`).
 """
 
 from __future__ import annotations
@@ -109,16 +110,24 @@ def raw_bounds(env: BoundsEnv, ws: Sequence[Any], cached: dict[Any, int], n: int
     return out
 
 
+def m_is_zero(lru: Any, path: Sequence[Any], need: int) -> bool:
+    """Whether `LruIndex.eviction_cost` answers 0 for `need` blocks before simulating the eviction order (its
+    early exits): no eviction candidates, or the cold candidates (`cold_blocks`, the nodes of `path` protected)
+    cover the need. The Cython build reads the same state (`floor_b`, `below`, `cand`) in C."""
+    return not lru.heap or lru.cold_blocks({id(x) for x in path}) >= need
+
+
 def cheapest(
     env: BoundsEnv, ws: Sequence[Any], cached: dict[Any, int], n: int, now: float, turn: int,
-    price_m: Callable[[int, int], float],
+    price_m: Callable[[int, int], float], path: Sequence[Any],
 ) -> tuple[int, list[Priced]]:
     """E2's branch and bound: (the index in `ws` of the worker with the lowest (LOADCOST, rotated index), every
     worker priced on the way as (index, L, M, R, Q), in pricing order).
 
     The workers are taken in order of (bound L + R + Q, (index − turn) mod len(ws)); the rotated index is unique,
     so no two keys tie. M = `price_m(index, blocks to evict)` (an LRU simulation, the expensive part) is asked
-    only of a worker that would evict and whose bound can still win; LOADCOST = L + M + R + Q, summed in that order
+    only of a worker that would evict, whose bound can still win and whose LRU index (`env.lru`) cannot tell
+    that M is 0 (`m_is_zero`, `path` = the prompt's matched nodes, never victims: `price_m` must protect them too); LOADCOST = L + M + R + Q, summed in that order
     (`Cost.total_s`'s), so with M = 0 it is the bound itself. Float addition is monotone: once a bound exceeds the
     best LOADCOST so far, so does every later worker's LOADCOST, and the walk stops.
     """
@@ -132,7 +141,9 @@ def cheapest(
     for lb, rot, i, load, r, q, evict in order:
         if best >= 0 and (lb, rot) > best_key:
             break  # this bound and every later one exceed the best total
-        mm = price_m(i, evict) if evict > 0 else 0.0
+        mm = 0.0
+        if evict > 0 and not m_is_zero(env.lru[ws[i].worker_id], path, evict):
+            mm = price_m(i, evict)
         priced.append((i, load, mm, r, q))
         key = (load + mm + r + q, rot)
         if best < 0 or key < best_key:

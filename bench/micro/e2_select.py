@@ -65,7 +65,7 @@ def paired_calls(times: dict[str, dict[str, list[int]]], sizes: list[int]) -> It
             raise AssertionError(f"exploit_set: the builds disagree: {py} != {cy}")
         return cy
 
-    def cheapest(env: Any, ws: Any, cached: Any, n: int, now: float, turn_: int, price_m: Any) -> Any:
+    def cheapest(env: Any, ws: Any, cached: Any, n: int, now: float, turn_: int, price_m: Any, path: Any) -> Any:
         got = ref_envs.get(id(env))
         if got is None or got[0] is not env:  # the policy's env, mirrored once for the reference
             kw = {k: getattr(env, k) for k in e2_select_py.BoundsEnv.__slots__}
@@ -81,12 +81,12 @@ def paired_calls(times: dict[str, dict[str, list[int]]], sizes: list[int]) -> It
             v = ms[(i, evict)] = price_m(i, evict)
             return v
 
-        want = e2_select_py.cheapest(ref, ws, cached, n, now, turn_, record)
+        want = e2_select_py.cheapest(ref, ws, cached, n, now, turn_, record, path)
         def replay(i: int, evict: int) -> float:
             return ms[(i, evict)]
 
-        py, cy = twice("cheapest", lambda: e2_select_py.cheapest(ref, ws, cached, n, now, turn_, replay),
-                       lambda: c.cheapest(env, ws, cached, n, now, turn_, replay))
+        py, cy = twice("cheapest", lambda: e2_select_py.cheapest(ref, ws, cached, n, now, turn_, replay, path),
+                       lambda: c.cheapest(env, ws, cached, n, now, turn_, replay, path))
         if not py == cy == want:
             raise AssertionError(f"cheapest: the builds disagree: {py} != {cy}")
         return cy

@@ -42,24 +42,26 @@ class ProfileCost:
     NOTE: E2 prices these for every candidate worker of every select and at every change of a worker's history
     window, with arguments that rarely repeat, so they are `PerfProfile.iteration_time_ms` written out for the
     batches they price (a prefill-only batch; D decode sequences at context C) over the profile's constants,
-    in that method's own order of operations: bit for bit the same floats, without its calls.
+    in that method's own order of operations: bit for bit the same floats, without its calls. `ext/e2_select`'s
+    Cython build prices `prefill_s` from `terms` in C by the same formula: a change to it goes there too
+    (`tests/ext/test_e2_select.py` compares them).
     """
 
     profile: PerfProfile
     # (step_ms, per_decode_ms, decode_ctx_ms_per_ktok, prefill_ms, lin_ms_per_tok, knee_tokens, attn_pair_ratio)
-    _k: tuple[float, float, float, float, float, int, float] = field(init=False, repr=False, compare=False)
+    terms: tuple[float, float, float, float, float, int, float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         c = self.profile.coeffs
         k = (c.step_ms, c.per_decode_ms, c.decode_ctx_ms_per_ktok, c.prefill_ms, c.lin_ms_per_tok, c.knee_tokens,
              self.profile.model.attn_pair_ratio)
-        object.__setattr__(self, "_k", k)
+        object.__setattr__(self, "terms", k)
 
     def prefill_s(self, missed_tokens: int, cached_tokens: int) -> float:
         """`profile.iteration_time_s(e, pairs_for_prompt(e, c), 0, 0)`, e = max(0, missed), c = max(0, cached)."""
         e = missed_tokens if missed_tokens > 0 else 0
         c = cached_tokens if cached_tokens > 0 else 0
-        step, per_dec, ctx_ms, prefill_ms, lin, knee, ratio = self._k
+        step, per_dec, ctx_ms, prefill_ms, lin, knee, ratio = self.terms
         t = step + per_dec * 0 + ctx_ms * 0 / 1000.0 + lin * (max(0, e + 0 - knee) + ratio * (e * c + e * (e + 1) // 2))
         if e:
             t += prefill_ms
@@ -67,7 +69,7 @@ class ProfileCost:
 
     def decode_iteration_s(self, num_decode_reqs: int, context_tokens: int) -> float:
         """`profile.iteration_time_s(0, 0, D, C)`: one iteration of D decoding sequences holding C context tokens."""
-        step, per_dec, ctx_ms, _, lin, knee, ratio = self._k
+        step, per_dec, ctx_ms, _, lin, knee, ratio = self.terms
         d = num_decode_reqs
         return 0.001 * (step + per_dec * d + ctx_ms * context_tokens / 1000.0 + lin * (max(0, 0 + d - knee) + ratio * 0))
 

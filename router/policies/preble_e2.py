@@ -75,14 +75,14 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from switchyard.ext.e2_select import BoundsEnv, cheapest, exploit_set, raw_bounds
+from switchyard.ext.e2_select import BoundsEnv, Priced, cheapest, exploit_set, raw_bounds
 from switchyard.ext.radix import RadixTree
 from switchyard.router.policies.base import (
     Decision,
@@ -404,14 +404,15 @@ class PrebleE2(Policy):
         return zero, by_id
 
     def _cheapest(
-        self, ws: list[WorkerView], ctx: RoutingContext, cached: dict[WorkerId, int], path: list[Any], now: float
-    ) -> tuple[WorkerView, dict[WorkerId, Cost]]:
-        """The worker of `ws` with the lowest (LOADCOST, rotated index), and the LOADCOSTs it priced.
+        self, ws: Sequence[WorkerView], ctx: RoutingContext, cached: dict[WorkerId, int], path: list[Any], now: float
+    ) -> tuple[WorkerView, list[Priced]]:
+        """The worker of `ws` with the lowest (LOADCOST, rotated index), and the LOADCOSTs it priced as (index in
+        `ws`, L, M, R, Q) (`_costs` names them).
 
         Branch and bound, exact (`ext/e2_select.cheapest`): M (an LRU eviction simulation, hundreds of steps when a
         long prompt must evict many small cold prefixes) is priced only for workers whose bound L + R + Q can
-        still win, in bound order; float addition is monotone, so a bound above the best total cannot become the
-        argmin.
+        still win, in bound order, and whose LRU index cannot tell it is 0 (`m_is_zero`, `LruIndex.eviction_cost`'s
+        early exits); float addition is monotone, so a bound above the best total cannot become the argmin.
         """
         protected: set[int] | None = None
 
@@ -421,8 +422,15 @@ class PrebleE2(Policy):
                 protected = {id(x) for x in path}
             return self._evict_s(ws[i], evict, now, protected)
 
-        best, priced = cheapest(self._bounds_env, ws, cached, len(ctx.prompt_token_ids), now, self._turn, price_m)
-        return ws[best], {ws[i].worker_id: Cost(load, m, r, q) for i, load, m, r, q in priced}
+        best, priced = cheapest(
+            self._bounds_env, ws, cached, len(ctx.prompt_token_ids), now, self._turn, price_m, path
+        )
+        return ws[best], priced
+
+    @staticmethod
+    def _costs(ws: Sequence[WorkerView], priced: list[Priced]) -> dict[WorkerId, Cost]:
+        """`_cheapest`'s priced LOADCOSTs by worker (built only to be logged or compared, not per select)."""
+        return {ws[i].worker_id: Cost(load, m, r, q) for i, load, m, r, q in priced}
 
     def prefix(
         self, ctx: RoutingContext, pool: Sequence[WorkerView]
@@ -475,34 +483,35 @@ class PrebleE2(Policy):
             ks = self._exploit_set(key, key_end, pool, cached, now)
             if ks:
                 if len(ks) == 1:
-                    pick, why, costs = ks[0], "exploit only holder", {}
+                    pick, why, priced = ks[0], "exploit only holder", []
                 else:
-                    pick, costs = self._cheapest(ks, ctx, cached, path, now)
+                    pick, priced = self._cheapest(ks, ctx, cached, path, now)
                     why = "exploit"
                 if not self.cfg.exploit_overflow:
-                    return self._decide(ctx, pick, why, cached_len, missed_len, costs)
+                    return self._decide(ctx, pick, why, cached_len, missed_len, partial(self._costs, ks, priced))
                 over = self._overflow(ctx, pick, ks, pool, cached, path, now)
                 if over is None:
-                    return self._decide(ctx, pick, why, cached_len, missed_len, costs)
+                    return self._decide(ctx, pick, why, cached_len, missed_len, partial(self._costs, ks, priced))
                 alt, alt_costs = over
-                return self._decide(ctx, alt, "explore overflow", cached_len, missed_len, alt_costs)
+                return self._decide(ctx, alt, "explore overflow", cached_len, missed_len, lambda: alt_costs)
         if self.cfg.enable_pd_balancing:
             ratios = self._ratios(pool, now)
             thr = self.cfg.imbalance_ratio
             over_i = [i for i, r in enumerate(ratios) if r > thr]
             if over_i:
+                heavy = [pool[i] for i in over_i]
                 if self.cfg.pd_pick == "argmax":  # ties: the rotation (unique), as everywhere
                     n = len(pool)
                     i = max(over_i, key=lambda i: (ratios[i], -((i - self._turn) % n)))
-                    w, costs = pool[i], {}
+                    w, priced = pool[i], []
                 else:  # the lightest of the decode-heavy workers
-                    w, costs = self._cheapest([pool[i] for i in over_i], ctx, cached, path, now)
+                    w, priced = self._cheapest(heavy, ctx, cached, path, now)
                     i = next(i for i in over_i if pool[i] is w)
                 ratio = ratios[i]
                 return self._decide(ctx, w, f"explore P/D ratio={ratio:.2f}>{self.cfg.imbalance_ratio}",
-                                    cached_len, missed_len, costs)
-        pick, costs = self._cheapest(pool, ctx, cached, path, now)
-        return self._decide(ctx, pick, "explore", cached_len, missed_len, costs)
+                                    cached_len, missed_len, partial(self._costs, heavy, priced))
+        pick, priced = self._cheapest(pool, ctx, cached, path, now)
+        return self._decide(ctx, pick, "explore", cached_len, missed_len, partial(self._costs, pool, priced))
 
     def _overflow(
         self, ctx: RoutingContext, pick: WorkerView, ks: list[WorkerView], pool: list[WorkerView],
@@ -550,12 +559,14 @@ class PrebleE2(Policy):
         return exploit_set(cached, key_end, self._pool_index(pool)[1], redirect, replicas, now)
 
     def _decide(
-        self, ctx: RoutingContext, w: WorkerView, why: str, cached_len: int, missed_len: int, costs: dict[WorkerId, Cost]
+        self, ctx: RoutingContext, w: WorkerView, why: str, cached_len: int, missed_len: int,
+        costs: Callable[[], dict[WorkerId, Cost]],
     ) -> Decision:
+        """The Decision for w; `costs` gives the LOADCOSTs priced on the way, asked only for the DEBUG line."""
         if log.isEnabledFor(logging.DEBUG):
             terms = " ".join(
                 f"{k}: L={c.load_s:.3f} + M={c.evict_s:.3f} + R={c.prefill_s:.3f} = {c.total_s:.3f} s;"
-                for k, c in costs.items()
+                for k, c in costs().items()
             )
             log.debug(
                 "e2 %s -> %s (%s): cached_len=%d %s missed_len=%d; LOADCOST = L + M + R: %s",

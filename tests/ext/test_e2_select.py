@@ -51,6 +51,18 @@ class Facts:
     kv_capacity_blocks: int
 
 
+class HotLru:
+    """An LRU index with nothing cold: M must always be simulated (`m_is_zero` is False)."""
+
+    heap = [None]
+    floor_b = None
+    below = 0
+    cand: dict[int, tuple[float, int]] = {}
+
+    def cold_blocks(self, protected: set[int]) -> int:
+        return 0
+
+
 def _m_of(i: int, evict: int) -> float:
     """A stand-in M, a fixed function of (worker index, blocks to evict)."""
     return ((i * 7919 + evict) % 13) * 0.01
@@ -82,14 +94,19 @@ def _envs(policy: PrebleE2, facts: dict, flags: dict) -> tuple[object, object]: 
 @pytest.mark.parametrize("seed", range(6))
 def test_cython_bounds_equal_reference(seed: int) -> None:
     rng = random.Random(seed)
-    policy = PrebleE2(E2Config(history_window_s=2.0))  # a short H: L's memo expires between steps
+    # a short H, so L's memo expires between steps; a short W, so the cold floors move and M's early exit is taken
+    policy = PrebleE2(E2Config(history_window_s=2.0, node_window_s=3.0))
     prompts = random_prompts(rng, 40, labels=50)
     clock = [0.0]
-    seen = {"evict": 0, "queued": 0, "memo_miss": 0, "many_r": 0, "no_facts": 0, "pruned": 0, "m_asked": 0}
+    seen = {"evict": 0, "queued": 0, "memo_miss": 0, "many_r": 0, "no_facts": 0, "pruned": 0, "m_asked": 0,
+            "m_cold": 0}
     for step in drive(policy, rng, prompts, WORKERS, 300, clock=clock):
         if step % 3:
             continue
+        if step % 5 == 0:
+            policy.advance_cold(clock[0])  # as on_tick: the cold floors that `m_is_zero` reads
         now = clock[0] + rng.choice([0.0, 0.5, 3.0])
+        path = policy.tree.match(rng.choice(prompts)).path  # the protected nodes
         # every other step beyond the driven workers: unknown ones (no history, no LRU, no facts), up to 40 for R's
         # memo; else only driven ones (with LRU indexes, so M is asked)
         ids = rng.sample(range(40), rng.randint(1, 40)) if step % 2 else rng.sample(range(4), rng.randint(1, 4))
@@ -111,14 +128,22 @@ def test_cython_bounds_equal_reference(seed: int) -> None:
         # (L + M + R + Q, rotated index) over every worker with M priced for all
         asked_c: list[tuple[int, int]] = []
         asked_py: list[tuple[int, int]] = []
-        got_best = _e2_select_c.cheapest(c_env, ws, cached, n, now, turn, _pricer(asked_c))  # type: ignore[union-attr]
-        assert got_best == e2_select_py.cheapest(ref_env, ws, cached, n, now, turn, _pricer(asked_py))
+        got_best = _e2_select_c.cheapest(  # type: ignore[union-attr]
+            c_env, ws, cached, n, now, turn, _pricer(asked_c), path)
+        assert got_best == e2_select_py.cheapest(ref_env, ws, cached, n, now, turn, _pricer(asked_py), path)
         assert asked_c == asked_py
-        full = [(load + (_m_of(j, ev) if ev > 0 else 0.0) + r + q, (j - turn) % len(ws), j)
+        # M is 0 where the LRU index says so before simulating (`m_is_zero`), else the stand-in
+        zero = [t[3] > 0 and e2_select_py.m_is_zero(policy.lru[v.worker_id], path, t[3])
+                for v, t in zip(ws, want, strict=True)]
+        assert [_e2_select_c.m_is_zero(policy.lru[v.worker_id], path, t[3])  # type: ignore[union-attr]
+                for v, t in zip(ws, want, strict=True) if t[3] > 0] == [z for z, t in zip(zero, want, strict=True)
+                                                                         if t[3] > 0]
+        full = [(load + (_m_of(j, ev) if ev > 0 and not zero[j] else 0.0) + r + q, (j - turn) % len(ws), j)
                 for j, (load, r, q, ev) in enumerate(want)]
         assert got_best[0] == min(full)[2]
         seen["pruned"] += len(got_best[1]) < len(ws)
         seen["m_asked"] += len(asked_c) > 0
+        seen["m_cold"] += sum(1 for v, z in zip(ws, zero, strict=True) if z and policy.lru[v.worker_id].heap)
         seen["evict"] += sum(1 for t in want if t[3] > 0)
         seen["queued"] += sum(1 for t in want if t[2] > 0)
         seen["many_r"] += len({(cached[v.worker_id], facts[v.worker_id].block_size if v.worker_id in facts
@@ -144,7 +169,7 @@ def test_bounds_price_each_term(mod: str) -> None:
     cost = Cost()
     w0, w1 = WorkerId("a"), WorkerId("b")
     env = impl.BoundsEnv(
-        cost_memo={w0: cost, w1: cost}, cost_model=lambda w: cost, facts={w0: Facts(16, 10)}, lru={w0: object()},
+        cost_memo={w0: cost, w1: cost}, cost_model=lambda w: cost, facts={w0: Facts(16, 10)}, lru={w0: HotLru()},
         resident_count={w0: 8}, outstanding={w1: Out()}, load_memo={w0: (5.0, 4.0, 1.5)},
         load_s=lambda w, now: 9.0, window_s=3.0, evict_on=True, assume_full=False, with_l=True, with_q=True,
     )
@@ -159,12 +184,49 @@ def test_bounds_price_each_term(mod: str) -> None:
     # above w0's total, is never priced; with M = 10 w1 is priced too and wins
     r0 = 80 * 0.001 + 0 * 0.0001
     asked: list[tuple[int, int]] = []
-    got = impl.cheapest(env, ws, {w0: 0, w1: 0}, 80, 6.0, 1, lambda i, ev: asked.append((i, ev)) or 0.5)
+    got = impl.cheapest(env, ws, {w0: 0, w1: 0}, 80, 6.0, 1, lambda i, ev: asked.append((i, ev)) or 0.5, [])
     assert got == (0, [(0, 1.5, 0.5, r0, 0.0)]) and asked == [(0, 3)]
-    got = impl.cheapest(env, ws, {w0: 0, w1: 0}, 80, 6.0, 1, lambda i, ev: 10.0)
+    got = impl.cheapest(env, ws, {w0: 0, w1: 0}, 80, 6.0, 1, lambda i, ev: 10.0, [])
     assert got == (1, [(0, 1.5, 10.0, r0, 0.0), (1, 9.0, 0.0, r0, 0.25)])
     with pytest.raises(ValueError, match="no worker"):
-        impl.cheapest(env, [], {}, 80, 6.0, 1, lambda i, ev: 0.0)
+        impl.cheapest(env, [], {}, 80, 6.0, 1, lambda i, ev: 0.0, [])
+
+
+@pytest.mark.parametrize("mod", ["py", "c"])
+def test_m_is_zero_follows_the_lru_early_exits(mod: str) -> None:
+    """M is 0 without a simulation when the LRU index has no candidates, or when its cold candidates (keyed
+    before the floor), less those on the prompt's own path, cover the need; then `cheapest` does not ask."""
+    impl = e2_select_py if mod == "py" else _e2_select_c
+    if impl is None:
+        pytest.skip("Cython extension not built")
+    from switchyard.router.policies.preble_load import LruIndex
+
+    mine, other = object(), object()  # nodes: one cold candidate on the prompt's path, one warm
+    lru = LruIndex()
+    assert impl.m_is_zero(lru, [mine], 1)  # no candidates at all
+    lru.heap = [(1.0, 0, mine)]
+    assert not impl.m_is_zero(lru, [mine], 1)  # no cold floor yet: cold_blocks = 0
+    lru.floor_b, lru.below, lru.cand = 5, 10, {id(mine): (3, 4), id(other): (6, 2)}
+    assert impl.m_is_zero(lru, [mine], 6) and not impl.m_is_zero(lru, [mine], 7)  # 10 - 4 on the path
+    assert impl.m_is_zero(lru, [other], 10) and not impl.m_is_zero(lru, [other], 11)  # warm: not subtracted
+    assert lru.cold_blocks({id(mine)}) == 6  # the reference reads LruIndex's own rule
+
+    class Free:
+        def prefill_s(self, missed: int, cached: int) -> float:
+            return 0.0
+
+    a = WorkerId("a")
+    env = impl.BoundsEnv(
+        cost_memo={a: Free()}, cost_model=lambda w: Free(), facts={}, lru={a: lru}, resident_count={a: 10},
+        outstanding={}, load_memo={}, load_s=lambda w, now: 0.0, window_s=1.0, evict_on=True, assume_full=False,
+        with_l=True, with_q=True,
+    )
+    asked: list[tuple[int, int]] = []
+    ws = [View(a, 1.0, 16, 10)]  # full: 96 tokens = 6 blocks to evict
+    assert impl.cheapest(env, ws, {a: 0}, 96, 0.0, 0, _pricer(asked), [mine]) == (0, [(0, 0.0, 0.0, 0.0, 0.0)])
+    assert asked == []
+    assert impl.cheapest(env, ws, {a: 0}, 112, 0.0, 0, _pricer(asked), [mine])[1][0][2] == _m_of(0, 7)
+    assert asked == [(0, 7)]
 
 
 @pytest.mark.c_extension
@@ -237,13 +299,13 @@ def test_cheapest_ties_go_to_the_lower_rotated_index(mod: str) -> None:
 
     a, b = WorkerId("a"), WorkerId("b")
     env = impl.BoundsEnv(
-        cost_memo={a: Free(), b: Free()}, cost_model=lambda w: Free(), facts={}, lru={a: 1, b: 1},
+        cost_memo={a: Free(), b: Free()}, cost_model=lambda w: Free(), facts={}, lru={a: HotLru(), b: HotLru()},
         resident_count={a: 10, b: 10}, outstanding={}, load_memo={a: (0.0, 0.0, 1.0), b: (0.0, 0.0, 1.5)},
         load_s=lambda w, now: 0.0, window_s=1.0, evict_on=True, assume_full=False, with_l=True, with_q=True,
     )
     ws = [View(a, 1.0, 16, 10), View(b, 1.0, 16, 10)]
     ms = {0: 1.0, 1: 0.5}  # a: 1.0 + 1.0 = 2.0; b: 1.5 + 0.5 = 2.0, priced since 1.5 < 2.0
-    best, priced = impl.cheapest(env, ws, {a: 0, b: 0}, 32, 0.0, 0, lambda i, ev: ms[i])
+    best, priced = impl.cheapest(env, ws, {a: 0, b: 0}, 32, 0.0, 0, lambda i, ev: ms[i], [])
     assert [p[0] for p in priced] == [0, 1] and best == 0  # rotated indices 0 and 1: a
-    best, priced = impl.cheapest(env, ws, {a: 0, b: 0}, 32, 0.0, 1, lambda i, ev: ms[i])
+    best, priced = impl.cheapest(env, ws, {a: 0, b: 0}, 32, 0.0, 1, lambda i, ev: ms[i], [])
     assert [p[0] for p in priced] == [0, 1] and best == 1  # turn 1: b's rotated index is 0

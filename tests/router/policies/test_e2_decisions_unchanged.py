@@ -20,6 +20,7 @@ import switchyard.bench.micro.decisions as bench
 from switchyard.bench.sim import SimConfig, Simulator
 from switchyard.bench.workloads import WorkloadSpec, make_workload
 from switchyard.ext import lru_order, lru_order_py, radix, radix_py
+from switchyard.ext.e2_select import Priced
 from switchyard.router.policies import preble_e2, preble_load, registry
 from switchyard.router.policies.base import RoutingContext, WorkerId, WorkerView
 from switchyard.router.policies.preble_cost import ProfileCost
@@ -80,8 +81,9 @@ class CheckedE2(PrebleE2):
 
     def _cheapest(
         self, ws: list[WorkerView], ctx: RoutingContext, cached: dict[WorkerId, int], path: list[Any], now: float
-    ) -> tuple[WorkerView, dict[WorkerId, Cost]]:
-        got, priced = super()._cheapest(ws, ctx, cached, path, now)
+    ) -> tuple[WorkerView, list[Priced]]:
+        got, raw = super()._cheapest(ws, ctx, cached, path, now)
+        priced = self._costs(ws, raw)
         full = self.loadcosts(ws, ctx, cached, path, now)  # every worker priced, M included (checked below)
         n = len(ws)
         plain = min(
@@ -92,7 +94,7 @@ class CheckedE2(PrebleE2):
         assert all(full[wid] == c for wid, c in priced.items()) and got.worker_id in priced
         self.checks["argmin"] += 1
         self.checks["pruned"] += n - len(priced)
-        return got, priced
+        return got, raw
 
     def loadcosts(
         self,
