@@ -283,11 +283,13 @@ class PrebleE2(Policy):
             return memo[2]
         h = self.history.get(w)
         cost = self.cost_model(w)
-        base = h.load_s(now, cost, self.cfg.decode_pricing == "marginal") if h is not None else 0.0
+        if h is not None:
+            base, first = h.load_since(now, cost, self.cfg.decode_pricing == "marginal")
+        else:
+            base, first = 0.0, math.inf
         v = base + self.moved_load.sum_s(w, cutoff)
         if type(cost) is ProfileCost:
-            first = min(h.first_live_t(now) if h is not None else math.inf, self.moved_load.first_t(w, cutoff))
-            self._load_memo[w] = (now, first, v)
+            self._load_memo[w] = (now, min(first, self.moved_load.first_t(w, cutoff)), v)
         return v
 
     def _drop_load_memo(self, w: str) -> None:

@@ -90,14 +90,6 @@ class WorkerHistory:
         while self.entries and self.entries[0].t < cutoff:
             self._pop()
 
-    def first_live_t(self, now: float) -> float:
-        """Dispatch time of the oldest entry still within H at `now` (inf when none)."""
-        cutoff = now - self.window_s
-        for e in self.entries:
-            if e.t >= cutoff:
-                return e.t
-        return math.inf
-
     def live_sums(self, now: float) -> tuple[int, float, int, int]:
         """(count, Σ PT_r, Σ prompt, Σ decode) over entries within H at `now`, without mutating (select is pure)."""
         n, pre, prompt, dec = len(self.entries), self.sum_prefill_s, self.sum_prompt_tokens, self.sum_decode_tokens
@@ -110,6 +102,19 @@ class WorkerHistory:
 
     def load_s(self, now: float, cost: CostModel, marginal: bool = False) -> float:
         return load_from_sums(*self.live_sums(now), cost, marginal)
+
+    def load_since(self, now: float, cost: CostModel, marginal: bool = False) -> tuple[float, float]:
+        """(`load_s`, dispatch time of the oldest entry still within H at `now`, inf when none): one walk of the
+        expired head for both (`PrebleE2.load_s` memoises L until that entry expires)."""
+        n, pre, prompt, dec = len(self.entries), self.sum_prefill_s, self.sum_prompt_tokens, self.sum_decode_tokens
+        cutoff = now - self.window_s
+        first = math.inf
+        for e in self.entries:  # as live_sums
+            if e.t >= cutoff:
+                first = e.t
+                break
+            n, pre, prompt, dec = n - 1, pre - e.prefill_s, prompt - e.prompt_tokens, dec - e.decode_tokens
+        return load_from_sums(n, pre, prompt, dec, cost, marginal), first
 
     def decode_time_s(self, now: float, cost: CostModel, marginal: bool = False) -> float:
         """DT for one request on this worker (the same for every r in H)."""
@@ -180,7 +185,9 @@ class MovedLoad:
 
     def first_t(self, worker: str, cutoff: float) -> float:
         """Time of the worker's oldest move at or after `cutoff` (inf when none)."""
-        dq = self.by_worker.get(worker, ())
+        dq = self.by_worker.get(worker)
+        if not dq:
+            return math.inf
         if worker in self.unordered:
             return min((t for t, _ in dq if t >= cutoff), default=math.inf)
         return next((t for t, _ in dq if t >= cutoff), math.inf)  # in time order: the first one past the cutoff
@@ -584,7 +591,10 @@ class LruIndex:
         """Resident blocks of the live candidates keyed before `floor_b`, protected ones left out: the eviction
         order takes all of them before any node with a request through it on this worker in the window (a
         candidate stays one until taken, and such a node's key, its last_access, is at least that request's
-        time), so when they cover a prompt's need its M is 0 without simulating the order."""
+        time), so when they cover a prompt's need its M is 0 without simulating the order.
+
+        NOTE: E2's bound kernel (`ext/e2_select.m_is_zero`) takes this exit in C, reading `heap`, `floor_b`,
+        `below` and `cand` by this rule: a change to the rule or to those fields goes there too."""
         fb = self.floor_b
         if fb is None:
             return 0

@@ -11,6 +11,7 @@ Reference costs of that profile (PerfProfile.iteration_time_s, seconds):
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import zlib
 
@@ -308,6 +309,10 @@ def test_incremental_load_equals_recomputation(ops: list[tuple], window_s: float
             expected = sum(e[1] for e in live) + n * COST.decode_s(dec, ctx)
         assert hist.load_s(now, COST) == pytest.approx(expected, rel=1e-9, abs=1e-9)
         assert hist.live_sums(now)[0] == n
+        for at in (now, now + window_s / 2):  # and later, with the head not yet expired: one walk for both
+            kept = log[-max_requests:] if max_requests else log
+            first = min((e[0] for e in kept if e[0] >= at - window_s), default=math.inf)
+            assert hist.load_since(at, COST) == (hist.load_s(at, COST), first)
 
 
 
