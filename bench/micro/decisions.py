@@ -33,7 +33,7 @@ import platform
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,18 +114,19 @@ class Prepared:
     hashes: list[np.ndarray]
     prep_s: float
 
-    def contexts(self) -> Iterator[tuple[RoutingContext, int]]:
-        """(context, output tokens) in arrival order; the tuples are built here, outside any timed region."""
-        for r, toks, hs in zip(self.trace.requests, self.tokens, self.hashes, strict=True):
-            ctx = RoutingContext(
-                request_id=r.request_id,
-                model=MODEL,
-                prompt_token_ids=tuple(toks.tolist()),
-                block_hashes=tuple(hs.tolist()),
-                max_tokens=r.num_output_tokens,
-                arrival_s=r.arrival_s,
-            )
-            yield ctx, r.num_output_tokens
+    def context(self, i: int) -> tuple[RoutingContext, int]:
+        """(context, output tokens) of request i; its tuples are built here, outside any timed region, when the
+        request arrives (after the events before it), as the router builds them on admission."""
+        r, toks, hs = self.trace.requests[i], self.tokens[i], self.hashes[i]
+        ctx = RoutingContext(
+            request_id=r.request_id,
+            model=MODEL,
+            prompt_token_ids=tuple(toks.tolist()),
+            block_hashes=tuple(hs.tolist()),
+            max_tokens=r.num_output_tokens,
+            arrival_s=r.arrival_s,
+        )
+        return ctx, r.num_output_tokens
 
 
 def prepare(wl: WorkloadDef, num_requests: int, seed: int) -> Prepared:
@@ -285,8 +286,8 @@ def run_side_by_side(
     gc.collect()
     gc.disable()  # as the simulator: long-lived small objects, no per-request cycles
     try:
-        for i, (ctx, out_tokens) in enumerate(prep.contexts()):
-            now = ctx.arrival_s
+        for i, req in enumerate(prep.trace.requests):
+            now = req.arrival_s
             # everything that happened before this arrival, in time order
             while True:
                 t_ev = pending[0][0] if pending else float("inf")
@@ -339,6 +340,7 @@ def run_side_by_side(
                         max_tick_ns[j] = max(max_tick_ns[j], dt)
                     next_tick = t + TICK_INTERVAL_S
             fleet.set_time(now)
+            ctx, out_tokens = prep.context(i)
             decisions: list[Any] = [None] * k
             for r in range(k):
                 j = (i + r) % k
