@@ -156,6 +156,7 @@ cdef int _fill(BoundsEnv env, object ws, dict cached, Py_ssize_t n, double now, 
     """Each worker's `Bound` into out[0..len(ws))."""
     cdef Py_ssize_t m = len(ws), i = 0, cb, bs, cap, tok, missed, used, by_stats, need, evict, k, nmemo = 0
     cdef double r, load, q, cutoff = now - env.window_s
+    cdef bint found
     cdef PyObject* p
     cdef object wid, cost, f, o
     # R's memo: (cached blocks, block size, cost model) -> (missed tokens, R), up to _MEMO entries (candidates
@@ -209,11 +210,16 @@ cdef int _fill(BoundsEnv env, object ws, dict cached, Py_ssize_t n, double now, 
         load = 0.0
         if env.with_l:
             p = PyDict_GetItem(env.load_memo, wid)
-            if (p is not NULL and PyTuple_CheckExact(<object>p) and PyTuple_GET_SIZE(<object>p) == 3
-                    and PyFloat_AsDouble(<object>PyTuple_GET_ITEM(<object>p, 0)) <= now
-                    and cutoff <= PyFloat_AsDouble(<object>PyTuple_GET_ITEM(<object>p, 1))):
-                load = PyFloat_AsDouble(<object>PyTuple_GET_ITEM(<object>p, 2))
-            else:
+            found = False
+            if (p is not NULL and PyTuple_CheckExact(<object>p) and PyTuple_GET_SIZE(<object>p) >= 3
+                    and PyTuple_GET_SIZE(<object>p) % 2 == 1
+                    and PyFloat_AsDouble(<object>PyTuple_GET_ITEM(<object>p, 0)) <= now):
+                for k in range(1, PyTuple_GET_SIZE(<object>p), 2):
+                    if cutoff <= PyFloat_AsDouble(<object>PyTuple_GET_ITEM(<object>p, k)):
+                        load = PyFloat_AsDouble(<object>PyTuple_GET_ITEM(<object>p, k + 1))
+                        found = True
+                        break
+            if not found:
                 load = PyFloat_AsDouble(env.load_s(wid, now))
         q = 0.0
         if env.with_q:

@@ -52,8 +52,9 @@ class BoundsEnv:
     """What the bounds read of the policy: its dicts (by reference, so they stay current), its two fallbacks
     and its configuration.
 
-    - `load_memo[w] = (valid_from, first, L)`: L holds while valid_from <= now and now - window_s <= first
-      (`PrebleE2.load_s`'s rule); otherwise `load_s(w, now)` computes (and re-memoises) it.
+    - `load_memo[w] = (valid_from, t_0, L_0, t_1, L_1, ...)`: from valid_from on, L_j holds for the first j
+      with now - window_s <= t_j (`PrebleE2.load_s`'s rule); otherwise `load_s(w, now)` computes (and
+      re-memoises) it.
     - `cost_memo[w]`, else `cost_model(w)`: w's cost model.
     - `facts[w]`: w's static block size and KV capacity (else read from the view).
     """
@@ -100,7 +101,11 @@ def raw_bounds(env: BoundsEnv, ws: Sequence[Any], cached: dict[Any, int], n: int
         load = 0.0
         if env.with_l:
             memo = load_memo.get(wid)
-            load = memo[2] if memo is not None and memo[0] <= now and cutoff <= memo[1] else env.load_s(wid, now)
+            load = None
+            if memo is not None and memo[0] <= now:
+                load = next((memo[j + 1] for j in range(1, len(memo), 2) if cutoff <= memo[j]), None)
+            if load is None:
+                load = env.load_s(wid, now)
         q = 0.0
         if env.with_q:
             o = env.outstanding.get(wid)

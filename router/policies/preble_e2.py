@@ -111,6 +111,10 @@ from switchyard.workers.engine.profiles import DEFAULT_PROFILE
 
 log = logging.getLogger(__name__)
 
+# pieces of L memoised past the current one by on_finish and on_tick (`load_s`): a worker's oldest entry or move
+# expires about once between two of its hooks, so two more pieces keep most selects on the memo
+LOAD_PIECES_AHEAD = 2
+
 
 class E2Config(BaseModel):
     """Every knob of E2; defaults from specs/preble.md §6 ([code] values where the paper gives none)."""
@@ -264,33 +268,53 @@ class PrebleE2(Policy):
         fit = self.fits.get(w) if facts is not None else None
         return fit or profile_cost(self.cfg.default_profile)
 
-    def load_s(self, w: WorkerId, now: float) -> float:
+    def load_s(self, w: WorkerId, now: float, ahead: int = 0) -> float:
         """L_i: the history sum plus what rebalancing moved within H.
 
         NOTE: read for every priced worker of every select, and piecewise constant in `now`: it changes only when
         the worker's history or the moves change (their `on_change` drops the memo) or when `now` passes the
-        expiry of the oldest live entry or move. The last value is kept per worker with that oldest time, and
-        holds while that entry is still live by the sums' own test (t >= now - H), for a cost model whose answers
-        never change (`ProfileCost`; `_remember`, `on_dispatch` and `on_worker_change` drop the memo when the
-        model can change). Exact: the same sums give the same float. The hooks that change a history and
-        `on_tick` (expiry, moves) refresh it, off the selects' path. The selects' bound loop
-        (`ext/e2_select`, `BoundsEnv`) reads this memo by the same rule and calls here on a miss: a change to the
-        memo's shape or rule goes there too.
+        expiry of the oldest live entry or move. The memo is (valid_from, t_0, L_0, t_1, L_1, ...): from
+        valid_from on, L_j holds while now - H <= t_j (the first such j), t_j the oldest entry still live in
+        piece j (`WorkerHistory.load_pieces`); for a cost model whose answers never change (`ProfileCost`;
+        `_remember`, `on_dispatch` and `on_worker_change` drop the memo when the model can change). Exact: the
+        same sums give the same float. The hooks that change a history and `on_tick` (expiry, moves) refresh it:
+        `on_finish` and `on_tick`, off any request's path, with `ahead` pieces more (`LOAD_PIECES_AHEAD`), so the
+        selects between hooks read L from the memo even as entries and moves expire (a move's time is a
+        breakpoint too); `on_dispatch`, which runs before its request is sent, with one (pieces ahead there cost
+        the dispatch what they saved the selects). A worker given a move out of time order memoises one piece,
+        t_0 its oldest live entry or move.
+        The selects' bound loop (`ext/e2_select`, `BoundsEnv`) reads this memo by the same rule and calls here on
+        a miss: a change to the memo's shape or rule goes there too.
         """
         memo = self._load_memo.get(w)
         cutoff = now - self.cfg.history_window_s
-        if memo is not None and memo[0] <= now and cutoff <= memo[1]:
-            return memo[2]
+        if memo is not None and memo[0] <= now:
+            for j in range(1, len(memo), 2):
+                if cutoff <= memo[j]:
+                    return memo[j + 1]
         h = self.history.get(w)
         cost = self.cost_model(w)
+        moved = self.moved_load.sum_s(w, cutoff)
+        if type(cost) is not ProfileCost:
+            return (h.load_s(now, cost, self.cfg.decode_pricing == "marginal") if h is not None else 0.0) + moved
+        marginal = self.cfg.decode_pricing == "marginal"
+        dq = self.moved_load.by_worker.get(w)
+        if not ahead or w in self.moved_load.unordered:  # one piece (out of order: until the oldest live move)
+            t, base = h.load_pieces(now, cost, marginal)[0] if h is not None else (math.inf, 0.0)
+            v = base + moved
+            self._load_memo[w] = (now, min(t, self.moved_load.first_t(w, cutoff)) if dq else t, v)
+            return v
+        cuts = [t for t, _ in dq if t >= cutoff] if dq else []  # in time order: the moves' expiries cut too
         if h is not None:
-            base, first = h.load_since(now, cost, self.cfg.decode_pricing == "marginal")
+            pieces = h.load_pieces(now, cost, marginal, 1 + ahead, cuts)
         else:
-            base, first = 0.0, math.inf
-        v = base + self.moved_load.sum_s(w, cutoff)
-        if type(cost) is ProfileCost:
-            self._load_memo[w] = (now, min(first, self.moved_load.first_t(w, cutoff)), v)
-        return v
+            pieces = [(cuts[0] if cuts else math.inf, 0.0)]
+        memo: tuple[float, ...] = (now,)
+        for j, (t, base) in enumerate(pieces):
+            # piece j's moves: those at or after its t_j (none lies between two breakpoints), the same sum
+            memo += (t, base + (moved if j == 0 else self.moved_load.sum_s(w, t)))
+        self._load_memo[w] = memo
+        return memo[2]
 
     def _drop_load_memo(self, w: str) -> None:
         """The `on_change` of w's history and of the moves: L's memo no longer holds."""
@@ -689,7 +713,7 @@ class PrebleE2(Policy):
         hist = self.history.get(worker_id)
         if hist is not None:
             hist.set_decode(request_id, num_output_tokens)
-            self.load_s(worker_id, now)  # as on_dispatch
+            self.load_s(worker_id, now, LOAD_PIECES_AHEAD)  # as on_dispatch
         key = self.key_of(rec.block_hashes)
         if key is not None and isinstance(key.stats, NodeStats):
             key.stats.add_decode(num_output_tokens)
@@ -811,7 +835,7 @@ class PrebleE2(Policy):
             budget_hit = before - self.tree.num_blocks >= self.cfg.gc_budget_blocks
             self._next_gc = now if budget_hit else now + self.cfg.gc_interval_s
         for w in self.history:  # expiry and moves above changed L: price it here, off the selects' path
-            self.load_s(w, now)
+            self.load_s(w, now, LOAD_PIECES_AHEAD)
         self.advance_cold(now)
 
     def cold_floor(self, w: WorkerId, now: float) -> float:

@@ -9,7 +9,7 @@ import bisect
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,18 +103,36 @@ class WorkerHistory:
     def load_s(self, now: float, cost: CostModel, marginal: bool = False) -> float:
         return load_from_sums(*self.live_sums(now), cost, marginal)
 
-    def load_since(self, now: float, cost: CostModel, marginal: bool = False) -> tuple[float, float]:
-        """(`load_s`, dispatch time of the oldest entry still within H at `now`, inf when none): one walk of the
-        expired head for both (`PrebleE2.load_s` memoises L until that entry expires)."""
+    def load_pieces(
+        self, now: float, cost: CostModel, marginal: bool = False, k: int = 1, cuts: Sequence[float] = ()
+    ) -> list[tuple[float, float]]:
+        """L's history part now and after each of the next expiries, at most k pieces: [(t_j, L_j)], L_j holding
+        while the window's start is at or before t_j (and after t_{j-1}), t_j the oldest dispatch time still in
+        the window then, or an earlier time of `cuts` (ascending, all at or after now - H: the caller's other
+        breakpoints), inf when neither is left (the last piece). L_0 = `load_s(now)`. Each piece's sums
+        subtract the expired head in order, as `live_sums` does at any time in that piece, so L_j is the float
+        `load_s` gives there (`PrebleE2.load_s` memoises the pieces, so selects between hooks read L as entries
+        expire)."""
         n, pre, prompt, dec = len(self.entries), self.sum_prefill_s, self.sum_prompt_tokens, self.sum_decode_tokens
         cutoff = now - self.window_s
-        first = math.inf
-        for e in self.entries:  # as live_sums
-            if e.t >= cutoff:
-                first = e.t
-                break
+        it = iter(self.entries)
+        e = next(it, None)
+        while e is not None and e.t < cutoff:  # as live_sums
             n, pre, prompt, dec = n - 1, pre - e.prefill_s, prompt - e.prompt_tokens, dec - e.decode_tokens
-        return load_from_sums(n, pre, prompt, dec, cost, marginal), first
+            e = next(it, None)
+        cut_it = iter(cuts)
+        c = next(cut_it, math.inf)
+        out: list[tuple[float, float]] = []
+        while True:
+            first = min(e.t if e is not None else math.inf, c)
+            out.append((first, load_from_sums(n, pre, prompt, dec, cost, marginal)))
+            if first == math.inf or len(out) >= k:
+                return out
+            while e is not None and e.t <= first:  # the entries dispatched at `first` leave together
+                n, pre, prompt, dec = n - 1, pre - e.prefill_s, prompt - e.prompt_tokens, dec - e.decode_tokens
+                e = next(it, None)
+            while c <= first:
+                c = next(cut_it, math.inf)
 
     def decode_time_s(self, now: float, cost: CostModel, marginal: bool = False) -> float:
         """DT for one request on this worker (the same for every r in H)."""

@@ -4,6 +4,7 @@ E2's hooks, every configuration switch, both memo paths of L, and R's memo past 
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -99,12 +100,15 @@ def test_cython_bounds_equal_reference(seed: int) -> None:
     prompts = random_prompts(rng, 40, labels=50)
     clock = [0.0]
     seen = {"evict": 0, "queued": 0, "memo_miss": 0, "many_r": 0, "no_facts": 0, "pruned": 0, "m_asked": 0,
-            "m_cold": 0}
+            "m_cold": 0, "later_piece": 0}
     for step in drive(policy, rng, prompts, WORKERS, 300, clock=clock):
         if step % 3:
             continue
         if step % 5 == 0:
             policy.advance_cold(clock[0])  # as on_tick: the cold floors that `m_is_zero` reads
+        if step % 4 == 0:
+            for w in WORKERS:  # as on_tick and on_finish: L's memo with pieces ahead
+                policy.load_s(w, clock[0], 2)
         now = clock[0] + rng.choice([0.0, 0.5, 3.0])
         path = policy.tree.match(rng.choice(prompts)).path  # the protected nodes
         # every other step beyond the driven workers: unknown ones (no history, no LRU, no facts), up to 40 for R's
@@ -120,6 +124,9 @@ def test_cython_bounds_equal_reference(seed: int) -> None:
                      with_q=rng.random() < 0.8)
         ref_env, c_env = _envs(policy, facts, flags)
         seen["memo_miss"] += sum(1 for v in ws if v.worker_id not in policy._load_memo)
+        seen["later_piece"] += sum(1 for v in ws if (mm := policy._load_memo.get(v.worker_id)) and mm[0] <= now
+                                   and now - policy.cfg.history_window_s > mm[1]
+                                   and any(now - policy.cfg.history_window_s <= t for t in mm[3::2]))
         got = _e2_select_c.raw_bounds(c_env, ws, cached, n, now)  # type: ignore[union-attr]
         want = e2_select_py.raw_bounds(ref_env, ws, cached, n, now)
         assert got == want
@@ -179,6 +186,9 @@ def test_bounds_price_each_term(mod: str) -> None:
     got = impl.raw_bounds(env, ws, {w0: 2, w1: 5}, 80, 6.0)
     assert got == [(1.5, 48 * 0.001 + 32 * 0.0001, 0.0, 1), (9.0, 1 * 0.001 + 79 * 0.0001, 0.25, 0)]
     assert impl.raw_bounds(env, ws[:1], {w0: 2}, 80, 7.5)[0][0] == 9.0  # 7.5 - 3 > 4: the memo expired
+    # later pieces of L's memo: from valid_from 5 on, L_j for the first j with now - 3 <= t_j; before 5, asked
+    env.load_memo[w0] = (5.0, 4.0, 1.5, 6.0, 1.2, math.inf, 0.7)
+    assert [impl.raw_bounds(env, ws[:1], {w0: 2}, 80, now)[0][0] for now in (7.0, 8.5, 9.5, 4.5)] == [1.5, 1.2, 0.7, 9.0]
     # the branch and bound, nothing cached: w0's bound 1.5 + R + 0 is below w1's 9.0 + R + 0.25, and w0 would
     # evict 3 blocks (5 needed, 2 free), so M is asked of w0 first; with M = 0.5 w0 wins and w1, whose bound is
     # above w0's total, is never priced; with M = 10 w1 is priced too and wins

@@ -10,6 +10,7 @@ Unit tests cover the per-worker moved-load table and the cost model's memo.
 from __future__ import annotations
 
 import builtins
+import math
 import random
 from collections import deque
 from typing import Any
@@ -26,6 +27,7 @@ from switchyard.router.policies.base import RoutingContext, WorkerId, WorkerView
 from switchyard.router.policies.preble_cost import ProfileCost
 from switchyard.router.policies.preble_e2 import Cost, E2Config, PrebleE2
 from switchyard.router.policies.preble_load import (
+    HistoryEntry,
     LruIndex,
     MovedLoad,
     NodeStats,
@@ -248,6 +250,41 @@ def test_moved_load_sums_as_one_flat_list() -> None:
         for w in workers:
             cutoff = now - rng.choice([5.0, 20.0, 30.0])
             assert moved.sum_s(w, cutoff) == sum(d for t, x, d in flat if x == w and t >= cutoff)
+
+
+@pytest.mark.parametrize("unordered", [False, True])
+def test_load_memo_pieces_equal_l_from_scratch(unordered: bool) -> None:
+    """The pieces of L a hook memoises ahead (`load_s(w, now, ahead)`: the next expiries of entries and moves)
+    are, bit for bit, L priced from scratch at a time inside each piece, and a select there reads the memo."""
+    rng = random.Random(11)
+    policy = PrebleE2(E2Config(history_window_s=10.0))
+    w = WorkerId("w0")
+    hist = policy.history[w] = preble_load.WorkerHistory(10.0)
+    hist.on_change = lambda: policy._drop_load_memo(w)
+    policy.moved_load.on_change = policy._drop_load_memo
+    for i, t in enumerate([1.0, 2.0, 2.0, 4.0, 6.0, 8.5]):
+        hist.add(HistoryEntry(t, f"r{i}", rng.uniform(0.01, 2.0), rng.randint(10, 900), rng.randint(1, 300)))
+    for t in ([1.5, 3.0, 5.0, 7.0] if not unordered else [3.0, 1.5, 5.0]):
+        policy.moved_load.add(t, w, rng.uniform(-0.5, 0.5))
+    cost, marginal = policy.cost_model(w), policy.cfg.decode_pricing == "marginal"
+
+    def scratch(now: float) -> float:
+        cutoff = now - 10.0
+        moves = sum(d for t, d in policy.moved_load.by_worker[w] if t >= cutoff)
+        return load_from_sums(*hist.live_sums(now), cost, marginal) + moves
+
+    policy.load_s(w, 11.5, 20)
+    memo = policy._load_memo[w]
+    if unordered:  # a move out of time order: one piece, until the oldest live entry or move expires
+        assert memo == (11.5, 1.5, scratch(11.5))
+        return
+    cuts = memo[1::2]
+    assert cuts == (1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.5, math.inf)  # entries' and moves' times, merged
+    assert memo[2] == scratch(11.5)
+    for prev, t, want in zip(cuts[:-1], cuts[1:], memo[4::2], strict=True):
+        now = ((prev + t) / 2 if t < math.inf else prev + 1.0) + 10.0
+        assert want == scratch(now) == policy.load_s(w, now)
+        assert policy._load_memo[w] is memo  # read from the memo, not priced again
 
 
 def test_profile_cost_formulas_are_exact() -> None:

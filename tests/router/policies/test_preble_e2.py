@@ -309,10 +309,18 @@ def test_incremental_load_equals_recomputation(ops: list[tuple], window_s: float
             expected = sum(e[1] for e in live) + n * COST.decode_s(dec, ctx)
         assert hist.load_s(now, COST) == pytest.approx(expected, rel=1e-9, abs=1e-9)
         assert hist.live_sums(now)[0] == n
-        for at in (now, now + window_s / 2):  # and later, with the head not yet expired: one walk for both
+        for at in (now, now + window_s / 2):  # and later, with the head not yet expired
             kept = log[-max_requests:] if max_requests else log
             first = min((e[0] for e in kept if e[0] >= at - window_s), default=math.inf)
-            assert hist.load_since(at, COST) == (hist.load_s(at, COST), first)
+            pieces = hist.load_pieces(at, COST, k=4)
+            assert pieces[0] == (first, hist.load_s(at, COST))
+            assert len(pieces) == 4 or pieces[-1][0] == math.inf
+            # each later piece is what load_s gives while the window's start is inside it
+            for (prev, _), (t, load) in zip(pieces, pieces[1:], strict=False):
+                assert prev < t
+                when = (prev + t) / 2 + window_s if t < math.inf else prev + 2 * window_s
+                if prev < when - window_s <= t:  # (not lost to rounding)
+                    assert load == hist.load_s(when, COST)
 
 
 
