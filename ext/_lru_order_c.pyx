@@ -7,7 +7,7 @@ of (last_access, seq, position), the index's tables are read with the dict C API
 (`id()` is `PyLong_FromVoidPtr`).
 """
 
-from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
+from cpython.dict cimport PyDict_Contains, PyDict_GetItem, PyDict_Next, PyDict_SetItem
 from cpython.long cimport PyLong_FromVoidPtr
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.ref cimport PyObject
@@ -306,3 +306,50 @@ cdef class EvictionOrder:
                         self.unlocked[kp] = la
                         heapq.heappush(self.extra, (la, par.seq, par))
             return True
+
+
+def touch_holders(dict lru, list nodes):
+    """As `lru_order_py.touch_holders`, with `LruIndex.touch_unmoved` inlined: it returns True, having done
+    nothing but drop a stale eviction order, for nearly every (node, holder) of a dispatch (a shared prefix's
+    node, with resident children there); that exit reads the index's `entries`, `keyed`, `_order` and `held` in
+    C. Anything else is the index's own `touch_unmoved` path (`_consider`, `_prune`) or `touch`."""
+    cdef Py_ssize_t pos
+    cdef PyObject* pw
+    cdef PyObject* prun
+    cdef PyObject* p
+    cdef dict res
+    cdef object idx, k, parent, order
+    cdef dict keyed
+    cdef bint attached
+    for node in nodes:
+        res = node.resident
+        if not res:
+            continue
+        k, parent, attached = id(node), node.parent, node.is_attached
+        pos = 0
+        while PyDict_Next(res, &pos, &pw, &prun):
+            p = PyDict_GetItem(lru, <object>pw)
+            if p is NULL:
+                continue
+            idx = <object>p
+            if <object>prun > 0 and attached:
+                p = PyDict_GetItem(<dict?>idx.entries, k)
+                if p is not NULL and (<tuple>(<object>p))[1] is parent:
+                    keyed = <dict?>idx.keyed
+                    order = idx._order
+                    if order is not None and (PyDict_Contains(keyed, k) or _order_reached(order, k)):
+                        idx._order = None
+                    p = PyDict_GetItem(<dict?>idx.held, k)
+                    if p is not NULL and <object>p and not PyDict_Contains(keyed, k):
+                        continue  # not a candidate before or after: heap and keys unchanged
+                    idx._consider(node)
+                    idx._prune()
+                    continue
+            idx.touch(<object>pw, node, res)
+
+
+cdef bint _order_reached(object order, object k) except -1:
+    """`k in order.done or k in order.unlocked`: whether the simulation has reached node k."""
+    if type(order) is EvictionOrder:
+        return PySet_Contains((<EvictionOrder>order).done, k) or PyDict_GetItem((<EvictionOrder>order).unlocked, k) != NULL
+    return k in order.done or k in order.unlocked

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import os
 
-from switchyard.ext.lru_order_py import EvictionOrder
+from switchyard.ext.lru_order_py import EvictionOrder, touch_holders
 
 IMPLEMENTATION = "py"
 
 if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
     try:
-        from switchyard.ext._lru_order_c import EvictionOrder  # type: ignore[no-redef]  # noqa: F811
+        from switchyard.ext._lru_order_c import EvictionOrder, touch_holders  # type: ignore[no-redef]  # noqa: F811
 
         IMPLEMENTATION = "c"
     except ImportError:  # pragma: no cover - exercised by test_c_extension_loaded
         pass
 
-__all__ = ["IMPLEMENTATION", "EvictionOrder"]
+__all__ = ["IMPLEMENTATION", "EvictionOrder", "touch_holders"]

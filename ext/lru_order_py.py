@@ -1,9 +1,13 @@
 """The eviction order of one worker's LRU index: which resident nodes its LRU would evict, in order (Preble §4.2).
 
 Reference build (obviously correct); `_lru_order_c.pyx` is the Cython build, `lru_order.py` the selector. The
-index is `router.policies.preble_load.LruIndex`; this module reads its `heap`, `keyed`, `entries` and `held`
+index is `router.policies.preble_load.LruIndex`; `EvictionOrder` reads its `heap`, `keyed`, `entries` and `held`
 and never writes them. `stats_type` is the class of the per-node statistics whose `hits` (per worker) mark the
 nodes M prices (`hot`); passed in, as nothing here imports from `router/`.
+
+`touch_holders` is a dispatch's reconcile of the indexes of a matched path's holders: the index's own
+`touch_unmoved` and `touch`, called per (node, worker) here; the Cython build takes `touch_unmoved`'s common exit
+in C.
 """
 
 from __future__ import annotations
@@ -158,3 +162,19 @@ class EvictionOrder:
                     unlocked[kp] = p.last_access
                     heapq.heappush(extra, (p.last_access, p.seq, p))
             return True
+
+
+def touch_holders(lru: dict[Any, Any], nodes: list[Any]) -> None:
+    """Reconcile, for each node of `nodes` whose residency and parent did not change, the LRU index (`lru[w]`) of
+    every worker w it is resident on: `idx.touch_unmoved(node, id(node), node.parent)` where it is resident and
+    attached, else (or when that answers False) `idx.touch(w, node, node.resident)`. Only last_access moved,
+    so only those indexes can hold the nodes (`PrebleE2._touch_holders`)."""
+    for node in nodes:
+        res = node.resident
+        if not res:
+            continue
+        k, parent, attached = id(node), node.parent, node.is_attached
+        for w, run in res.items():
+            idx = lru.get(w)
+            if idx is not None and not (run > 0 and attached and idx.touch_unmoved(node, k, parent)):
+                idx.touch(w, node, res)

@@ -662,8 +662,9 @@ class LruIndex:
         Only last_access (or the resident count) can have moved then: the eviction order depends on the node only
         once it is a candidate or the simulation has reached it (a shared prefix, touched by every request, is
         neither while its children are resident).
-        NOTE: a dispatch touches every holder's index for each node of the prompt's matched path (`_touch_holders`
-        hoists k and parent out of that loop), and this case is nearly all of them.
+        NOTE: a dispatch touches every holder's index for each node of the prompt's matched path, and this case is
+        nearly all of them: `ext/lru_order.touch_holders` (`PrebleE2._touch_holders`) takes it in C, reading
+        `entries`, `keyed`, `_order` and `held` by this rule; a change here goes there too.
         """
         old = self.entries.get(k)
         if old is None or old[1] is not parent:

@@ -126,3 +126,55 @@ def _full(order: object) -> list[tuple[object, int, int]]:
         out.append(step)
     return out
 
+
+
+def _index_state(policy: PrebleE2) -> dict:  # type: ignore[type-arg]
+    """Every LRU index's tables by node creation order (the two policies' nodes are different objects)."""
+    seq = {id(n): n.seq for n in policy.tree.nodes()}
+    out = {}
+    for w, idx in sorted(policy.lru.items()):
+        out[w] = (
+            sorted((seq.get(k, -1), None if p is None else p.seq) for k, (_, p) in idx.entries.items()),
+            sorted((seq.get(k, -1), c) for k, c in idx.held.items()),
+            sorted((seq.get(k, -1), la) for k, la in idx.keyed.items()),
+            sorted((la, s) for la, s, _ in idx.heap),
+            idx._order is None,
+        )
+    return out
+
+
+@pytest.mark.c_extension
+@pytest.mark.skipif(_lru_order_c is None, reason="Cython extension not built")
+@pytest.mark.parametrize("seed", range(6))
+def test_cython_touch_holders_equals_reference(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dispatch's reconcile of the holders' indexes (`touch_holders`): the same tables, heaps and dropped
+    orders as the reference, with eviction orders simulated part of the way before each step (so dropping
+    them is tested), over hook-driven states."""
+    from switchyard.router.policies import preble_e2
+
+    calls = {"c": 0, "py": 0}
+
+    def counted(impl: str, fn):  # type: ignore[no-untyped-def]
+        def run(lru, nodes):  # type: ignore[no-untyped-def]
+            calls[impl] += 1
+            return fn(lru, nodes)
+        return run
+
+    policies = {impl: PrebleE2(E2Config.paper(node_window_s=5.0)) for impl in ("c", "py")}
+    fns = {"c": counted("c", _lru_order_c.touch_holders), "py": counted("py", lru_order_py.touch_holders)}
+    drives = {impl: drive(p, random.Random(seed), random_prompts(random.Random(seed), 40, labels=50), WORKERS, 250)
+              for impl, p in policies.items()}
+    pick = random.Random(seed + 100)
+    dropped = 0
+    for _ in range(250):
+        need = pick.choice([1, 4, 20])
+        for impl, p in policies.items():
+            for w, idx in sorted(p.lru.items()):  # an order read part of the way, as a select's M leaves it
+                idx._order = lru_order.EvictionOrder(idx, w, NodeStats)
+                idx._order.reach(need)
+            monkeypatch.setattr(preble_e2, "touch_holders", fns[impl])
+            next(drives[impl])
+        state = _index_state(policies["c"])
+        assert state == _index_state(policies["py"])
+        dropped += sum(1 for s in state.values() if s[4])
+    assert calls["c"] == calls["py"] > 20 and dropped > 0
