@@ -569,6 +569,14 @@ cdef class RadixTree:
                 asg_alive &= asg_alive - 1
                 asg_run[s] = cum
 
+    def walk(self, block_hashes):
+        """See radix_py."""
+        cdef object seq = _fast_seq(block_hashes)
+        cdef Py_ssize_t last_m = 0
+        cdef list path = []
+        cdef Py_ssize_t matched = self._walk(PySequence_Fast_ITEMS(seq), PySequence_Fast_GET_SIZE(seq), path, &last_m)
+        return path, matched
+
     def match(self, block_hashes):
         cdef object seq = _fast_seq(block_hashes)
         cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)

@@ -298,6 +298,11 @@ class RadixTree:
                 best, end, best_n = node, start + n, n
         return best, end
 
+    def walk(self, block_hashes: Sequence[int]) -> tuple[list[Node], int]:
+        """(`match`'s path, its matched blocks) without the per-worker runs: a key-portion lookup."""
+        path, matched, _ = self._walk(block_hashes)
+        return path, matched
+
     def match(self, block_hashes: Sequence[int]) -> MatchResult:
         path, matched, last_m = self._walk(block_hashes)
         result = MatchResult(path=path, matched_blocks=matched, key_node=key_node(path))

@@ -341,8 +341,8 @@ class PrebleE2(Policy):
         """The key-portion node of a prompt in the current tree (None when nothing of it is in the tree)."""
         if not block_hashes:
             return None
-        m = self.tree.match(block_hashes)
-        return self._key_end(m.path, m.matched_blocks)[0]
+        path, matched = self.tree.walk(block_hashes)  # no per-worker runs: ~1/3 of a `match`
+        return self._key_end(path, matched)[0]
 
     def loadcost(self, w: WorkerView, ctx: RoutingContext, cached_blocks: int, path: list[Any], now: float) -> Cost:
         """LOADCOST(w) = L + M + R (+ Q) of R_k (see the module docstring)."""

@@ -315,6 +315,9 @@ class SideBySide(RuleBasedStateMachine):
         hashes = self.chain(tokens)
         results = [t.match(hashes) for t in self.trees]
         self.same([match_view(m) for m in results])
+        for t, m in zip(self.trees, results, strict=True):  # walk: match's path and count, nothing else
+            path, matched = t.walk(hashes)
+            assert [id(n) for n in path] == [id(n) for n in m.path] and matched == m.matched_blocks
         # claim 10: a reported resident run is held by the worker's cache, block by block
         for w, r in results[0].resident_blocks.items():
             assert set(hashes[:r]) <= self.held.get(w, set()), (w, r)
