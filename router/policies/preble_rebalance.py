@@ -41,6 +41,25 @@ def node_loads(p: PrebleE2, worker: str, now: float) -> dict[int, list[Any]]:
     return acc
 
 
+def node_load(p: PrebleE2, worker: str, node: Any, now: float) -> float:
+    """`node_loads(p, worker, now)`'s Σ for one key node (0.0 when none): the same entries in the same order, so
+    the same float, with `key_of` asked only of the entries whose prompt has the node's first block at its
+    position (a necessary condition for the node to be their key portion), not of the whole history."""
+    hist = p.history.get(worker)  # type: ignore[call-overload]
+    if hist is None:
+        return 0.0
+    dt = hist.decode_time_s(now, p.cost_model(worker), p.cfg.decode_pricing == "marginal")  # type: ignore[arg-type]
+    cutoff = now - p.cfg.history_window_s
+    at, first = node.context_blocks, node.blocks[0]
+    total, found = 0.0, False
+    for e in hist.entries:
+        h = e.block_hashes
+        if e.t >= cutoff and len(h) > at and h[at] == first and p.key_of(h) is node:
+            total = total + (e.prefill_s + dt) if found else e.prefill_s + dt  # node_loads' sum, in order
+            found = True
+    return total
+
+
 def node_costs(p: PrebleE2, heavy: str, now: float) -> list[tuple[float, Any]]:
     """(cost s, key node) for the heavy worker's key nodes with >= `rebalance_min_node_requests` requests in H
     and no live redirect away from it, cheapest first."""
@@ -126,7 +145,7 @@ def maybe_replicate(p: PrebleE2, now: float) -> None:
             continue
         st.replicas[light] = now + window
         st.ttft[heavy].clear()  # the detector restarts (the code resets (n, heavy))
-        half = node_loads(p, heavy, now).get(id(node), [None, 0, 0.0])[2] / 2  # the code splits the node's cost
+        half = node_load(p, heavy, node, now) / 2  # the code splits the node's cost
         p.moved_load.add(now, heavy, -half)
         p.moved_load.add(now, light, half)
         p.num_replications += 1

@@ -340,6 +340,34 @@ def test_node_median_decode_is_the_windowed_median(tokens: list[int], reads: lis
 
 # ---------------------------------------------------------------------------------------------- rebalancing
 @pytest.mark.usefixtures("impl")
+@pytest.mark.parametrize("seed", range(4))
+def test_one_node_s_load_equals_its_share_of_all_node_loads(seed: int) -> None:
+    """Replication's `node_load` (key_of asked only where the node's first block is at its place) is, bit for
+    bit, that node's Σ in `node_loads` over the whole history, and 0.0 for a node that keys no request."""
+    import random
+
+    from switchyard.router.policies.preble_rebalance import node_load, node_loads
+
+    rng = random.Random(seed)
+    policy = PrebleE2(E2Config(history_window_s=30.0))
+    workers = [WorkerId(f"w{i}") for i in range(3)]
+    clock = [0.0]
+    checked = 0
+    for step in drive(policy, rng, random_prompts(rng, 40, labels=12), workers, 300, clock=clock):
+        if step % 25:
+            continue
+        now = clock[0]
+        for w in workers:
+            loads = node_loads(policy, w, now)
+            for node, _, total in loads.values():
+                assert node_load(policy, w, node, now) == total
+                checked += 1
+            for node in policy.tree.nodes()[:5]:
+                if id(node) not in loads:
+                    assert node_load(policy, w, node, now) == 0.0
+    assert checked > 20
+
+
 def test_rebalancing_redirects_the_cheapest_key_node() -> None:
     cfg = E2Config.paper(rebalance_min_requests_per_worker=3, enable_replication=False, enable_pd_balancing=False)
     fleet, policy = make_fleet(2), PrebleE2(cfg)
