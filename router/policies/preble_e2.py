@@ -741,8 +741,19 @@ class PrebleE2(Policy):
                     idx = self.lru[w] = LruIndex()
                 keys = ev.block_hashes if ev.parent_block_hash is None else (ev.parent_block_hash, *ev.block_hashes)
                 before = [run[0] for run in tree.runs_of(keys)]  # a split keeps these
+                parents = [node.parent for node in before]
                 tree.mark_resident(w, ev.block_hashes, ev.parent_block_hash, batch.ts)
-                self._touch(before + [run[0] for run in tree.runs_of(keys)])
+                nodes = before + [run[0] for run in tree.runs_of(keys)]
+                if all(node.parent is p for node, p in zip(before, parents, strict=True)):
+                    # no split: only w's residency moved (a new leaf holds w alone), so only w's index can
+                    # change; the other holders' indexes are not asked (a shared prefix: the whole fleet)
+                    seen: set[int] = set()
+                    for node in nodes:
+                        if id(node) not in seen:
+                            seen.add(id(node))
+                            idx.touch(w, node)
+                else:
+                    self._touch(nodes)
                 self.resident_count[w] = self.resident_count.get(w, 0) + len(ev.block_hashes)
                 evicted = self.evicted.get(w)
                 if evicted:
