@@ -50,9 +50,9 @@ def _git(repo: Path, *args: str) -> str:
 
 
 def _copy(repo: Path, sha: str, src_dir: str, dest: Path, renames: Callable[[str], str], suffixes: tuple[str, ...]
-          ) -> list[str]:
+          ) -> None:
     """Write the files of `src_dir` at `sha` with these suffixes under `dest` (created whole or not at all),
-    imports renamed by `renames`; returns their names."""
+    imports renamed by `renames`."""
     files = [f for f in _git(repo, "ls-tree", "-r", "--name-only", sha, "--", src_dir).split()
              if f.endswith(suffixes)]
     if not dest.exists():
@@ -64,13 +64,13 @@ def _copy(repo: Path, sha: str, src_dir: str, dest: Path, renames: Callable[[str
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(renames(_git(repo, "show", f"{sha}:{f}")))
         tmp.rename(dest)
-    return [Path(f).relative_to(src_dir).as_posix() for f in files]
 
 
 def _ext_at(repo: Path, sha: str) -> Callable[[str], str]:
     """The rename of `switchyard.ext` imports for code of revision `sha`: identity when ext/'s sources there are
     the working tree's, else to a private copy of that ext/ with its changed `.pyx` compiled."""
-    changed = {Path(f).name for f in _git(repo, "diff", "--name-only", sha, "--", _EXT_DIR).split()}
+    changed = {Path(f).name for f in _git(repo, "diff", "--name-only", sha, "--", _EXT_DIR).split()
+               if f.endswith((".py", ".pyx", ".pxd"))}  # (not its README)
     if not changed:
         return lambda text: text
     name = f"_switchyard_ext_{sha[:12]}"
@@ -132,12 +132,10 @@ def package_at(rev: str) -> str:
         sys.path.insert(0, str(_root))
     dest = _root / name
     if not dest.exists():
-        ext = _ext_at(repo, sha)
-        files = _copy(repo, sha, _DIR, dest, lambda text: ext(re.sub(rf"\b{re.escape(PACKAGE)}\b", name, text)),
-                      (".py",))
-        if "__init__.py" not in files:
-            shutil.rmtree(dest)
+        if f"{_DIR}/__init__.py" not in _git(repo, "ls-tree", "-r", "--name-only", sha, "--", _DIR).split():
             raise ValueError(f"{rev} has no {_DIR} package")
+        ext = _ext_at(repo, sha)
+        _copy(repo, sha, _DIR, dest, lambda text: ext(re.sub(rf"\b{re.escape(PACKAGE)}\b", name, text)), (".py",))
     return name
 
 

@@ -275,8 +275,8 @@ class PrebleE2(Policy):
         NOTE: read for every priced worker of every select, and piecewise constant in `now`: it changes only when
         the worker's history or the moves change (their `on_change` drops the memo) or when `now` passes the
         expiry of the oldest live entry or move. The memo is (valid_from, t_0, L_0, t_1, L_1, ...): from
-        valid_from on, L_j holds while now - H <= t_j (the first such j), t_j the oldest entry still live in
-        piece j (`WorkerHistory.load_pieces`); for a cost model whose answers never change (`ProfileCost`;
+        valid_from on, L_j holds while now - H <= t_j (the first such j), t_j the time of the oldest entry or
+        move still live in piece j (`WorkerHistory.load_pieces`); for a cost model whose answers never change (`ProfileCost`;
         `_remember`, `on_dispatch` and `on_worker_change` drop the memo when the model can change). Exact: the
         same sums give the same float. The hooks that change a history and `on_tick` (expiry, moves) refresh it:
         `on_finish` and `on_tick`, off any request's path, with `ahead` pieces more (`LOAD_PIECES_AHEAD`), so the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -12,7 +13,6 @@ import pytest
 import switchyard.router.policies as current
 from switchyard.bench.micro import decisions
 from switchyard.bench.micro.revision import package_at, policy_at
-from switchyard.ext.radix import RadixTree
 from switchyard.router.policies.preble_e2 import PrebleE2
 
 REPO = Path(current.__file__).resolve().parents[2]
@@ -48,16 +48,25 @@ def test_an_unknown_revision_is_a_clear_error() -> None:
 
 def test_a_revision_with_another_ext_gets_that_revision_s_build(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     # 6c2da1b's E2 imports `ordered_bounds` from ext/e2_select, which the next commit folded into `cheapest`:
-    # its ext/ is copied and its changed .pyx (only _e2_select_c) compiled; the rest stays today's build
+    # its ext/ is copied, the .pyx that differ from the working tree's compiled, the others stay today's build
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a cold cache: the build runs here
-    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "6c2da1b"], check=True, capture_output=True,
-                         text=True).stdout.strip()
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *args], check=True, capture_output=True, text=True).stdout
+
+    sha = git("rev-parse", "6c2da1b").strip()
+    changed = {Path(f).stem for f in git("diff", "--name-only", sha, "--", "ext/").split() if f.endswith(".pyx")}
     p = policy_at("e2", "6c2da1b")
     ext = f"_switchyard_ext_{sha[:12]}"
     kernel = sys.modules[f"{ext}._e2_select_c"]
     assert Path(kernel.__file__ or "").is_relative_to(tmp_path) and hasattr(kernel, "ordered_bounds")
     assert sys.modules[f"{ext}.e2_select"].IMPLEMENTATION == "c"
-    assert type(p.tree) is RadixTree  # its .pyx is the same at 6c2da1b: today's build
+    for selector, cls, pyx in (("radix", "RadixTree", "_radix_c"), ("anticipator", "Anticipator", "_anticipator_c")):
+        theirs = getattr(sys.modules[f"{ext}.{selector}"], cls)
+        assert (theirs is getattr(importlib.import_module(f"switchyard.ext.{selector}"), cls)) == (pyx not in changed)
+        if pyx in changed:
+            assert Path(sys.modules[f"{ext}.{pyx}"].__file__ or "").is_relative_to(tmp_path)
+    assert type(p.tree) is sys.modules[f"{ext}.radix"].RadixTree
     rc = decisions.main(["--num-requests", "30", "--workloads", "toolbench-200", "--workers", "4", "--paired",
                          "--policies", "e2@6c2da1b,e2", "--out", str(tmp_path / "out"), "--no-plot"])
     assert rc == 0
