@@ -20,7 +20,7 @@ import pytest
 import switchyard.bench.micro.decisions as bench
 from switchyard.bench.sim import SimConfig, Simulator
 from switchyard.bench.workloads import WorkloadSpec, make_workload
-from switchyard.ext import lru_order, lru_order_py, radix, radix_py
+from switchyard.ext import e2_select, e2_select_py, lru_order, lru_order_py, radix, radix_py
 from switchyard.ext.e2_select import Priced
 from switchyard.router.policies import preble_e2, preble_load, registry
 from switchyard.router.policies.base import RoutingContext, WorkerId, WorkerView
@@ -173,6 +173,12 @@ def test_select_shortcuts_equal_plain_code(
     every select's match, exploit set, LOADCOSTs, eviction victims and argmin equal the plain versions."""
     monkeypatch.setattr(preble_e2, "RadixTree", radix_py.RadixTree if impl == "py" else radix.RadixTree)
     monkeypatch.setattr(preble_load, "EvictionOrder", lru_order_py.EvictionOrder if impl == "py" else lru_order.EvictionOrder)
+    # every other ext/ structure E2 calls, the reference builds too ("py"): the kernel's M exits, R and the
+    # L memo's pieces, and the dispatch's holder touches
+    monkeypatch.setattr(preble_e2, "touch_holders", lru_order_py.touch_holders if impl == "py" else lru_order.touch_holders)
+    kernel = e2_select_py if impl == "py" else e2_select
+    for name in ("BoundsEnv", "cheapest", "exploit_set", "raw_bounds"):
+        monkeypatch.setattr(preble_e2, name, getattr(kernel, name))
     made: list[CheckedE2] = []
     num_victims = 0
 
