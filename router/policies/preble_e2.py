@@ -292,6 +292,11 @@ class PrebleE2(Policy):
         if memo is not None and memo[0] <= now:
             for j in range(1, len(memo), 2):
                 if cutoff <= memo[j]:
+                    # a hook asking for pieces ahead extends a memo the dispatch left short (the memo's pieces
+                    # are what pricing now gives, so pricing again changes no float)
+                    if (ahead and len(memo) - j < 2 * ahead + 2 and memo[-2] != math.inf
+                            and w not in self.moved_load.unordered):
+                        break
                     return memo[j + 1]
         h = self.history.get(w)
         cost = self.cost_model(w)

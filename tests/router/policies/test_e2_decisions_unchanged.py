@@ -279,11 +279,16 @@ def test_load_memo_pieces_equal_l_from_scratch(unordered: bool) -> None:
         moves = sum(d for t, d in policy.moved_load.by_worker[w] if t >= cutoff)
         return load_from_sums(*hist.live_sums(now), cost, marginal) + moves
 
-    policy.load_s(w, 11.5, 20)
+    v = policy.load_s(w, 11.5)  # as on_dispatch leaves it: one piece
+    assert len(policy._load_memo[w]) == 3
+    policy.load_s(w, 11.5, 20)  # a hook asking for pieces ahead extends it, to the same value
     memo = policy._load_memo[w]
+    assert memo[2] == v
     if unordered:  # a move out of time order: one piece, until the oldest live entry or move expires
         assert memo == (11.5, 1.5, scratch(11.5))
+        assert policy.load_s(w, 11.5, 20) == v and policy._load_memo[w] is memo  # not priced again per tick
         return
+    assert policy.load_s(w, 11.5, 20) == v and policy._load_memo[w] is memo  # enough pieces: read, not priced
     cuts = memo[1::2]
     assert cuts == (1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.5, math.inf)  # entries' and moves' times, merged
     assert memo[2] == scratch(11.5)
