@@ -334,7 +334,7 @@ def touch_holders(dict lru, list nodes):
             idx = <object>p
             if <object>prun > 0 and attached:
                 p = PyDict_GetItem(<dict?>idx.entries, k)
-                if p is not NULL and (<tuple>(<object>p))[1] is parent:
+                if p is not NULL and (<tuple?>(<object>p))[1] is parent:
                     keyed = <dict?>idx.keyed
                     order = idx._order
                     if order is not None and (PyDict_Contains(keyed, k) or _order_reached(order, k)):
