@@ -592,6 +592,10 @@ class LruIndex:
         elif bucket not in self.ahead_set:
             self.ahead_set.add(bucket)
             heapq.heappush(self.ahead, bucket)
+            if len(self.ahead) > 2 * len(self.bucket_blocks) + 64:  # emptied buckets dominate (few ticks): drop
+                self.ahead = [b for b in self.ahead if b in self.bucket_blocks]  # them; one that fills again
+                heapq.heapify(self.ahead)  # is pushed again, so `advance` still passes every bucket with mass
+                self.ahead_set = set(self.ahead)
 
     def advance(self, floor_b: int) -> None:
         """Count the candidates of the buckets before `floor_b` (a `cold_bucket`) in `cold_blocks`; never moves

@@ -606,6 +606,36 @@ def test_exploit_overflow_is_opt_in(overflow: bool, expected: str, why: str) -> 
     assert d is not None and d.worker_id == expected and d.reason.startswith(why)
 
 
+def test_the_cold_floor_counts_every_bucket_it_passes_with_few_ticks() -> None:
+    """`LruIndex.advance` pops the buckets it passes from `ahead`; between two advances many buckets fill and
+    empty (a long gap between ticks), so `ahead` drops the emptied ones; `below` stays the sum of the masses under
+    the floor, and `ahead` stays bounded."""
+    import random
+
+    rng = random.Random(4)
+    idx = preble_load.LruIndex()
+    mass: dict[int, int] = {}
+
+    def add(b: int, d: int) -> None:
+        idx._add_mass(b, d)
+        mass[b] = mass.get(b, 0) + d
+
+    floor = 0
+    idx.advance(floor)
+    for gap in range(20):
+        for i in range(300):  # fresh buckets ahead, most emptied again, some left with mass
+            b = floor + 1 + gap * 300 + i
+            add(b, rng.randint(1, 4))
+            if rng.random() < 0.9:
+                add(b, -mass[b])
+            if rng.random() < 0.2:  # and mass under the floor: counted at once
+                add(rng.randrange(-50, floor + 1), 1)
+        assert len(idx.ahead) <= 2 * len(idx.bucket_blocks) + 64 + 1
+        floor += rng.randint(100, 400)
+        idx.advance(floor)
+        assert idx.below == sum(v for b, v in mass.items() if b < floor)
+
+
 @pytest.mark.usefixtures("impl")
 @pytest.mark.parametrize("seed", range(6))
 def test_m_is_zero_without_simulating_when_the_cold_candidates_cover_the_need(seed: int) -> None:
