@@ -53,9 +53,9 @@ def _copy(repo: Path, sha: str, src_dir: str, dest: Path, renames: Callable[[str
           ) -> None:
     """Write the files of `src_dir` at `sha` with these suffixes under `dest` (created whole or not at all),
     imports renamed by `renames`."""
-    files = [f for f in _git(repo, "ls-tree", "-r", "--name-only", sha, "--", src_dir).split()
-             if f.endswith(suffixes)]
     if not dest.exists():
+        files = [f for f in _git(repo, "ls-tree", "-r", "--name-only", sha, "--", src_dir).split()
+                 if f.endswith(suffixes)]
         tmp = dest.parent / f".{dest.name}.part"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

@@ -748,17 +748,10 @@ class PrebleE2(Policy):
                 before = [run[0] for run in tree.runs_of(keys)]  # a split keeps these
                 parents = [node.parent for node in before]
                 tree.mark_resident(w, ev.block_hashes, ev.parent_block_hash, batch.ts)
-                nodes = before + [run[0] for run in tree.runs_of(keys)]
-                if all(node.parent is p for node, p in zip(before, parents, strict=True)):
-                    # no split: only w's residency moved (a new leaf holds w alone), so only w's index can
-                    # change; the other holders' indexes are not asked (a shared prefix: the whole fleet)
-                    seen: set[int] = set()
-                    for node in nodes:
-                        if id(node) not in seen:
-                            seen.add(id(node))
-                            idx.touch(w, node)
-                else:
-                    self._touch(nodes)
+                # no split (every node keeps its parent): only w's residency moved, and a new leaf holds w alone,
+                # so only w's index can change (a shared prefix's other holders: the whole fleet) are not asked
+                split = any(node.parent is not p for node, p in zip(before, parents, strict=True))
+                self._touch(before + [run[0] for run in tree.runs_of(keys)], None if split else w)
                 self.resident_count[w] = self.resident_count.get(w, 0) + len(ev.block_hashes)
                 evicted = self.evicted.get(w)
                 if evicted:
@@ -783,15 +776,20 @@ class PrebleE2(Policy):
                 self.evicted.pop(w, None)
                 self.lru.pop(w, None)
 
-    def _touch(self, nodes: list[Any]) -> None:
-        """Reconcile every tracked worker's LRU index with these nodes (residency, parent, last_access).
+    def _touch(self, nodes: list[Any], only: WorkerId | None = None) -> None:
+        """Reconcile every tracked worker's LRU index (`only`'s alone, when only its state can have moved) with
+        these nodes (residency, parent, last_access).
 
         NOTE: only the indexes where a node is resident now or was tracked are asked: `LruIndex.touch` returns
         at once for any other (not resident there, no entry), and a KV event or split reaches a handful of the
         fleet's indexes, so most of the 16-fold calls per node did nothing.
         """
         seen: set[int] = set()
-        items = self.lru.items()
+        if only is None:
+            items: Any = self.lru.items()
+        else:
+            idx = self.lru.get(only)
+            items = [(only, idx)] if idx is not None else []
         for node in nodes:
             k = id(node)
             if k in seen:

@@ -19,18 +19,25 @@ if TYPE_CHECKING:
 log = logging.getLogger("switchyard.router.policies.preble_e2")  # one logger for the policy's DEBUG lines
 
 
-def node_loads(p: PrebleE2, worker: str, now: float) -> dict[int, list[Any]]:
+def node_loads(p: PrebleE2, worker: str, now: float, only: Any = None) -> dict[int, list[Any]]:
     """id(key node) -> [node, requests in H, Σ (PT_r + DT_worker) s] over the worker's history: each key node's
-    share of L. Key nodes are resolved in the current tree (a split since dispatch may have moved them)."""
+    share of L. Key nodes are resolved in the current tree (a split since dispatch may have moved them). `only`:
+    that key node's slot alone (replication splits one node's cost), with `key_of` asked only of the entries
+    whose prompt has its first block at its place (a necessary condition), not of the whole history; the same
+    entries in the same order, so the same float."""
     hist = p.history.get(worker)  # type: ignore[call-overload]
     if hist is None:
         return {}
     dt = hist.decode_time_s(now, p.cost_model(worker), p.cfg.decode_pricing == "marginal")  # type: ignore[arg-type]
     cutoff = now - p.cfg.history_window_s
+    at, first = (only.context_blocks, only.blocks[0]) if only is not None else (0, None)
     acc: dict[int, list[Any]] = {}
     for e in hist.entries:
-        key = p.key_of(e.block_hashes) if e.t >= cutoff else None
-        if key is None:
+        h = e.block_hashes
+        if e.t < cutoff or (only is not None and (len(h) <= at or h[at] != first)):
+            continue
+        key = p.key_of(h)
+        if key is None or (only is not None and key is not only):
             continue
         slot = acc.get(id(key))
         if slot is None:
@@ -39,25 +46,6 @@ def node_loads(p: PrebleE2, worker: str, now: float) -> dict[int, list[Any]]:
             slot[1] += 1
             slot[2] += e.prefill_s + dt
     return acc
-
-
-def node_load(p: PrebleE2, worker: str, node: Any, now: float) -> float:
-    """`node_loads(p, worker, now)`'s Σ for one key node (0.0 when none): the same entries in the same order, so
-    the same float, with `key_of` asked only of the entries whose prompt has the node's first block at its
-    position (a necessary condition for the node to be their key portion), not of the whole history."""
-    hist = p.history.get(worker)  # type: ignore[call-overload]
-    if hist is None:
-        return 0.0
-    dt = hist.decode_time_s(now, p.cost_model(worker), p.cfg.decode_pricing == "marginal")  # type: ignore[arg-type]
-    cutoff = now - p.cfg.history_window_s
-    at, first = node.context_blocks, node.blocks[0]
-    total, found = 0.0, False
-    for e in hist.entries:
-        h = e.block_hashes
-        if e.t >= cutoff and len(h) > at and h[at] == first and p.key_of(h) is node:
-            total = total + (e.prefill_s + dt) if found else e.prefill_s + dt  # node_loads' sum, in order
-            found = True
-    return total
 
 
 def node_costs(p: PrebleE2, heavy: str, now: float) -> list[tuple[float, Any]]:
@@ -145,7 +133,7 @@ def maybe_replicate(p: PrebleE2, now: float) -> None:
             continue
         st.replicas[light] = now + window
         st.ttft[heavy].clear()  # the detector restarts (the code resets (n, heavy))
-        half = node_load(p, heavy, node, now) / 2  # the code splits the node's cost
+        half = node_loads(p, heavy, now, only=node).get(id(node), [None, 0, 0.0])[2] / 2  # the code splits its cost
         p.moved_load.add(now, heavy, -half)
         p.moved_load.add(now, light, half)
         p.num_replications += 1

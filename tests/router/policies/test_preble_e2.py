@@ -342,11 +342,12 @@ def test_node_median_decode_is_the_windowed_median(tokens: list[int], reads: lis
 @pytest.mark.usefixtures("impl")
 @pytest.mark.parametrize("seed", range(4))
 def test_one_node_s_load_equals_its_share_of_all_node_loads(seed: int) -> None:
-    """Replication's `node_load` (key_of asked only where the node's first block is at its place) is, bit for
-    bit, that node's Σ in `node_loads` over the whole history, and 0.0 for a node that keys no request."""
+    """`node_loads(..., only=node)` (replication's: key_of asked only where the node's first block is at its
+    place) is, bit for bit, that node's slot of `node_loads` over the whole history, and empty for a node that
+    keys no request."""
     import random
 
-    from switchyard.router.policies.preble_rebalance import node_load, node_loads
+    from switchyard.router.policies.preble_rebalance import node_loads
 
     rng = random.Random(seed)
     policy = PrebleE2(E2Config(history_window_s=30.0))
@@ -359,12 +360,12 @@ def test_one_node_s_load_equals_its_share_of_all_node_loads(seed: int) -> None:
         now = clock[0]
         for w in workers:
             loads = node_loads(policy, w, now)
-            for node, _, total in loads.values():
-                assert node_load(policy, w, node, now) == total
+            for node, count, total in loads.values():
+                assert node_loads(policy, w, now, only=node) == {id(node): [node, count, total]}
                 checked += 1
             for node in policy.tree.nodes()[:5]:
                 if id(node) not in loads:
-                    assert node_load(policy, w, node, now) == 0.0
+                    assert node_loads(policy, w, now, only=node) == {}
     assert checked > 20
 
 
