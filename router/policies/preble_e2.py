@@ -649,7 +649,7 @@ class PrebleE2(Policy):
         self._tree_gen += 1
         if self.lru and matched is not None:
             last = matched[-1] if matched else None
-            if last is not None and not any(x is last for x in path):
+            if last is not None and last not in path:  # nodes compare by identity
                 self._touch(matched + path)  # a split moved matched[-1] under a new node: reconcile every index
             else:
                 self._touch_holders(matched)  # only last_access moved; the new leaves after it hold nothing yet

@@ -206,6 +206,9 @@ class MovedLoad:
         dq = self.by_worker.get(worker)
         if not dq:
             return math.inf
+        m = self.memo.get(worker)  # `sum_s`'s: no move lies in [m[0], m[1]), m[1] the first at or after m[0]
+        if m is not None and m[0] <= cutoff <= m[1]:
+            return m[1]
         if worker in self.unordered:
             return min((t for t, _ in dq if t >= cutoff), default=math.inf)
         return next((t for t, _ in dq if t >= cutoff), math.inf)  # in time order: the first one past the cutoff

@@ -212,6 +212,34 @@ def test_bad_hashes_and_collisions(impl) -> None:  # type: ignore[no-untyped-def
     t.check_invariants()
 
 
+class _Int(int):
+    """An int subclass: the C build reads exact ints from their digits and takes the API path for these."""
+
+
+@pytest.mark.parametrize(
+    "h",
+    [0, 1, 2**30 - 1, 2**30, 2**60 - 1, 2**60, 2**63 + 12345, 2**64 - 1, True, _Int(7), _Int(2**64 - 1)],
+)
+def test_every_uint64_width_round_trips(impl, h: int) -> None:  # type: ignore[no-untyped-def]
+    """One, two and three 30-bit digits (the last capped at 64 bits): stored, read back and matched as the value."""
+    t = impl.RadixTree()
+    other = int(h) ^ (2**64 - 1)  # its 64-bit complement: every width again, and never equal to it
+    t.insert([h, other], now=0.0)
+    assert blocks_of(t.walk([h])[0]) == [(int(h), other)]
+    assert t.match([int(h), other]).matched_blocks == 2
+
+
+@pytest.mark.parametrize("h", [2**64, 2**64 + 2**60, 2**90 - 1, 2**90, 2**200, -1, -(2**64), _Int(2**64), 1.0])
+def test_values_past_uint64_are_refused(impl, h: object) -> None:  # type: ignore[no-untyped-def]
+    """Past 64 bits (a third digit over 4 bits, or more digits), negative, or not an int: refused, never truncated."""
+    t = impl.RadixTree()
+    t.insert([h % 2**64 if isinstance(h, int) else 3], now=0.0)  # what a truncating read would find
+    with pytest.raises(ValueError, match="not a uint64"):
+        t.insert([h], now=0.0)
+    assert t.match([h]).matched_blocks == 0
+    assert t.walk([h])[1] == 0
+
+
 def test_c_slot_limit() -> None:
     if _radix_c is None:
         pytest.skip("Cython extension not built")

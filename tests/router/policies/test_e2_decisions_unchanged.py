@@ -231,9 +231,12 @@ def test_select_shortcuts_equal_plain_code(
         assert policy.num_redirects > 0  # the exploit set's redirect path ran
 
 
-def test_moved_load_sums_as_one_flat_list() -> None:
-    """`MovedLoad.sum_s` equals summing the flat (t, worker, Δ) list the old code kept, filtered, in order."""
-    rng = random.Random(3)
+@pytest.mark.parametrize("seed", [3, 4])
+def test_moved_load_sums_as_one_flat_list(seed: int) -> None:
+    """`MovedLoad.sum_s` equals summing the flat (t, worker, Δ) list the old code kept, filtered, in order, and
+    `first_t` (read from `sum_s`'s memo when it holds) is that list's oldest move at or after the cutoff; seed 4
+    also adds moves out of time order."""
+    rng = random.Random(seed)
     moved, flat = MovedLoad(), deque[tuple[float, str, float]]()
     workers = ["w0", "w1", "w2"]
     now = 0.0
@@ -242,9 +245,12 @@ def test_moved_load_sums_as_one_flat_list() -> None:
         op = rng.random()
         if op < 0.6:
             w, d = rng.choice(workers), rng.uniform(-1, 1) * 10 ** rng.randint(-3, 3)
-            moved.add(now, w, d)
-            flat.append((now, w, d))
+            t = now - rng.random() * 3 if seed == 4 and rng.random() < 0.1 else now
+            moved.add(t, w, d)
+            flat.append((t, w, d))
         elif op < 0.8:
+            if seed == 4:  # expiry pops each worker's oldest moves: out of order, not the flat list's head
+                continue
             cutoff = now - 20.0
             moved.expire(cutoff)
             while flat and flat[0][0] < cutoff:
@@ -255,7 +261,13 @@ def test_moved_load_sums_as_one_flat_list() -> None:
             flat = deque(x for x in flat if x[1] != w)
         for w in workers:
             cutoff = now - rng.choice([5.0, 20.0, 30.0])
+            first = min((t for t, x, _ in flat if x == w and t >= cutoff), default=math.inf)
+            if rng.random() < 0.5:
+                assert moved.first_t(w, cutoff) == first  # before `sum_s`: no memo for this cutoff yet
             assert moved.sum_s(w, cutoff) == sum(d for t, x, d in flat if x == w and t >= cutoff)
+            assert moved.first_t(w, cutoff) == first
+            cutoff += rng.random() * 2  # a later cutoff: the memo holds while it stays before its first move
+            assert moved.first_t(w, cutoff) == min((t for t, x, _ in flat if x == w and t >= cutoff), default=math.inf)
 
 
 @pytest.mark.parametrize("unordered", [False, True])
