@@ -151,6 +151,12 @@ cdef class Node:
         return self._n
 
     @property
+    def first_block(self):
+        if self._n == 0:
+            raise IndexError("the root holds no blocks")
+        return PyLong_FromUnsignedLongLong(self._blocks[0])
+
+    @property
     def parent(self):
         if self._parent is None or self._parent._n == 0:
             return None

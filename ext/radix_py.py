@@ -158,6 +158,11 @@ class Node:
     def num_blocks(self) -> int:
         return len(self.blocks)
 
+    @property
+    def first_block(self) -> int:
+        """`blocks[0]`, the node's key among its parent's children (the C build builds no tuple for it)."""
+        return self.blocks[0]
+
     def resident_on(self, worker: Any) -> int:
         """Leading blocks of this node resident on `worker` (0 when none)."""
         return self.resident.get(worker, 0)

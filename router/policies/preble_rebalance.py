@@ -30,7 +30,7 @@ def node_loads(p: PrebleE2, worker: str, now: float, only: Any = None) -> dict[i
         return {}
     dt = hist.decode_time_s(now, p.cost_model(worker), p.cfg.decode_pricing == "marginal")  # type: ignore[arg-type]
     cutoff = now - p.cfg.history_window_s
-    at, first = (only.context_blocks, only.blocks[0]) if only is not None else (0, None)
+    at, first = (only.context_blocks, only.first_block) if only is not None else (0, None)
     acc: dict[int, list[Any]] = {}
     for e in hist.entries:
         h = e.block_hashes
@@ -60,7 +60,7 @@ def node_costs(p: PrebleE2, heavy: str, now: float) -> list[tuple[float, Any]]:
         if redirect is not None and redirect[1] >= now:
             continue
         out.append((cost, node))
-    out.sort(key=lambda cn: (cn[0], cn[1].context_blocks, cn[1].blocks[0]))
+    out.sort(key=lambda cn: (cn[0], cn[1].context_blocks, cn[1].first_block))
     return out
 
 

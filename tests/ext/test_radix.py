@@ -269,6 +269,7 @@ def snapshot(tree) -> tuple:  # type: ignore[no-untyped-def]
             (
                 tuple(n.blocks),
                 n.num_blocks,
+                n.first_block == n.blocks[0],
                 n.context_blocks,
                 parent,
                 tuple(sorted(n.children)),
