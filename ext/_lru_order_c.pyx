@@ -12,6 +12,8 @@ from cpython.long cimport PyLong_FromVoidPtr
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.ref cimport PyObject
 from cpython.set cimport PySet_Add, PySet_Contains
+from cpython.tuple cimport PyTuple_GET_ITEM
+from libc.math cimport INFINITY
 
 import heapq
 
@@ -223,6 +225,52 @@ cdef class EvictionOrder:
         finally:
             PyMem_Free(at)
             PyMem_Free(pcum)
+
+    def price(self, long long need_blocks, set protected, double cutoff, long long block_size, object cost):
+        """As the reference's: the loop, the memo and each victim's term in C (`_victim_term`); the cost model is
+        asked for PREFILLTIME (one call per term priced afresh)."""
+        cdef list victims = self.hot_victims(need_blocks, protected)
+        cdef dict memo = self.memo
+        cdef double m = 0.0
+        cdef tuple v, got
+        cdef object key
+        cdef PyObject* p
+        for item in victims:
+            v = <tuple>item
+            key = (PyLong_FromVoidPtr(<void*>v[0]), v[1])
+            p = PyDict_GetItem(memo, key)
+            got = None if p == NULL else <tuple>p
+            if (got is None or not (<double>got[1] <= cutoff <= <double>got[2])
+                    or <object>PyTuple_GET_ITEM(got, 3) is not cost):
+                got = self._victim_term(v[0], <long long>v[1], cutoff, block_size, cost)
+                PyDict_SetItem(memo, key, got)
+            if <object>PyTuple_GET_ITEM(got, 0) is not None:
+                m = m + <double>got[0]
+        return m
+
+    cdef tuple _victim_term(self, object node, long long nblocks, double cutoff, long long block_size, object cost):
+        """`lru_order_py.victim_term`: the first sample in the window found by the same walk from the head."""
+        cdef object st = node.stats
+        cdef object dq = None
+        cdef Py_ssize_t count
+        cdef double hi = INFINITY
+        cdef long long keep
+        if isinstance(st, self.stats_type):
+            dq = st.hits.get(self.worker)
+        if not dq:
+            return (None, cutoff, INFINITY, cost)
+        count = len(dq)
+        for sample in dq:
+            t = (<tuple>sample)[0]
+            if t >= cutoff:
+                hi = <double>t
+                break
+            count -= 1
+        if not count:
+            return (None, cutoff, INFINITY, cost)
+        keep = <long long>node.resident_on(self.worker) - nblocks
+        term = cost.prefill_s(nblocks * block_size, (<long long>node.context_blocks + keep) * block_size) * count
+        return (term, cutoff, hi, cost)
 
     cdef long long _unprotected_upto(self, Py_ssize_t i, Py_ssize_t* at, long long* pcum, Py_ssize_t n_at) except? -1:
         """cum[i] less the blocks of the protected steps at or before i."""

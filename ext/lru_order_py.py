@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from typing import Any
 
 
@@ -120,6 +121,22 @@ class EvictionOrder:
             out.append((n, d if i < last else min(d, need_blocks - (unprotected_upto(i - 1) if i else 0))))
         return out
 
+    def price(self, need_blocks: int, protected: set[int], cutoff: float, block_size: int, cost: Any) -> float:
+        """M priced "text"-wise (E2's default, specs/preble.md errata E3): Σ over `hot_victims`, in victim order, of
+        each victim's `victim_term`, kept in `memo` under (id, blocks taken) while the window's start stays
+        between the two times it holds for and the cost model is the same object (one whose answers never
+        change: the caller's to choose). The same float as pricing every victim afresh."""
+        m = 0.0
+        memo, worker, stats_type = self.memo, self.worker, self.stats_type
+        for n, take in self.hot_victims(need_blocks, protected):
+            key = (id(n), take)
+            got = memo.get(key)
+            if got is None or not got[1] <= cutoff <= got[2] or got[3] is not cost:
+                got = memo[key] = victim_term(n, take, worker, cutoff, block_size, cost, stats_type)
+            if got[0] is not None:
+                m = m + got[0]
+        return m
+
     def _step(self) -> bool:
         idx, unlocked, done = self.idx, self.unlocked, self.done
         keyed, entries = idx.keyed, idx.entries
@@ -162,6 +179,33 @@ class EvictionOrder:
                     unlocked[kp] = p.last_access
                     heapq.heappush(extra, (p.last_access, p.seq, p))
             return True
+
+
+def victim_term(
+    node: Any, nblocks: int, worker: Any, cutoff: float, block_size: int, cost: Any, stats_type: type
+) -> tuple[float | None, float, float, Any]:
+    """(victim j's "text" term of M for `nblocks` of its blocks, or None when no request through j on `worker`
+    is in the window; the window starts [lo, hi] between which the term holds; the cost model it was priced with).
+
+    PT_j × N_j: recompute the evicted tokens after j's context and kept blocks (`cost.prefill_s`), times the
+    requests through j on this worker since `cutoff` (`stats.hits[worker]`: (t, ...) samples in time order; the
+    head may hold expired ones). It holds while the window's start stays between `cutoff` and j's first request
+    in the window: later ones are counted either way, earlier ones neither.
+    """
+    st = node.stats
+    dq = st.hits.get(worker) if isinstance(st, stats_type) else None
+    if not dq:
+        return None, cutoff, math.inf, cost
+    count = len(dq)
+    for t, _ in dq:
+        if t >= cutoff:
+            break
+        count -= 1
+    if not count:
+        return None, cutoff, math.inf, cost
+    keep = node.resident_on(worker) - nblocks
+    term = cost.prefill_s(nblocks * block_size, (node.context_blocks + keep) * block_size) * count
+    return term, cutoff, dq[len(dq) - count][0], cost
 
 
 def touch_holders(lru: dict[Any, Any], nodes: list[Any]) -> None:

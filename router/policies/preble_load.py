@@ -11,9 +11,11 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from switchyard.ext.lru_order import EvictionOrder
+from switchyard.ext.lru_order_py import victim_term
 from switchyard.router.policies.preble_cost import CostModel, ProfileCost
 
 
@@ -277,16 +279,6 @@ def count_since(dq: deque[tuple[float, float]], cutoff: float) -> tuple[int, flo
     return n, s
 
 
-def num_since(dq: deque[tuple[float, float]], cutoff: float) -> int:
-    """`count_since`'s count alone: only the expired head is walked, O(expired) instead of O(len)."""
-    n = len(dq)
-    for t, _ in dq:
-        if t >= cutoff:
-            break
-        n -= 1
-    return n
-
-
 @dataclass(slots=True)
 class NodeStats:
     """The policy's slot on a radix node (`node.stats`)."""
@@ -295,7 +287,7 @@ class NodeStats:
     # (N_j of the text's M formula, and Alg 2's Σ PREFILLTIME(missed of l) for eviction_cost="alg2")
     hits: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
     # observed output lengths of requests whose key portion is this node (bounded deque, median -> decode)
-    decode_tokens: deque[int] = field(default_factory=lambda: deque(maxlen=64))
+    decode_tokens: deque[int] = field(default_factory=partial(deque, (), 64))  # positional: no kwargs per node
     # per worker: (first-token t, TTFT s) of requests keyed here, for the queueing-doubling detector (§5.5)
     ttft: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
     redirect: dict[str, tuple[str, float]] = field(default_factory=dict)  # heavy -> (light, until_s) (§5.4)
@@ -433,17 +425,13 @@ def _victim_term(
     ones neither (`LruIndex.eviction_cost`'s memo; a request through j adds a sample only by a dispatch through
     j, which drops the order and its memo with it).
     """
+    if mode != "alg2":
+        return victim_term(node, nblocks, worker, cutoff, block_size, cost, NodeStats)
     st = node.stats
     dq = st.hits.get(worker) if isinstance(st, NodeStats) else None
     if not dq:
         return None, cutoff, math.inf, cost
-    if mode == "alg2":
-        count, term = count_since(dq, cutoff)
-    else:
-        count = num_since(dq, cutoff)
-        if count:
-            keep = node.resident_on(worker) - nblocks
-            term = cost.prefill_s(nblocks * block_size, (node.context_blocks + keep) * block_size) * count
+    count, term = count_since(dq, cutoff)
     if not count:
         return None, cutoff, math.inf, cost
     return term, cutoff, dq[len(dq) - count][0], cost
@@ -757,6 +745,8 @@ class LruIndex:
         # each victim's term, kept with the order between selects while it holds (`_victim_term`); a cost model
         # fitted online (`OnlineFit`) changes in place, so its terms are priced afresh
         memo = order.memo if isinstance(cost, ProfileCost) else None
+        if memo is not None and mode != "alg2":  # the default: the order prices it (in C in its Cython build)
+            return order.price(need_blocks, protected, cutoff, block_size, cost)
         for n, take in order.hot_victims(need_blocks, protected):
             if memo is None:
                 got = _victim_term(n, take, worker, cutoff, block_size, cost, mode)

@@ -11,8 +11,10 @@ from hook_fuzz import drive, random_prompts
 
 from switchyard.ext import lru_order, lru_order_py
 from switchyard.router.policies.base import WorkerId
+from switchyard.router.policies.preble_cost import profile_cost
 from switchyard.router.policies.preble_e2 import E2Config, PrebleE2
 from switchyard.router.policies.preble_load import NodeStats
+from switchyard.workers.engine.profiles import PROFILES
 
 try:
     from switchyard.ext import _lru_order_c
@@ -125,6 +127,45 @@ def _full(order: object) -> list[tuple[object, int, int]]:
     while (step := order.at(len(out))) is not None:  # type: ignore[attr-defined]
         out.append(step)
     return out
+
+
+@pytest.mark.c_extension
+@pytest.mark.skipif(_lru_order_c is None, reason="Cython extension not built")
+@pytest.mark.parametrize("seed", range(4))
+def test_cython_price_equals_reference(seed: int) -> None:
+    """`price` (M "text"-wise, each victim's term kept in the order's memo): the builds give the same float and
+    keep the same memo, call after call, as the window's start moves across the victims' requests and the cost
+    model changes; and the float is the terms priced afresh (`victim_term`), summed in victim order."""
+    rng = random.Random(seed)
+    policy = PrebleE2(E2Config.paper(node_window_s=5.0))
+    prompts = random_prompts(rng, 50, labels=60)
+    costs = [profile_cost(name) for name in sorted(PROFILES)[:2]]
+    nonzero = kept = 0
+    for _ in drive(policy, rng, prompts, WORKERS, 250, tied_times=True):
+        nodes = list(policy.tree.nodes())
+        times = sorted({t for n in nodes if isinstance(n.stats, NodeStats) for dq in n.stats.hits.values() for t, _ in dq})
+        for v, idx in policy.lru.items():
+            ref = lru_order_py.EvictionOrder(idx, v, NodeStats)
+            fast = _lru_order_c.EvictionOrder(idx, v, NodeStats)
+            protected = _path_ids(rng.choice(nodes)) if nodes and rng.random() < 0.5 else set()
+            need = rng.choice([4, 20, 80, 10_000])
+            for _ in range(3):
+                # a window start at, just before or just after a request's time (a term's bounds), or before all
+                cutoff = rng.choice(times) + rng.choice([-1e-3, 0.0, 1e-3]) if times and rng.random() < 0.8 else -1.0
+                cost = rng.choice(costs)
+                before = dict(ref.memo)
+                got = fast.price(need, protected, cutoff, 16, cost)
+                assert got == ref.price(need, protected, cutoff, 16, cost)
+                assert fast.memo == ref.memo
+                want = 0.0
+                for n, take in ref.hot_victims(need, protected):
+                    term = lru_order_py.victim_term(n, take, v, cutoff, 16, cost, NodeStats)[0]
+                    if term is not None:
+                        want = want + term
+                assert got == want
+                nonzero += got > 0
+                kept += sum(before.get(k) is x for k, x in ref.memo.items())
+    assert nonzero > 50 and kept > 50  # terms were priced, and some came from the memo
 
 
 

@@ -191,27 +191,21 @@ def test_select_shortcuts_equal_plain_code(
         return got
 
     priced = {"hot": 0, "fresh": 0}  # victims the fast path priced; of them, priced afresh (not from its memo)
-    in_fast = False
-
-    def counted_term(*args: Any) -> Any:
-        priced["fresh"] += in_fast
-        return victim_term(*args)
 
     def checked_cost(idx: LruIndex, worker: Any, need_blocks: int, protected: set[int], *args: Any) -> float:
-        nonlocal num_victims, in_fast
-        in_fast = True
+        nonlocal num_victims
+        before = dict(idx._order.memo) if idx._order is not None else {}
         got = fast_cost(idx, worker, need_blocks, protected, *args)
-        in_fast = False
         if idx._order is not None:
             priced["hot"] += len(idx._order.hot_victims(need_blocks, protected))
+            priced["fresh"] += sum(before.get(k) is not v for k, v in idx._order.memo.items())  # new or replaced
         victims = checked_victims(idx, worker, need_blocks, protected)  # the order it bisects, listed
         assert got == eviction_cost_s(victims, worker, *args)
         num_victims += len(victims)
         return got
 
-    fast_victims, fast_cost, victim_term = LruIndex.victims, LruIndex.eviction_cost, preble_load._victim_term
+    fast_victims, fast_cost = LruIndex.victims, LruIndex.eviction_cost
     monkeypatch.setattr(LruIndex, "eviction_cost", checked_cost)
-    monkeypatch.setattr(preble_load, "_victim_term", counted_term)
 
     def make(name: str) -> CheckedE2:
         made.append(CheckedE2(E2Config(**CONFIGS[config])))
