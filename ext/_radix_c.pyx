@@ -279,6 +279,158 @@ cdef inline object _fast_seq(object seq):
     return list(seq)
 
 
+cdef class BlockSet:
+    """A set of block hashes (ints in [0, 2**64)): the operations of `set` that E2 uses on the blocks evicted from a
+    worker since their assignment (add, discard, update, difference_update, in, len, iteration), kept in a C
+    open-addressing table of uint64 (linear probing at load <= 0.7, backward-shift deletion) with no Python int
+    per member. `update` and `add` refuse anything else (ValueError); `discard`, `difference_update` and `in`
+    treat it as absent. The tree's `gc` and `match_cached` read and prune it in C (`RadixTree.block_set`).
+    """
+
+    cdef uint64_t* _keys
+    cdef unsigned char* _used
+    cdef size_t _cap
+    cdef Py_ssize_t _n
+
+    def __cinit__(self, *args):
+        self._cap = 16
+        self._n = 0
+        self._keys = <uint64_t*>PyMem_Calloc(self._cap, sizeof(uint64_t))
+        self._used = <unsigned char*>PyMem_Calloc(self._cap, 1)
+        if self._keys == NULL or self._used == NULL:
+            raise MemoryError()
+
+    def __init__(self, iterable=()):
+        self.update(iterable)
+
+    def __dealloc__(self):
+        PyMem_Free(self._keys)
+        PyMem_Free(self._used)
+
+    cdef inline Py_ssize_t _find(self, uint64_t key) noexcept:
+        cdef size_t mask = self._cap - 1
+        cdef size_t i = _home(key, mask)
+        while self._used[i]:
+            if self._keys[i] == key:
+                return <Py_ssize_t>i
+            i = (i + 1) & mask
+        return -1
+
+    cdef int _grow(self) except -1:
+        cdef size_t old_cap = self._cap, cap = self._cap * 2, mask = cap - 1, i, j
+        cdef uint64_t* old_keys = self._keys
+        cdef unsigned char* old_used = self._used
+        cdef uint64_t* keys = <uint64_t*>PyMem_Calloc(cap, sizeof(uint64_t))
+        cdef unsigned char* used = <unsigned char*>PyMem_Calloc(cap, 1)
+        if keys == NULL or used == NULL:
+            PyMem_Free(keys)
+            PyMem_Free(used)
+            raise MemoryError()
+        for i in range(old_cap):
+            if old_used[i]:
+                j = _home(old_keys[i], mask)
+                while used[j]:
+                    j = (j + 1) & mask
+                keys[j] = old_keys[i]
+                used[j] = 1
+        self._keys, self._used, self._cap = keys, used, cap
+        PyMem_Free(old_keys)
+        PyMem_Free(old_used)
+        return 0
+
+    cdef int _add(self, uint64_t key) except -1:
+        cdef size_t mask, i
+        if (self._n + 1) * 10 > <Py_ssize_t>self._cap * 7:
+            self._grow()
+        mask = self._cap - 1
+        i = _home(key, mask)
+        while self._used[i]:
+            if self._keys[i] == key:
+                return 0
+            i = (i + 1) & mask
+        self._keys[i] = key
+        self._used[i] = 1
+        self._n += 1
+        return 0
+
+    cdef void _remove(self, uint64_t key) noexcept:
+        """As the block index's `_del`: shift back the entries of the probe run (no tombstones)."""
+        cdef size_t mask = self._cap - 1
+        cdef Py_ssize_t at = self._find(key)
+        cdef size_t i, j, k
+        if at < 0:
+            return
+        i = <size_t>at
+        j = i
+        while True:
+            j = (j + 1) & mask
+            if not self._used[j]:
+                break
+            k = _home(self._keys[j], mask)
+            if (i <= j and i < k <= j) or (i > j and (k > i or k <= j)):
+                continue
+            self._keys[i] = self._keys[j]
+            i = j
+        self._used[i] = 0
+        self._n -= 1
+
+    def add(self, h):
+        cdef uint64_t k
+        if not _as_u64(h, &k):
+            raise ValueError(f"block hash {h!r} is not a uint64")
+        self._add(k)
+
+    def discard(self, h):
+        cdef uint64_t k
+        if _as_u64(h, &k):
+            self._remove(k)
+
+    def update(self, iterable):
+        cdef object seq = _fast_seq(iterable)
+        cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i
+        cdef PyObject** items = PySequence_Fast_ITEMS(seq)
+        cdef uint64_t k
+        for i in range(n):
+            if not _as_u64(<object>items[i], &k):
+                raise ValueError(f"block hash {<object>items[i]!r} is not a uint64")
+            self._add(k)
+
+    def difference_update(self, iterable):
+        cdef object seq
+        cdef Py_ssize_t n, i
+        cdef PyObject** items
+        cdef uint64_t k
+        if not self._n:
+            return
+        seq = _fast_seq(iterable)
+        n = PySequence_Fast_GET_SIZE(seq)
+        items = PySequence_Fast_ITEMS(seq)
+        for i in range(n):
+            if _as_u64(<object>items[i], &k):
+                self._remove(k)
+
+    def __contains__(self, h):
+        cdef uint64_t k
+        return _as_u64(h, &k) and self._find(k) >= 0
+
+    def __len__(self):
+        return self._n
+
+    def __iter__(self):
+        cdef size_t i
+        return iter([PyLong_FromUnsignedLongLong(self._keys[i]) for i in range(self._cap) if self._used[i]])
+
+    def __eq__(self, other):
+        if isinstance(other, (BlockSet, set, frozenset)):
+            return len(other) == self._n and all(h in other for h in self)
+        return NotImplemented
+
+    __hash__ = None  # mutable, as `set`
+
+    def __repr__(self):
+        return f"BlockSet({sorted(self)!r})"
+
+
 cdef class RadixTree:
     """The global prefix tree over chained block hashes; see `radix_py` for the contract."""
 
@@ -312,6 +464,11 @@ cdef class RadixTree:
         self._root = self._new_node(NULL, 0, 0, None, 0.0)
 
     key_node = staticmethod(key_node)
+
+    @staticmethod
+    def block_set():
+        """An empty set of block hashes for `gc(evicted=...)` and `match_cached` (this build: a `BlockSet`)."""
+        return BlockSet()
 
     def __dealloc__(self):
         PyMem_Free(self._slots)
@@ -663,6 +820,7 @@ cdef class RadixTree:
         cdef int s
         cdef Py_ssize_t r, a, best = 0
         cdef object sl, ev
+        cdef uint64_t h
         self._walk(items, n, path, &last_m)
         self._runs(path, last_m, res_run, asg_run)
         for w in workers:
@@ -675,7 +833,13 @@ cdef class RadixTree:
             a = asg_run[s]
             if a > r:
                 ev = evicted.get(w)
-                if ev:
+                if type(ev) is BlockSet:
+                    if (<BlockSet>ev)._n:
+                        for k in range(r, a):
+                            if _as_u64(<object>items[k], &h) and (<BlockSet>ev)._find(h) >= 0:
+                                a = k
+                                break
+                elif ev:
                     for k in range(r, a):
                         if <object>items[k] in ev:
                             a = k
@@ -933,8 +1097,9 @@ cdef class RadixTree:
 
     # ---- garbage collection --------------------------------------------------------------------------------
 
-    def gc(self, double now, double window_s, budget_blocks=None, list removed_out=None):
-        """See radix_py: the queued candidates of the buckets old enough, not every node."""
+    def gc(self, double now, double window_s, budget_blocks=None, list removed_out=None, dict evicted=None):
+        """See radix_py: the queued candidates of the buckets old enough, not every node; a `BlockSet` in
+        `evicted` is pruned in C, straight from the node's blocks."""
         cdef Py_ssize_t i, j, removed = 0, freed = 0
         cdef Py_ssize_t budget = -1 if budget_blocks is None else max(0, <Py_ssize_t>budget_blocks)
         cdef Node node, parent
@@ -969,6 +1134,8 @@ cdef class RadixTree:
                     self._del(node._blocks[j])
                 if removed_out is not None and node._asg_mask:
                     removed_out.append((node.blocks, node.assigned))
+                if evicted:
+                    self._prune_evicted(node, evicted)
                 bits = node._asg_mask
                 node._asg_mask = 0
                 while bits:
@@ -988,6 +1155,27 @@ cdef class RadixTree:
         for obj in young:
             self._candidate(<Node>obj)
         return removed
+
+    cdef int _prune_evicted(self, Node node, dict evicted) except -1:
+        """Drop the node's blocks from evicted[w] for each worker w it is assigned to (before gc frees the slots)."""
+        cdef uint64_t bits = node._asg_mask
+        cdef int s
+        cdef Py_ssize_t j
+        cdef object ev
+        cdef BlockSet bs
+        while bits:
+            s = _ctz(bits)
+            bits &= bits - 1
+            ev = evicted.get(self._slot_names[s])
+            if type(ev) is BlockSet:
+                bs = <BlockSet>ev
+                for j in range(node._n):
+                    if not bs._n:
+                        break
+                    bs._remove(node._blocks[j])
+            elif ev:
+                ev.difference_update(node.blocks)
+        return 0
 
     # ---- tests ---------------------------------------------------------------------------------------------
 

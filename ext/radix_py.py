@@ -36,7 +36,7 @@ blocks (path compression).
                                                # reports an evicted block as resident (conservative after).
     tree.clear_worker(worker)                  # AllBlocksCleared, or the worker's view is rebuilt
     tree.remove_worker(worker)                 # clear_worker + unassign_worker
-    tree.gc(now, window_s, budget_blocks=None, removed_out=None)
+    tree.gc(now, window_s, budget_blocks=None, removed_out=None, evicted=None)
                                                # Preble GC, "no caching GPU and no request in window W": removes
                                                # (repeatedly, in one post-order pass) every node with no children,
                                                # no resident worker and now - last_access > window_s. CHOICE:
@@ -49,7 +49,10 @@ blocks (path compression).
                                                # stops once the removed nodes hold that many blocks (which
                                                # dead nodes go first is build-specific; see gc). Appends
                                                # (blocks, assigned workers) per removed node with assigned
-                                               # workers to removed_out.
+                                               # workers to removed_out, and drops its blocks from
+                                               # evicted[w] (worker -> block-hash set) for each such worker.
+    RadixTree.block_set() -> set-like          # an empty set of block hashes for `evicted` (the C build's
+                                               # BlockSet: uint64 in C, pruned and read by gc/match_cached)
     tree.num_nodes -> int ; tree.num_blocks -> int
     tree.node_of(block_hash) -> tuple[Node, int] | None     # (node, offset) of a block
     tree.runs_of(block_hashes) -> list[tuple[Node, int, int]]
@@ -462,9 +465,15 @@ class RadixTree:
             node._gc_queued = True
             self._dead.setdefault(math.floor(node.last_access), []).append(node)
 
+    @staticmethod
+    def block_set() -> set[int]:
+        """An empty set of block hashes for `gc(evicted=...)` and `match_cached` (this build: a `set`)."""
+        return set()
+
     def gc(
         self, now: float, window_s: float, budget_blocks: int | None = None,
         removed_out: list[tuple[tuple[int, ...], set[Any]]] | None = None,
+        evicted: dict[Any, set[int]] | None = None,
     ) -> int:
         """Removes what a post-order pass over every node would (a node's children are decided before it, so a
         chain of dead leaves goes at once), visiting only the queued candidates of the buckets old enough.
@@ -482,7 +491,9 @@ class RadixTree:
         nodes a budgeted call takes first follows the candidate queue, which the two builds fill in different
         orders: the removed nodes are dead by the definition in both, and calls until one stops short of its
         budget remove the same set. `removed_out` gets (blocks, assigned workers) of each removed node that had
-        assigned workers, for side tables keyed by block and worker (E2's evicted sets).
+        assigned workers, for side tables keyed by block and worker. `evicted` (worker -> set of block hashes,
+        E2's blocks evicted since assignment) has each removed node's blocks dropped from the sets of the
+        workers it was assigned to: a hash can be in a worker's set only while its node is assigned there.
         """
         removed = freed = 0
         dead = self._dead
@@ -509,6 +520,11 @@ class RadixTree:
                     del self._index[h]
                 if removed_out is not None and node.assigned:
                     removed_out.append((node.blocks, node.assigned))
+                if evicted:
+                    for w in node.assigned:
+                        ev = evicted.get(w)
+                        if ev:
+                            ev.difference_update(node.blocks)
                 node.is_attached = False
                 node.parent = None
                 node.assigned = set()  # a detached node keeps no worker state

@@ -211,7 +211,8 @@ class PrebleE2(Policy):
         self.history: dict[WorkerId, WorkerHistory] = {}
         self.hit_ratio: dict[WorkerId, HitRatioWindow] = {}
         self.fits: dict[WorkerId, OnlineFit] = {}
-        self.evicted: dict[WorkerId, set[int]] = {}  # assigned block hashes removed by events since
+        # per worker: assigned block hashes removed by events since their assignment (`tree.block_set()`s)
+        self.evicted: dict[WorkerId, Any] = {}
         self.resident_count: dict[WorkerId, int] = {}  # blocks resident per events
         self.lru: dict[WorkerId, LruIndex] = {}  # per worker: M's eviction order, kept by the hooks (`_touch`)
         self.hit_times: dict[WorkerId, deque[float]] = {}  # per worker: dispatch times within W (`cold_floor`)
@@ -764,7 +765,9 @@ class PrebleE2(Policy):
                     for node, _, _ in runs:  # once per node: a touch reconciles the node's whole state
                         idx.touch(w, node)
                 self.resident_count[w] = max(0, self.resident_count.get(w, 0) - len(ev.block_hashes))
-                evicted = self.evicted.setdefault(w, set())
+                evicted = self.evicted.get(w)
+                if evicted is None:
+                    evicted = self.evicted[w] = tree.block_set()
                 hs = ev.block_hashes
                 for node, i, j in runs:
                     if w in node.assigned:
@@ -875,15 +878,8 @@ class PrebleE2(Policy):
         to w, and a node loses an assignment only here or when the worker is unassigned (which drops the set),
         so the sets to prune are exactly those of the removed nodes' assigned workers.
         """
-        gone: list[tuple[tuple[int, ...], Any]] = []
-        removed = self.tree.gc(now, self.cfg.node_window_s, budget_blocks, gone)
+        removed = self.tree.gc(now, self.cfg.node_window_s, budget_blocks, evicted=self.evicted)
         self._tree_gen += 1
-        evicted = self.evicted
-        for blocks, workers in gone:
-            for w in workers:
-                ev = evicted.get(w)
-                if ev:
-                    ev.difference_update(blocks)
         return removed
 
 

@@ -257,6 +257,52 @@ def test_c_slot_limit() -> None:
 
 # ---- state machine: reference and Cython side by side -----------------------------------------------------
 
+@pytest.mark.skipif(_radix_c is None, reason="the Cython build did not load (test_c_extension_loaded fails)")
+@pytest.mark.parametrize("seed", range(4))
+def test_block_set_behaves_as_a_set(seed: int) -> None:
+    """The C build's `BlockSet` against `set` over random adds, discards, updates and difference updates of values
+    that collide in its table (few distinct low bits) and of every width, through growth and backward-shift
+    deletions: membership, size and contents agree after every operation."""
+    import random
+
+    rng = random.Random(seed)
+    pool = [rng.choice([k, k << 40, ((k % 16) << 60) | k, 2**64 - 1 - k]) for k in range(3000)]
+    bs, ref = _radix_c.RadixTree.block_set(), set()
+    assert isinstance(bs, _radix_c.BlockSet) and not bs and bs == set()
+    for step in range(4000):
+        op = rng.random()
+        batch = rng.sample(pool, rng.randint(0, 40))
+        if op < 0.3:
+            bs.update(batch)
+            ref.update(batch)
+        elif op < 0.55:
+            bs.difference_update(tuple(batch) + (-1, 2**64))  # values past uint64 are not members
+            ref.difference_update(batch)
+        elif op < 0.7:
+            for h in batch[:5]:
+                bs.add(h)
+                ref.add(h)
+        else:
+            for h in batch[:5]:
+                bs.discard(h)
+                ref.discard(h)
+        assert len(bs) == len(ref) and bool(bs) == bool(ref)
+        probe = rng.sample(pool, 20)
+        assert [h in bs for h in probe] == [h in ref for h in probe], step
+        if step % 500 == 0:
+            assert sorted(bs) == sorted(ref) and bs == ref
+    assert sorted(bs) == sorted(ref) and len(ref) > 500
+    for bad in (-1, 2**64, 1.5):
+        assert bad not in bs
+        bs.discard(bad)
+        with pytest.raises(ValueError, match="not a uint64"):
+            bs.add(bad)
+        with pytest.raises(ValueError, match="not a uint64"):
+            bs.update([bad])
+    bs.difference_update(list(ref))
+    assert len(bs) == 0 and bs == set()
+
+
 TOKENS = st.lists(st.integers(min_value=0, max_value=2), min_size=0, max_size=7)
 WORKERS = st.sampled_from(["w0", "w1", "w2"])
 
@@ -313,6 +359,7 @@ class SideBySide(RuleBasedStateMachine):
         self.hash_of: dict[tuple[int, ...], int] = {}  # token prefix -> chained "block hash"
         self.paths: list[list] = []  # per insert: the path from each tree
         self.held: dict[str, set[int]] = {}  # model: blocks each worker's cache really holds
+        self.evs: list[dict] = [{} for _ in self.trees]  # per tree, E2's evicted sets: its own `block_set()`s
         self.now = 0.0
 
     def chain(self, tokens: list[int]) -> list[int]:
@@ -362,6 +409,12 @@ class SideBySide(RuleBasedStateMachine):
         ev = {w: {hashes[i] for i in idx if i < len(hashes)} for w, idx in evicted.items()}
         workers = ["w2", "w0", "wx", "w1"]  # any order; "wx" never holds anything
         results = [t.match_cached(hashes, workers, ev) for t in self.trees]
+        for t in self.trees:  # each build's own set type (the C one's BlockSet is read in C), and a plain set
+            own = {}
+            for w, hs in ev.items():
+                own[w] = t.block_set()
+                own[w].update(sorted(hs))
+            assert t.match_cached(hashes, workers, own)[:2] == results[0][:2]
         self.same([(list(c.items()), best, blocks_of(p)) for c, best, p in results])
         assert results[0][1] == max(results[0][0].values())
         m = self.trees[0].match(hashes)  # the definition, from match's runs
@@ -403,8 +456,11 @@ class SideBySide(RuleBasedStateMachine):
             tail = self.chain(tokens)[data.draw(st.integers(0, 3)):]
             evicted = tail[::-1] if data.draw(st.booleans()) else tail
         self.held.get(worker, set()).difference_update(evicted)
-        for t in self.trees:
+        for t, evs in zip(self.trees, self.evs, strict=True):
             t.mark_evicted(worker, evicted)
+            if worker not in evs:
+                evs[worker] = t.block_set()
+            evs[worker].update(evicted)  # any block (E2 adds only assigned ones): gc prunes the removed nodes'
 
     # NOTE: "keep" makes this rule a no-op 3 times in 4, or the workers would rarely hold anything long enough.
     @rule(worker=WORKERS, how=st.sampled_from(["clear_worker", "unassign_worker", "remove_worker"] + ["keep"] * 9))
@@ -423,11 +479,17 @@ class SideBySide(RuleBasedStateMachine):
         expected = [dead_by_definition(t, now, window) for t in self.trees]
         before = [{id(x): (tuple(x.blocks), set(x.assigned)) for x in exp} for exp in expected]
         outs: list[list] = [[] for _ in self.trees]
-        got = [t.gc(now, window, budget, out) for t, out in zip(self.trees, outs, strict=True)]
-        for t, exp, n, was, out in zip(self.trees, expected, got, before, outs, strict=True):
+        sets_before = [{w: set(hs) for w, hs in evs.items()} for evs in self.evs]
+        got = [t.gc(now, window, budget, out, evicted=evs) for t, out, evs in zip(self.trees, outs, self.evs, strict=True)]
+        for t, exp, n, was, out, evs, ev0 in zip(self.trees, expected, got, before, outs, self.evs, sets_before,
+                                                 strict=True):
             gone = [x for x in exp if not x.is_attached]
             assert len(gone) == n  # only nodes the definition removes
             assert sorted(out) == sorted(was[id(x)] for x in gone if was[id(x)][1])  # (blocks, assigned) as it was
+            for x in gone:  # a removed node's blocks leave the sets of the workers it was assigned to, no others
+                for w in was[id(x)][1]:
+                    ev0.get(w, set()).difference_update(was[id(x)][0])
+            assert {w: set(hs) for w, hs in evs.items()} == ev0
             if budget is None or sum(x.num_blocks for x in exp) <= budget:
                 assert len(gone) == len(exp)
             else:  # stopped at the first node that reached the budget; the rest stay for the next call
@@ -436,10 +498,11 @@ class SideBySide(RuleBasedStateMachine):
         if budget is not None:
             # which dead nodes a budgeted pass takes first follows each build's candidate queue (unspecified);
             # a pass without a budget completes it, and the trees are identical again
-            rest = [t.gc(now, window) for t in self.trees]
+            rest = [t.gc(now, window, evicted=evs) for t, evs in zip(self.trees, self.evs, strict=True)]
             self.same([g + r for g, r in zip(got, rest, strict=True)] + [len(expected[0])])
         else:
             self.same(got)
+        self.same([{w: sorted(hs) for w, hs in evs.items()} for evs in self.evs])  # the same blocks pruned
 
     @rule(tokens=TOKENS, value=st.integers(min_value=0, max_value=3))
     def set_stats(self, tokens: list[int], value: int) -> None:
