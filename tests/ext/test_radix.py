@@ -546,6 +546,31 @@ def test_bench_smoke(tmp_path) -> None:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.skipif(_radix_c is None, reason="the Cython build did not load (test_c_extension_loaded fails)")
+def test_block_index_past_two_mib() -> None:
+    """Past 2 MiB (131,072 slots) the index's table is allocated aligned and advised to huge pages: 150k blocks
+    grow it through that size and beyond, and every block is found, stored, evicted and collected as in the
+    reference."""
+    import random
+
+    rng = random.Random(7)
+    trees = [radix_py.RadixTree(), _radix_c.RadixTree()]
+    prompts = [[rng.getrandbits(64) for _ in range(600)] for _ in range(250)]
+    for i, hs in enumerate(prompts):
+        for t in trees:
+            t.insert(hs, float(i))
+            if i % 2:
+                t.mark_resident("w0", hs[:300], None, float(i))
+    assert trees[1].num_blocks == trees[0].num_blocks == 150_000
+    probe = [h for hs in prompts[::7] for h in hs[::13]]
+    assert [trees[1].node_of(h)[1] for h in probe] == [trees[0].node_of(h)[1] for h in probe]
+    for t in trees:
+        t.clear_worker("w0")
+        assert t.gc(1000.0, 10.0) == 250
+        assert t.num_blocks == 0 and all(t.node_of(h) is None for h in probe)
+        t.check_invariants()
+
+
+@pytest.mark.skipif(_radix_c is None, reason="the Cython build did not load (test_c_extension_loaded fails)")
 @pytest.mark.parametrize("seed", range(3))
 def test_block_index_at_scale_matches_the_reference(seed: int) -> None:
     """The Cython build's open-addressing block index through many doublings and deletions (probe runs that wrap
