@@ -308,8 +308,8 @@ cdef inline object _fast_seq(object seq):
 
 
 cdef class BlockSet:
-    """A set of block hashes (ints in [0, 2**64)): the operations of `set` that E2 uses on the blocks evicted from a
-    worker since their assignment (add, discard, update, difference_update, in, len, iteration), kept in a C
+    """A set of block hashes (ints in [0, 2**64)): the operations of `set` that E2's evicted blocks and the fleet's
+    `PrefixIndex` use (add, discard, update, difference_update, intersection, in, len, iteration), kept in a C
     open-addressing table of uint64 (linear probing at load <= 0.7, backward-shift deletion) with no Python int
     per member. `update` and `add` refuse anything else (ValueError); `discard`, `difference_update` and `in`
     treat it as absent. The tree's `gc` and `match_cached` read and prune it in C (`RadixTree.block_set`).
@@ -436,6 +436,19 @@ cdef class BlockSet:
         for i in range(n):
             if _as_u64(<object>items[i], &k):
                 self._remove(k)
+
+    def intersection(self, iterable):
+        """The members among `iterable`, as a `set` (what `set.intersection` gives for ints)."""
+        cdef object seq = _fast_seq(iterable)
+        cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i
+        cdef PyObject** items = PySequence_Fast_ITEMS(seq)
+        cdef uint64_t k
+        cdef set out = set()
+        if self._n:
+            for i in range(n):
+                if _as_u64(<object>items[i], &k) and self._find(k) >= 0:
+                    out.add(<object>items[i])
+        return out
 
     def __contains__(self, h):
         cdef uint64_t k

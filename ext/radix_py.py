@@ -174,6 +174,11 @@ class Node:
         return f"Node(blocks={len(self.blocks)}, context_blocks={self.context_blocks})"
 
 
+# A set of block hashes (E2's evicted blocks, the fleet's `PrefixIndex`): the reference is `set` itself; the C build's
+# `BlockSet` keeps uint64s in a C table and offers the subset of `set` those callers use.
+BlockSet = set
+
+
 @dataclass
 class MatchResult:
     """What `RadixTree.match` found for one sequence of block hashes (see the module docstring)."""
@@ -467,8 +472,8 @@ class RadixTree:
 
     @staticmethod
     def block_set() -> set[int]:
-        """An empty set of block hashes for `gc(evicted=...)` and `match_cached` (this build: a `set`)."""
-        return set()
+        """An empty set of block hashes for `gc(evicted=...)` and `match_cached` (this build's `BlockSet`: `set`)."""
+        return BlockSet()
 
     def gc(
         self, now: float, window_s: float, budget_blocks: int | None = None,

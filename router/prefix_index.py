@@ -7,9 +7,11 @@ for a request is the longest run of leading hashes resident on it. Duplicate Blo
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from itertools import compress, repeat
+from typing import Any
 
+from switchyard.ext.radix import BlockSet
 from switchyard.workers.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 
@@ -26,9 +28,11 @@ class PrefixIndex:
     from the start.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, block_set: Callable[[], Any] = BlockSet) -> None:
+        """`block_set`: the per-worker set type (the ext build's `BlockSet`; `set` for a side-by-side bench)."""
+        self._block_set = block_set
         self._hash_to_mask: dict[int, int] | None = None  # `_masks`: built on the first match
-        self._worker_to_hashes: dict[str, set[int]] = {}
+        self._worker_to_hashes: dict[str, set[int]] = {}  # `BlockSet`s (uint64 in C in the Cython build)
         self._worker_bit: dict[str, int] = {}
         self._bit_worker: dict[int, str] = {}  # bit -> worker
 
@@ -40,7 +44,7 @@ class PrefixIndex:
                 bit <<= 1
             self._worker_bit[worker_id] = bit
             self._bit_worker[bit] = worker_id
-            self._worker_to_hashes[worker_id] = set()
+            self._worker_to_hashes[worker_id] = self._block_set()
         return bit
 
     def apply(self, worker_id: str, events: Iterable[KvEvent]) -> None:

@@ -1,7 +1,8 @@
 """Micro-benchmark of the global prefix radix tree (`switchyard bench radix`): match, insert and a routing
 decision (match + a per-worker cost over 16 workers), p50/p99 in µs, Cython build vs Python reference, on
 realistic trees of 10k and 100k nodes (shared system prompts, tool/document branches, per-user questions), plus
-the insert of a cold video-like prompt (`COLD_BLOCKS` new blocks, a VideoQA dispatch's leaf) into the same tree.
+the insert of a cold video-like prompt (`COLD_BLOCKS` new blocks, a VideoQA dispatch's leaf) into the same tree;
+and the fleet's KV-event ingestion (`PrefixIndex.apply`) with each build's per-worker block sets.
 
 Quick (a few seconds): `switchyard bench radix --nodes 10000 --ops 2000`.
 Full (about a minute, mostly building the 100k-node trees in Python): `switchyard bench radix`.
@@ -21,6 +22,8 @@ from pathlib import Path
 from types import ModuleType
 
 from switchyard.ext import radix_py
+from switchyard.router.prefix_index import PrefixIndex
+from switchyard.workers.engine.kv_events import BlockRemoved, BlockStored
 
 try:
     from switchyard.ext import _radix_c
@@ -149,6 +152,52 @@ def measure(mod: ModuleType, target_nodes: int, num_ops: int, seed: int) -> dict
     }
 
 
+def measure_ingest(mod: ModuleType, num_events: int, seed: int) -> dict:
+    """The fleet's KV-event ingestion (`PrefixIndex.apply`, run for every worker's every event whatever the policy)
+    with this build's per-worker block sets: 16 workers storing 32-block runs and evicting their oldest 32, until
+    they hold ~10k blocks each (the events are built first, then timed one by one)."""
+    rng = random.Random(seed)
+    held: dict[str, list[int]] = {w: [] for w in WORKER_IDS}
+    events: list[tuple[str, list[object]]] = []
+    for _ in range(num_events):
+        w = rng.choice(WORKER_IDS)
+        if held[w] and rng.random() < 0.45:
+            gone, held[w] = held[w][:32], held[w][32:]
+            events.append((w, [BlockRemoved(block_hashes=tuple(gone))]))
+        else:
+            hs = tuple(rng.getrandbits(64) for _ in range(32))
+            held[w] += hs
+            events.append((w, [BlockStored(block_hashes=hs, parent_block_hash=None, token_ids=(), block_size=16)]))
+    index = PrefixIndex(block_set=mod.BlockSet)
+    clock = time.perf_counter_ns
+    ns = []
+    for w, evs in events:
+        t = clock()
+        index.apply(w, evs)
+        ns.append(clock() - t)
+    return {
+        "impl": "c" if mod is _radix_c else "py",
+        "events": num_events,
+        "held_blocks": sum(index.num_blocks(w) for w in WORKER_IDS),
+        "event_p50_us": round(pct(ns, 0.50), 2),
+        "event_p99_us": round(pct(ns, 0.99), 2),
+        "event_mean_us": round(statistics.fmean(ns) / 1000.0, 2),
+    }
+
+
+def ingest_markdown(rows: list[dict]) -> str:
+    lines = [
+        "| block sets | events (32 blocks each) | blocks held at the end | `PrefixIndex.apply` p50 / p99 / mean µs |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {'BlockSet (C)' if r['impl'] == 'c' else 'set (reference)'} | {r['events']} | {r['held_blocks']} "
+            f"| {r['event_p50_us']} / {r['event_p99_us']} / {r['event_mean_us']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def to_markdown(rows: list[dict]) -> str:
     lines = [
         "| impl | nodes | blocks | query blocks (mean) | match p50 / p99 µs | decision p50 / p99 µs "
@@ -181,10 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.impl in ("both", "py"):
         mods.append(radix_py)
     rows = [measure(mod, n, args.ops, args.seed) for n in args.nodes for mod in mods]
-    md = to_markdown(rows)
+    ingest = [measure_ingest(mod, 12 * args.ops, args.seed) for mod in mods]
+    md = to_markdown(rows) + "\n" + ingest_markdown(ingest)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"python": platform.python_version(), "machine": platform.machine(), "workers": NUM_WORKERS}
-    (args.out / "radix.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    (args.out / "radix.json").write_text(json.dumps({"meta": meta, "rows": rows, "ingest": ingest}, indent=2) + "\n")
     (args.out / "radix.md").write_text(md)
     print(md, end="")
     print(f"wrote {args.out / 'radix.json'} and {args.out / 'radix.md'}")

@@ -289,6 +289,7 @@ def test_block_set_behaves_as_a_set(seed: int) -> None:
         assert len(bs) == len(ref) and bool(bs) == bool(ref)
         probe = rng.sample(pool, 20)
         assert [h in bs for h in probe] == [h in ref for h in probe], step
+        assert bs.intersection(probe + [-1]) == ref.intersection(probe)
         if step % 500 == 0:
             assert sorted(bs) == sorted(ref) and bs == ref
     assert sorted(bs) == sorted(ref) and len(ref) > 500

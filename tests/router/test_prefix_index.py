@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from switchyard.ext.radix import BlockSet
 from switchyard.router.prefix_index import PrefixIndex
 from switchyard.workers.engine.core import EngineConfig, EngineCore
 from switchyard.workers.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
@@ -104,11 +105,13 @@ def test_remove_worker_frees_its_slot_for_a_new_worker() -> None:
     assert idx.num_blocks("w1") == 0
 
 
+@pytest.mark.parametrize("block_set", [BlockSet, set], ids=["build", "set"])
 @pytest.mark.parametrize("seed", range(20))
-def test_random_streams_match_the_reference_and_coalescing_is_transparent(seed: int) -> None:
+def test_random_streams_match_the_reference_and_coalescing_is_transparent(seed: int, block_set: type) -> None:
+    """Both per-worker set types (the ext build's `BlockSet`, and `set`) against the reference."""
     rng = random.Random(seed)
     workers = [f"w{i}" for i in range(rng.randrange(1, 10))]
-    idx, ref, per_block = PrefixIndex(), RefIndex(), PrefixIndex()
+    idx, ref, per_block = PrefixIndex(block_set), RefIndex(), PrefixIndex(block_set)
     probes = [[rng.randrange(40) for _ in range(rng.randrange(1, 8))] for _ in range(30)]
     probes += [list(range(k, k + 6)) for k in range(0, 30, 3)]
     for _ in range(300):
