@@ -226,24 +226,32 @@ cdef class EvictionOrder:
             PyMem_Free(at)
             PyMem_Free(pcum)
 
-    def price(self, long long need_blocks, set protected, double cutoff, long long block_size, object cost):
-        """As the reference's: the loop, the memo and each victim's term in C (`_victim_term`); the cost model is
-        asked for PREFILLTIME (one call per term priced afresh)."""
+    def price(self, long long need_blocks, set protected, double cutoff, long long block_size, object cost,
+              bint keep=True, object term=None):
+        """As the reference's: the loop, the memo and the default term in C (`_victim_term`); the cost model is
+        asked for PREFILLTIME (one call per term priced afresh); a given `term` is called."""
         cdef list victims = self.hot_victims(need_blocks, protected)
         cdef dict memo = self.memo
         cdef double m = 0.0
         cdef tuple v, got
-        cdef object key
+        cdef object key = None
         cdef PyObject* p
         for item in victims:
             v = <tuple>item
-            key = (PyLong_FromVoidPtr(<void*>v[0]), v[1])
-            p = PyDict_GetItem(memo, key)
-            got = None if p == NULL else <tuple>p
+            got = None
+            if keep:
+                key = (PyLong_FromVoidPtr(<void*>v[0]), v[1])
+                p = PyDict_GetItem(memo, key)
+                if p != NULL:
+                    got = <tuple>p
             if (got is None or not (<double>got[1] <= cutoff <= <double>got[2])
                     or <object>PyTuple_GET_ITEM(got, 3) is not cost):
-                got = self._victim_term(v[0], <long long>v[1], cutoff, block_size, cost)
-                PyDict_SetItem(memo, key, got)
+                if term is None:
+                    got = self._victim_term(v[0], <long long>v[1], cutoff, block_size, cost)
+                else:
+                    got = <tuple?>term(v[0], v[1], self.worker, cutoff, block_size, cost)
+                if keep:
+                    PyDict_SetItem(memo, key, got)
             if <object>PyTuple_GET_ITEM(got, 0) is not None:
                 m = m + <double>got[0]
         return m

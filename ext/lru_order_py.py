@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+from collections.abc import Callable
 from typing import Any
 
 
@@ -121,18 +122,27 @@ class EvictionOrder:
             out.append((n, d if i < last else min(d, need_blocks - (unprotected_upto(i - 1) if i else 0))))
         return out
 
-    def price(self, need_blocks: int, protected: set[int], cutoff: float, block_size: int, cost: Any) -> float:
-        """M priced "text"-wise (E2's default, specs/preble.md errata E3): Σ over `hot_victims`, in victim order, of
-        each victim's `victim_term`, kept in `memo` under (id, blocks taken) while the window's start stays
-        between the two times it holds for and the cost model is the same object (one whose answers never
-        change: the caller's to choose). The same float as pricing every victim afresh."""
+    def price(
+        self, need_blocks: int, protected: set[int], cutoff: float, block_size: int, cost: Any, keep: bool = True,
+        term: Callable[..., tuple[float | None, float, float, Any]] | None = None,
+    ) -> float:
+        """M: Σ over `hot_victims`, in victim order, of each victim's term: `term(node, blocks taken, worker,
+        cutoff, block_size, cost)`, by default `victim_term` (the "text" term, E2's default, specs/preble.md errata
+        E3). With `keep`, each term is kept in `memo` under (id, blocks taken) while the window's start stays
+        between the two times it holds for and the cost model is the same object (one whose answers never change:
+        the caller's to choose; the memo is not keyed by the term, so one order is priced with one term). The
+        same float as pricing every victim afresh."""
         m = 0.0
         memo, worker, stats_type = self.memo, self.worker, self.stats_type
         for n, take in self.hot_victims(need_blocks, protected):
-            key = (id(n), take)
-            got = memo.get(key)
+            got = memo.get((id(n), take)) if keep else None
             if got is None or not got[1] <= cutoff <= got[2] or got[3] is not cost:
-                got = memo[key] = victim_term(n, take, worker, cutoff, block_size, cost, stats_type)
+                if term is None:
+                    got = victim_term(n, take, worker, cutoff, block_size, cost, stats_type)
+                else:
+                    got = term(n, take, worker, cutoff, block_size, cost)
+                if keep:
+                    memo[(id(n), take)] = got
             if got[0] is not None:
                 m = m + got[0]
         return m

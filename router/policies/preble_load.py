@@ -427,6 +427,13 @@ def _victim_term(
     """
     if mode != "alg2":
         return victim_term(node, nblocks, worker, cutoff, block_size, cost, NodeStats)
+    return _alg2_term(node, nblocks, worker, cutoff, block_size, cost)
+
+
+def _alg2_term(
+    node: Any, nblocks: int, worker: Any, cutoff: float, block_size: int, cost: CostModel,
+) -> tuple[float | None, float, float, CostModel]:
+    """`_victim_term`'s "alg2" term: Σ PREFILLTIME(missed_l) over the requests through j on `worker` in W."""
     st = node.stats
     dq = st.hits.get(worker) if isinstance(st, NodeStats) else None
     if not dq:
@@ -740,21 +747,8 @@ class LruIndex:
         order = self._order
         if order is None:
             order = self._order = EvictionOrder(self, worker, NodeStats)
-        m = 0.0
-        cutoff = now - window_s
-        # each victim's term, kept with the order between selects while it holds (`_victim_term`); a cost model
-        # fitted online (`OnlineFit`) changes in place, so its terms are priced afresh
-        memo = order.memo if isinstance(cost, ProfileCost) else None
-        if memo is not None and mode != "alg2":  # the default: the order prices it (in C in its Cython build)
-            return order.price(need_blocks, protected, cutoff, block_size, cost)
-        for n, take in order.hot_victims(need_blocks, protected):
-            if memo is None:
-                got = _victim_term(n, take, worker, cutoff, block_size, cost, mode)
-            else:
-                key = (id(n), take)
-                got = memo.get(key)
-                if got is None or not got[1] <= cutoff <= got[2] or got[3] is not cost:
-                    got = memo[key] = _victim_term(n, take, worker, cutoff, block_size, cost, mode)
-            if got[0] is not None:
-                m = m + got[0]
-        return m
+        # each victim's term, kept with the order between selects while it holds; a cost model fitted online
+        # (`OnlineFit`) changes in place, so its terms are priced afresh. The order prices "text" terms itself (in
+        # C in its Cython build).
+        return order.price(need_blocks, protected, now - window_s, block_size, cost, isinstance(cost, ProfileCost),
+                           _alg2_term if mode == "alg2" else None)

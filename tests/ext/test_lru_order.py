@@ -13,7 +13,7 @@ from switchyard.ext import lru_order, lru_order_py
 from switchyard.router.policies.base import WorkerId
 from switchyard.router.policies.preble_cost import profile_cost
 from switchyard.router.policies.preble_e2 import E2Config, PrebleE2
-from switchyard.router.policies.preble_load import NodeStats
+from switchyard.router.policies.preble_load import NodeStats, _alg2_term
 from switchyard.workers.engine.profiles import PROFILES
 
 try:
@@ -133,9 +133,10 @@ def _full(order: object) -> list[tuple[object, int, int]]:
 @pytest.mark.skipif(_lru_order_c is None, reason="Cython extension not built")
 @pytest.mark.parametrize("seed", range(4))
 def test_cython_price_equals_reference(seed: int) -> None:
-    """`price` (M "text"-wise, each victim's term kept in the order's memo): the builds give the same float and
-    keep the same memo, call after call, as the window's start moves across the victims' requests and the cost
-    model changes; and the float is the terms priced afresh (`victim_term`), summed in victim order."""
+    """`price` (M, each victim's term kept in the order's memo unless told not to; the "text" term by default, a
+    caller's term when given): the builds give the same float and keep the same memo, call after call, as the
+    window's start moves across the victims' requests and the cost model changes; and the float is the terms
+    priced afresh (`victim_term`, or the given one), summed in victim order."""
     rng = random.Random(seed)
     policy = PrebleE2(E2Config.paper(node_window_s=5.0))
     prompts = random_prompts(rng, 50, labels=60)
@@ -149,19 +150,26 @@ def test_cython_price_equals_reference(seed: int) -> None:
             fast = _lru_order_c.EvictionOrder(idx, v, NodeStats)
             protected = _path_ids(rng.choice(nodes)) if nodes and rng.random() < 0.5 else set()
             need = rng.choice([4, 20, 80, 10_000])
+            term = _alg2_term if rng.random() < 0.25 else None  # a caller's term (one per order, as E2's mode)
             for _ in range(3):
                 # a window start at, just before or just after a request's time (a term's bounds), or before all
                 cutoff = rng.choice(times) + rng.choice([-1e-3, 0.0, 1e-3]) if times and rng.random() < 0.8 else -1.0
                 cost = rng.choice(costs)
+                keep = rng.random() < 0.8  # else priced afresh and left out of the memo (a cost fitted online)
                 before = dict(ref.memo)
-                got = fast.price(need, protected, cutoff, 16, cost)
-                assert got == ref.price(need, protected, cutoff, 16, cost)
+                got = fast.price(need, protected, cutoff, 16, cost, keep, term)
+                assert got == ref.price(need, protected, cutoff, 16, cost, keep, term)
                 assert fast.memo == ref.memo
+                if not keep:
+                    assert ref.memo == before
                 want = 0.0
                 for n, take in ref.hot_victims(need, protected):
-                    term = lru_order_py.victim_term(n, take, v, cutoff, 16, cost, NodeStats)[0]
-                    if term is not None:
-                        want = want + term
+                    if term is None:
+                        t = lru_order_py.victim_term(n, take, v, cutoff, 16, cost, NodeStats)[0]
+                    else:
+                        t = term(n, take, v, cutoff, 16, cost)[0]
+                    if t is not None:
+                        want = want + t
                 assert got == want
                 nonzero += got > 0
                 kept += sum(before.get(k) is x for k, x in ref.memo.items())
