@@ -313,6 +313,13 @@ cdef class BlockSet:
     open-addressing table of uint64 (linear probing at load <= 0.7, backward-shift deletion) with no Python int
     per member. `update` and `add` refuse anything else (ValueError); `discard`, `difference_update` and `in`
     treat it as absent. The tree's `gc` and `match_cached` read and prune it in C (`RadixTree.block_set`).
+
+    NOTE: not the block index's table (16-byte key + node slots), on purpose: most reads here are of absent
+    hashes (`match_cached` asks each block of an assigned run), and an absent key ends at the first empty slot,
+    which the dense occupancy bytes answer from a table 16x smaller. Measured with the index's slot layout in
+    their place (600 absent lookups per call, 20k / 200k / 2M members): 20.6 / 24.6 / 69.2 ns per lookup
+    against 17.2 / 16.3 / 36.0, and videoqa's select ×1.02-1.09 paired. The probing and the backward shift are
+    the index's (`_del`).
     """
 
     cdef uint64_t* _keys
