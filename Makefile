@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMPS := .stamps
 PIP := $(BIN)/pip --disable-pip-version-check -q
-SRC := pyproject.toml setup.py $(wildcard protos/switchyard/v1/*.proto) $(wildcard ext/*.pyx ext/*.pxd)
+SRC := pyproject.toml setup.py $(wildcard protos/switchyard/v1/*.proto) $(wildcard ext/*.pyx ext/*.pxd ext/*.pxi)
 
 .PHONY: run test install install-test predictor-env sysdeps lint bench-sim bench-live bench-profiles bench-peers peers-env clean vllm-env bench-suite
 

@@ -13,6 +13,8 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.ref cimport PyObject
 from cpython.set cimport PySet_Add, PySet_Contains
 from cpython.tuple cimport PyTuple_GET_ITEM
+
+include "_profile_cost.pxi"  # _prefill_s
 from libc.math cimport INFINITY
 
 import heapq
@@ -263,6 +265,7 @@ cdef class EvictionOrder:
         cdef Py_ssize_t count
         cdef double hi = INFINITY
         cdef long long keep
+        cdef double term
         if isinstance(st, self.stats_type):
             dq = st.hits.get(self.worker)
         if not dq:
@@ -277,7 +280,7 @@ cdef class EvictionOrder:
         if not count:
             return (None, cutoff, INFINITY, cost)
         keep = <long long>node.resident_on(self.worker) - nblocks
-        term = cost.prefill_s(nblocks * block_size, (<long long>node.context_blocks + keep) * block_size) * count
+        term = _prefill_s(cost, nblocks * block_size, (<long long>node.context_blocks + keep) * block_size) * <double>count
         return (term, cutoff, hi, cost)
 
     cdef long long _unprotected_upto(self, Py_ssize_t i, Py_ssize_t* at, long long* pcum, Py_ssize_t n_at) except? -1:

@@ -70,14 +70,15 @@ def _ext_at(repo: Path, sha: str) -> Callable[[str], str]:
     """The rename of `switchyard.ext` imports for code of revision `sha`: identity when ext/'s sources there are
     the working tree's, else to a private copy of that ext/ with its changed `.pyx` compiled."""
     changed = {Path(f).name for f in _git(repo, "diff", "--name-only", sha, "--", _EXT_DIR).split()
-               if f.endswith((".py", ".pyx", ".pxd"))}  # (not its README)
+               if f.endswith((".py", ".pyx", ".pxd", ".pxi"))}  # (not its README)
     if not changed:
         return lambda text: text
     name = f"_switchyard_ext_{sha[:12]}"
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "switchyard" / "revisions"
     root = cache / f"{sha}-{sysconfig.get_config_var('SOABI')}"
     pyx = {Path(f).stem for f in _git(repo, "ls-tree", "--name-only", sha, f"{_EXT_DIR}/").split() if f.endswith(".pyx")}
-    shared = {m for m in pyx if f"{m}.pyx" not in changed}  # compiled modules the working tree has too
+    # compiled modules the working tree has too (none when an included .pxi differs: it is part of its includers)
+    shared = set() if any(f.endswith(".pxi") for f in changed) else {m for m in pyx if f"{m}.pyx" not in changed}
 
     def rename(text: str) -> str:
         def one(m: re.Match[str]) -> str:
@@ -90,7 +91,7 @@ def _ext_at(repo: Path, sha: str) -> Callable[[str], str]:
     done = root / f".{name}.built"
     if not done.exists():
         shutil.rmtree(dest, ignore_errors=True)
-        _copy(repo, sha, _EXT_DIR, dest, rename, (".py", ".pyx", ".pxd"))
+        _copy(repo, sha, _EXT_DIR, dest, rename, (".py", ".pyx", ".pxd", ".pxi"))
         _compile(dest, name, sorted(pyx - shared))
         done.touch()
     if str(root) not in sys.path:

@@ -11,10 +11,10 @@ from hook_fuzz import drive, random_prompts
 
 from switchyard.ext import lru_order, lru_order_py
 from switchyard.router.policies.base import WorkerId
-from switchyard.router.policies.preble_cost import profile_cost
+from switchyard.router.policies.preble_cost import OnlineFit, profile_cost
 from switchyard.router.policies.preble_e2 import E2Config, PrebleE2
 from switchyard.router.policies.preble_load import NodeStats, _alg2_term
-from switchyard.workers.engine.profiles import PROFILES
+from switchyard.workers.engine.profiles import DEFAULT_PROFILE, PROFILES
 
 try:
     from switchyard.ext import _lru_order_c
@@ -140,7 +140,10 @@ def test_cython_price_equals_reference(seed: int) -> None:
     rng = random.Random(seed)
     policy = PrebleE2(E2Config.paper(node_window_s=5.0))
     prompts = random_prompts(rng, 50, labels=60)
-    costs = [profile_cost(name) for name in sorted(PROFILES)[:2]]
+    fitted = OnlineFit(profile_cost(DEFAULT_PROFILE), min_samples=2)  # no `terms`: its own prefill_s is asked
+    for x, y in ((100, 0.02), (900, 0.09), (3000, 0.31)):
+        fitted.add_prefill(x, y)
+    costs = [profile_cost(name) for name in sorted(PROFILES)[:2]] + [fitted]
     nonzero = kept = 0
     for _ in drive(policy, rng, prompts, WORKERS, 250, tied_times=True):
         nodes = list(policy.tree.nodes())

@@ -1,0 +1,38 @@
+# PREFILLTIME in C for `ProfileCost`, shared by the Cython builds that price it (`include`d, so each module has its
+# own copy of one source: `_e2_select_c` prices R with it, `_lru_order_c` M's victim terms).
+# The formula is `router/policies/preble_cost.ProfileCost.prefill_s` written out in its order of operations; the
+# modules are compiled with -ffp-contract=off, so no fused multiply-add rounds differently: the same floats
+# (`tests/ext/test_e2_select.py` and `tests/ext/test_lru_order.py` compare them).
+
+from cpython.float cimport PyFloat_CheckExact
+from cpython.long cimport PyLong_CheckExact
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
+
+cdef extern from "Python.h":
+    double PyFloat_AsDouble(object) except? -1.0
+
+
+cdef double _prefill_s(object cost, Py_ssize_t missed, Py_ssize_t cached) except? -1.0:
+    """`cost.prefill_s(missed, cached)`. For a cost model whose `terms` are (step_ms, per_decode_ms,
+    decode_ctx_ms_per_ktok, prefill_ms, lin_ms_per_tok, knee_tokens, attn_pair_ratio), six floats and an int
+    (`ProfileCost`), its formula in C, operation for operation; anything else is asked."""
+    cdef object k = getattr(cost, "terms", None)
+    cdef Py_ssize_t e, c, over
+    cdef double t
+    if (type(k) is tuple and PyTuple_GET_SIZE(k) == 7 and PyLong_CheckExact(<object>PyTuple_GET_ITEM(k, 5))
+            and PyFloat_CheckExact(<object>PyTuple_GET_ITEM(k, 0)) and PyFloat_CheckExact(<object>PyTuple_GET_ITEM(k, 1))
+            and PyFloat_CheckExact(<object>PyTuple_GET_ITEM(k, 2)) and PyFloat_CheckExact(<object>PyTuple_GET_ITEM(k, 3))
+            and PyFloat_CheckExact(<object>PyTuple_GET_ITEM(k, 4)) and PyFloat_CheckExact(<object>PyTuple_GET_ITEM(k, 6))
+            and 0 <= missed < 1 << 26 and 0 <= cached < 1 << 26):  # e·c and e·(e+1) stay exact in a double and int64
+        e, c = missed, cached
+        over = e - <Py_ssize_t>(<object>PyTuple_GET_ITEM(k, 5))
+        if over < 0:
+            over = 0
+        t = (PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 0)) + PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 1)) * 0.0
+             + PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 2)) * 0.0 / 1000.0
+             + PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 4))
+             * (<double>over + PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 6)) * <double>(e * c + e * (e + 1) / 2)))
+        if e:
+            t += PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 3))
+        return 0.001 * t
+    return PyFloat_AsDouble(cost.prefill_s(missed, cached))
