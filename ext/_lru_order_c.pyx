@@ -8,6 +8,7 @@ of (last_access, seq, position), the index's tables are read with the dict C API
 """
 
 from cpython.dict cimport PyDict_Contains, PyDict_GetItem, PyDict_Next, PyDict_SetItem
+from cpython.list cimport PyList_GET_ITEM
 from cpython.long cimport PyLong_FromVoidPtr
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.ref cimport PyObject
@@ -18,6 +19,11 @@ include "_profile_cost.pxi"  # _prefill_s
 from libc.math cimport INFINITY
 
 import heapq
+
+
+cdef enum:
+    RETIRED_CAP = 1024  # as the reference's
+    MEMO_CAP = 4096
 
 
 cdef inline bint _before(double la, long long seq, Py_ssize_t pos,
@@ -40,6 +46,15 @@ cdef class EvictionOrder:
     cdef long long* _f_seq
     cdef Py_ssize_t* _f_pos
     cdef Py_ssize_t _f_n, _f_cap
+    # the frontier's last popped (key, seq, position) and the largest (key, seq) of the steps (`pushed`)
+    cdef double _lp_la, _mk_la
+    cdef long long _lp_seq, _mk_seq
+    cdef Py_ssize_t _lp_pos
+    cdef bint _lp_set, _mk_set
+    cdef readonly bint stale
+    cdef readonly list retired
+    cdef readonly Py_ssize_t base  # step numbers and cum's offset, as the reference's
+    cdef readonly long long cum_base
 
     def __cinit__(self):
         self._f_la = NULL
@@ -47,6 +62,12 @@ cdef class EvictionOrder:
         self._f_pos = NULL
         self._f_n = 0
         self._f_cap = 0
+        self._lp_set = False
+        self._mk_set = False
+        self.stale = False
+        self.retired = []
+        self.base = 0
+        self.cum_base = 0
 
     def __dealloc__(self):
         PyMem_Free(self._f_la)
@@ -64,13 +85,126 @@ cdef class EvictionOrder:
         self.local_held = {}
         self.pos = {}
         self.done = set()
-        # the index replaces none of these objects while an order lives (it drops the order before any change)
+        # the index replaces none of these objects while an order lives (it drops the order first)
         self.array = idx.heap
         self._keyed = idx.keyed
         self._entries = idx.entries
         self._held = idx.held
         if self.array:
             self._push(0)
+
+    @property
+    def last_popped(self):
+        return (self._lp_la, self._lp_seq, self._lp_pos) if self._lp_set else None
+
+    @property
+    def max_key(self):
+        return (self._mk_la, self._mk_seq) if self._mk_set else None
+
+    def reached(self, k):
+        """As the reference's: node k taken, unlocked, or a child of it counted."""
+        return (PySet_Contains(self.done, k) or PyDict_GetItem(self.unlocked, k) != NULL
+                or PyDict_GetItem(self.local_held, k) != NULL)
+
+    def pushed(self, tuple entry):
+        """As the reference's: the steps hold after the index pushed `entry` (joined to the walk), or False."""
+        cdef list array = self.array
+        cdef Py_ssize_t p = len(array) - 1, q
+        cdef double la = entry[0]
+        cdef long long seq = entry[1]
+        cdef tuple e
+        cdef PyObject* got
+        if self._mk_set and (la < self._mk_la or (la == self._mk_la and seq <= self._mk_seq)):
+            got = PyDict_GetItem(self.unlocked, PyLong_FromVoidPtr(<void*>entry[2]))
+            if got == NULL or <double>(<object>got) != la:
+                return False
+        if self.stale:
+            return True
+        if <object>PyList_GET_ITEM(array, p) is not entry:  # sifted toward the top: positions moved
+            self.stale = True
+            return True
+        q = (p - 1) // 2
+        if p == 0:
+            self._push(p)
+        elif self._lp_set:
+            e = <tuple>PyList_GET_ITEM(array, q)
+            if not _before(self._lp_la, self._lp_seq, self._lp_pos, <double>e[0], <long long>e[1], q):
+                self._push(p)  # its parent's children are in already
+        return True
+
+    def rebased(self, list array):
+        """As the reference's: the frontier is rebuilt from `array` before the next step."""
+        self.array = array
+        self.stale = True
+
+    cdef int _rebase(self) except -1:
+        """As the reference's: the positions past max_key whose parents are at or before it, by a C stack."""
+        cdef list array = self.array
+        cdef Py_ssize_t n = len(array), top = 0, p, c
+        cdef Py_ssize_t* stack
+        cdef tuple e
+        cdef double la
+        cdef long long seq
+        self._f_n = 0
+        if n:
+            stack = <Py_ssize_t*>PyMem_Malloc(n * sizeof(Py_ssize_t))
+            if stack == NULL:
+                raise MemoryError()
+            try:
+                stack[0] = 0
+                top = 1
+                while top:
+                    top -= 1
+                    p = stack[top]
+                    e = <tuple>PyList_GET_ITEM(array, p)
+                    la = e[0]
+                    seq = e[1]
+                    if self._mk_set and (la < self._mk_la or (la == self._mk_la and seq <= self._mk_seq)):
+                        c = 2 * p + 1
+                        if c < n:
+                            stack[top] = c
+                            top += 1
+                            if c + 1 < n:
+                                stack[top] = c + 1
+                                top += 1
+                    else:
+                        self._push(p)
+            finally:
+                PyMem_Free(stack)
+        if self._mk_set:
+            self._lp_la, self._lp_seq, self._lp_pos, self._lp_set = self._mk_la, self._mk_seq, n, True
+        else:
+            self._lp_set = False
+        self.stale = False
+        return 0
+
+    def first_resized(self, k, long long blocks):
+        """As the reference's: the first step's node now holds `blocks` (0: it left); False when k is not it."""
+        cdef list steps = self.steps
+        cdef tuple first
+        cdef long long d0
+        cdef Py_ssize_t i
+        if not steps or (<tuple>steps[0])[2] != k:
+            return False
+        first = <tuple>steps[0]
+        d0 = first[1]
+        if blocks:
+            for key in [key for key in self.memo if (<tuple>key)[0] == k]:  # its terms change with its blocks
+                del self.memo[key]
+            steps[0] = (first[0], blocks, k)
+            self.cum_base += d0 - blocks
+            return True
+        if len(self.retired) >= RETIRED_CAP:
+            return False
+        self.retired.append(first[0])
+        del steps[0]
+        del self.cum[0]
+        self.cum_base += d0
+        del self.pos[k]
+        if self.hot and <Py_ssize_t>self.hot[0] == self.base:
+            del self.hot[0]
+        self.base += 1
+        return True
 
     # ------------------------------------------------------------------------------------------ frontier heap
     cdef int _push(self, Py_ssize_t p) except -1:
@@ -143,7 +277,7 @@ cdef class EvictionOrder:
         return self._reach(blocks)
 
     cdef bint _reach(self, long long blocks) except -1:
-        while not self.cum or <long long>self.cum[len(self.cum) - 1] < blocks:  # (no wraparound: no [-1])
+        while not self.cum or <long long>self.cum[len(self.cum) - 1] - self.cum_base < blocks:  # (no [-1])
             if not self._step():
                 return False
         return True
@@ -182,7 +316,7 @@ cdef class EvictionOrder:
                 for k in protected:
                     got = PyDict_GetItem(self.pos, k)
                     if got != NULL:
-                        at[n_at] = <Py_ssize_t>(<object>got)
+                        at[n_at] = <Py_ssize_t>(<object>got) - self.base
                         n_at += 1
                 if n_at == prev_n or not enough:  # a position never leaves `pos`: same count, same set
                     break
@@ -209,7 +343,7 @@ cdef class EvictionOrder:
                         lo = mid + 1
             last = hi
             for k in self.hot:
-                i = <Py_ssize_t>k
+                i = <Py_ssize_t>k - self.base
                 if i > last:
                     break
                 step = <tuple>steps[i]
@@ -253,6 +387,8 @@ cdef class EvictionOrder:
                 else:
                     got = <tuple?>term(v[0], v[1], self.worker, cutoff, block_size, cost)
                 if keep:
+                    if len(memo) >= MEMO_CAP:
+                        memo.clear()
                     PyDict_SetItem(memo, key, got)
             if <object>PyTuple_GET_ITEM(got, 0) is not None:
                 m = m + <double>got[0]
@@ -292,16 +428,18 @@ cdef class EvictionOrder:
                 lo = mid + 1
             else:
                 hi = mid
-        return <long long>self.cum[i] - (pcum[lo - 1] if lo else 0)
+        return <long long>self.cum[i] - self.cum_base - (pcum[lo - 1] if lo else 0)
 
     cdef bint _step(self) except -1:
+        if self.stale:
+            self._rebase()
         cdef Py_ssize_t size = len(self.array)
         cdef Py_ssize_t p, c, i
         cdef double la
         cdef tuple e, top
         cdef object n, k, kp, par, st, hits
         cdef PyObject* got
-        cdef long long d, held
+        cdef long long d, held, seq
         while True:
             # the next entry in key order: the array's (via the frontier) or an unlocked parent's
             if self._f_n > 0:
@@ -319,6 +457,7 @@ cdef class EvictionOrder:
             else:
                 return False
             if p == -1:
+                self._lp_la, self._lp_seq, self._lp_pos, self._lp_set = self._f_la[0], self._f_seq[0], self._f_pos[0], True
                 p = self._pop()
                 c = 2 * p + 1
                 if c < size:
@@ -339,31 +478,33 @@ cdef class EvictionOrder:
             if PySet_Contains(self.done, k):
                 continue  # seen already
             PySet_Add(self.done, k)
+            seq = e[1]
+            if not self._mk_set or la > self._mk_la or (la == self._mk_la and seq > self._mk_seq):
+                self._mk_la, self._mk_seq, self._mk_set = la, seq, True
             d = n.resident_on(self.worker)
             i = len(self.steps)
             self.steps.append((n, d, k))
-            self.cum.append(<long long>self.cum[i - 1] + d if i else d)
-            PyDict_SetItem(self.pos, k, i)
+            self.cum.append((<long long>self.cum[i - 1] if i else self.cum_base) + d)
+            PyDict_SetItem(self.pos, k, self.base + i)
             st = n.stats
             if isinstance(st, self.stats_type):
                 hits = st.hits.get(self.worker)
                 if hits:
-                    self.hot.append(i)
+                    self.hot.append(self.base + i)
             par = (<tuple>self._entries[k])[1]
             if par is not None:
                 kp = PyLong_FromVoidPtr(<void*>par)
-                if kp in self._entries:  # its last resident child gone: the parent is a candidate
-                    got = PyDict_GetItem(self.local_held, kp)
-                    if got != NULL:
-                        held = <long long>(<object>got) - 1
-                    else:
-                        got = PyDict_GetItem(self._held, kp)
-                        held = (<long long>(<object>got) if got != NULL else 0) - 1
-                    PyDict_SetItem(self.local_held, kp, held)
-                    if held == 0:
-                        la = par.last_access
-                        self.unlocked[kp] = la
-                        heapq.heappush(self.extra, (la, par.seq, par))
+                got = PyDict_GetItem(self.local_held, kp)  # counted resident or not, as the reference
+                if got != NULL:
+                    held = <long long>(<object>got) - 1
+                else:
+                    got = PyDict_GetItem(self._held, kp)
+                    held = (<long long>(<object>got) if got != NULL else 0) - 1
+                PyDict_SetItem(self.local_held, kp, held)
+                if held == 0 and kp in self._entries:  # its last resident child gone: the parent is a candidate
+                    la = par.last_access
+                    self.unlocked[kp] = la
+                    heapq.heappush(self.extra, (la, par.seq, par))
             return True
 
 
@@ -396,8 +537,8 @@ def touch_holders(dict lru, list nodes):
                 if p is not NULL and (<tuple?>(<object>p))[1] is parent:
                     keyed = <dict?>idx.keyed
                     order = idx._order
-                    if order is not None and (PyDict_Contains(keyed, k) or _order_reached(order, k)):
-                        idx._order = None
+                    if order is not None and _order_reached(order, k):
+                        idx._order = None  # a step read its key or resident blocks (a new key: `pushed`)
                     p = PyDict_GetItem(<dict?>idx.held, k)
                     if p is not NULL and <object>p and not PyDict_Contains(keyed, k):
                         continue  # not a candidate before or after: heap and keys unchanged

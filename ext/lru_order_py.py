@@ -18,10 +18,15 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+# an order that lives long takes out many first steps and meets many partial takes: past these, the retired
+# nodes go with a fresh order, and the memo starts over
+RETIRED_CAP = 1024
+MEMO_CAP = 4096
+
 
 class EvictionOrder:
     """One LruIndex's eviction order from its current state, simulated step by step as far as `victims` reads,
-    so selects between two changes of the index share one simulation (any change drops it).
+    so selects between two changes of the index share one simulation.
 
     `victims` with protected nodes is this order with the protected ones skipped: they are an ancestor-closed
     path, so a protected node's eviction here can only unlock a protected parent, and every other node's
@@ -31,10 +36,26 @@ class EvictionOrder:
     positions whose parents were taken, so popping it yields the array's entries in heap-key order while
     touching O(k log k) of them for k taken (the heap property: an entry's key is at most its children's).
     The unlocked parents go to `extra`, a heap of (key, node); each step takes the smaller of the two tops.
+
+    The order survives the index's changes that leave its steps as they are, or change them in a known way, so
+    the selects between two dispatches to a worker share one simulation while its KV events stream in:
+    - a node the simulation has not read (`reached`) may change;
+    - a push of a key past every step's (a node stored or accessed now, the common change) joins the walk, and
+      so does a push of a parent the simulation already unlocked at that key (`pushed`);
+    - the first step's node losing blocks or leaving (the worker evicting what its LRU evicts first) updates the
+      steps (`first_resized`);
+    - the array moving under the walk (a sift, a pop, a compaction: `rebased`) rebuilds the frontier from it.
+    Anything else drops the order (the index's `touch` and `touch_unmoved` decide).
+    NOTE: frontier positions are popped in increasing (key, seq, position) order, each after its parent (the
+    heap property), so a position at or before the last popped one has been popped: that is how `pushed` tells
+    whether the new position's parent already put its children in the frontier. Every live candidate keyed at or
+    before the largest step's key (`max_key`) has been taken or is an unlocked parent, so a rebuilt frontier
+    starts past it.
     """
 
     __slots__ = ("idx", "worker", "stats_type", "steps", "array", "frontier", "extra", "unlocked", "done",
-                 "local_held", "cum", "pos", "hot", "memo")
+                 "local_held", "cum", "pos", "hot", "memo", "last_popped", "max_key", "stale", "retired", "base",
+                 "cum_base")
 
     def __init__(self, idx: Any, worker: Any, stats_type: type) -> None:
         self.idx, self.worker, self.stats_type = idx, worker, stats_type
@@ -42,20 +63,106 @@ class EvictionOrder:
         # NOTE: entries with equal (last_access, seq) hold the same node (seq is unique in a tree), so their
         # order among themselves does not matter (`done` skips the second); ties of last_access go by creation
         # order, the same in every run.
-        self.array = idx.heap  # read only; the index drops this order before it mutates the array
+        self.array = idx.heap  # read only; the index says when it moved entries (`rebased`)
         self.frontier: list[tuple[float, int, int]] = [(self.array[0][0], self.array[0][1], 0)] if self.array else []
         self.extra: list[tuple[float, int, Any]] = []
         self.unlocked: dict[int, float] = {}  # id -> last_access of a parent this simulation made a candidate
         self.done: set[int] = set()
         self.local_held: dict[int, int] = {}
-        self.cum: list[int] = []  # resident blocks of steps[0..i]
-        self.pos: dict[int, int] = {}  # id -> its step
-        # steps whose node had requests through it on this worker when simulated (the only ones M prices): a
-        # node gains one only by a dispatch through it, which touches it and so drops this order
+        # Step numbers count from the order's first step, including those taken out since (`first_resized`):
+        # steps[i] is step number base + i, and cum[i] - cum_base its resident blocks with those of the steps
+        # before it; taking out the first step is then O(1), not a renumbering.
+        self.base = 0
+        self.cum_base = 0
+        self.cum: list[int] = []
+        self.pos: dict[int, int] = {}  # id -> its step number
+        # the step numbers whose node had requests through it on this worker when simulated (the only ones M
+        # prices): a node gains one only by a dispatch through it, which touches it and so drops this order
         self.hot: list[int] = []
-        # the caller's cache of values derived from these steps (E2 keeps its victims' M terms here): it goes with
-        # the order, so anything that changes a step's node drops it too
+        # the caller's cache of values derived from these steps (E2 keeps its victims' M terms here, by node id):
+        # it goes with the order, and a step whose node changes takes its entries with it
         self.memo: dict[Any, Any] = {}
+        self.last_popped: tuple[float, int, int] | None = None  # the frontier's last (key, seq, position)
+        self.max_key: tuple[float, int] | None = None  # the largest (key, seq) of the steps
+        self.stale = False  # the array moved under the frontier: rebuild it before the next step
+        self.retired: list[Any] = []  # nodes of steps taken out (`first_resized`): alive, so their ids stay theirs
+
+    def reached(self, k: int) -> bool:
+        """Whether the simulation has read node k's state: taken (`done`), unlocked, or counted a child of it
+        (`local_held`). A change to such a node, its residency, parent, key or resident children, changes what
+        the steps read; a change to any other node does not."""
+        return k in self.done or k in self.unlocked or k in self.local_held
+
+    def pushed(self, entry: tuple[float, int, Any]) -> bool:
+        """After the index pushed `entry` onto the array: True when the steps still hold, with the entry joined
+        to the walk; False when the order must be dropped: the key does not come after every step's (the
+        simulation would have taken it earlier), unless it is a parent the simulation unlocked at that key."""
+        la, seq, node = entry
+        if self.max_key is not None and (la, seq) <= self.max_key and self.unlocked.get(id(node)) != la:
+            return False
+        array = self.array
+        p = len(array) - 1
+        if self.stale:
+            return True
+        if array[p] is not entry:  # sifted toward the top: positions moved
+            self.stale = True
+            return True
+        q = (p - 1) // 2
+        if p == 0 or (self.last_popped is not None and (array[q][0], array[q][1], q) <= self.last_popped):
+            heapq.heappush(self.frontier, (la, seq, p))  # its parent's children are in already
+        return True
+
+    def rebased(self, array: list[tuple[float, int, Any]]) -> None:
+        """The index moved entries of its array, or replaced it (`array`), with no live candidate added or lost
+        other than as `pushed` and the touches allow: the frontier is rebuilt before the next step."""
+        self.array = array
+        self.stale = True
+
+    def _rebase(self) -> None:
+        """The frontier from the array: the positions past `max_key` whose parents are at or before it (those
+        at or before it are taken, stale, or unlocked parents, which `extra` holds). O(entries it passes)."""
+        array, mk = self.array, self.max_key
+        frontier: list[tuple[float, int, int]] = []
+        stack = [0] if array else []
+        while stack:
+            p = stack.pop()
+            la, seq, _ = array[p]
+            if mk is not None and (la, seq) <= mk:
+                stack.extend(c for c in (2 * p + 1, 2 * p + 2) if c < len(array))
+            else:
+                frontier.append((la, seq, p))
+        heapq.heapify(frontier)
+        self.frontier = frontier
+        # every position popped from here on comes after these: positions at or before max_key are passed
+        self.last_popped = None if mk is None else (mk[0], mk[1], len(array))
+        self.stale = False
+
+    def first_resized(self, k: int, blocks: int) -> bool:
+        """The first step's node (id k) now holds `blocks` resident blocks here, 0 when it left, with its key
+        and parent as they were: True, the steps updated (the rest of the order is the same: it was first, so
+        every later step saw it taken, and a parent it unlocked is a candidate now either way); False when node
+        k is not the first step."""
+        steps = self.steps
+        if not steps or steps[0][2] != k:
+            return False
+        n, d0, _ = steps[0]
+        if blocks:
+            for key in [key for key in self.memo if key[0] == k]:  # its terms change with its resident blocks
+                del self.memo[key]
+            steps[0] = (n, blocks, k)
+            self.cum_base += d0 - blocks
+            return True
+        if len(self.retired) >= RETIRED_CAP:
+            return False  # a fresh order forgets them
+        self.retired.append(n)  # its id stays in `done` and the memo's keys
+        del steps[0]
+        del self.cum[0]
+        self.cum_base += d0
+        del self.pos[k]
+        if self.hot and self.hot[0] == self.base:
+            del self.hot[0]
+        self.base += 1
+        return True
 
     def at(self, i: int) -> tuple[Any, int, int] | None:
         """The i-th node to evict, or None when fewer remain."""
@@ -68,7 +175,7 @@ class EvictionOrder:
     def reach(self, blocks: int) -> bool:
         """Simulate until the steps hold `blocks` resident blocks; False when the candidates ran out first."""
         cum = self.cum
-        while not cum or cum[-1] < blocks:
+        while not cum or cum[-1] - self.cum_base < blocks:
             if not self._step():
                 return False
         return True
@@ -83,11 +190,11 @@ class EvictionOrder:
         the unprotected block counts finds the last victim: O(log n + hot + protected) once simulated, not
         O(victims) (a large prompt can need hundreds of small cold victims).
         """
-        steps, cum, pos = self.steps, self.cum, self.pos
+        steps, cum, pos, base, cum_base = self.steps, self.cum, self.pos, self.base, self.cum_base
         prot_at: list[int] = []
         while True:
             enough = self.reach(need_blocks + sum(steps[i][1] for i in prot_at))
-            now_at = sorted(i for k in protected if (i := pos.get(k)) is not None)
+            now_at = sorted(i - base for k in protected if (i := pos.get(k)) is not None)
             if now_at == prot_at or not enough:
                 prot_at = now_at
                 break
@@ -100,7 +207,7 @@ class EvictionOrder:
 
         def unprotected_upto(i: int) -> int:
             j = bisect.bisect_right(prot_at, i)
-            return cum[i] - (prot_cum[j - 1] if j else 0)
+            return cum[i] - cum_base - (prot_cum[j - 1] if j else 0)
 
         # the first step whose unprotected blocks reach need_blocks (never a protected one), else the last
         lo, hi = 0, len(steps) - 1
@@ -113,7 +220,8 @@ class EvictionOrder:
                     lo = mid + 1
         last = hi
         out: list[tuple[Any, int]] = []
-        for i in self.hot:
+        for h in self.hot:
+            i = h - base
             if i > last:
                 break
             n, d, k = steps[i]
@@ -142,6 +250,8 @@ class EvictionOrder:
                 else:
                     got = term(n, take, worker, cutoff, block_size, cost)
                 if keep:
+                    if len(memo) >= MEMO_CAP:  # (a long-lived order meets many partial takes)
+                        memo.clear()
                     memo[(id(n), take)] = got
             if got[0] is not None:
                 m = m + got[0]
@@ -150,12 +260,15 @@ class EvictionOrder:
     def _step(self) -> bool:
         idx, unlocked, done = self.idx, self.unlocked, self.done
         keyed, entries = idx.keyed, idx.entries
+        if self.stale:
+            self._rebase()
         frontier, extra, array = self.frontier, self.extra, self.array
         size = len(array)
         while True:
             # the next entry in key order: the array's (via the frontier) or an unlocked parent's
             if frontier and (not extra or frontier[0] <= extra[0][:2]):
-                pos = heapq.heappop(frontier)[2]
+                top = self.last_popped = heapq.heappop(frontier)
+                pos = top[2]
                 c = 2 * pos + 1
                 if c < size:
                     e = array[c]
@@ -172,20 +285,23 @@ class EvictionOrder:
             if (keyed.get(k) != la and unlocked.get(k) != la) or k in done:
                 continue  # stale (the node left the candidates or was accessed since), or seen already
             done.add(k)
+            key = (la, n.seq)
+            if self.max_key is None or key > self.max_key:
+                self.max_key = key
             d = n.resident_on(self.worker)
             i = len(self.steps)
             self.steps.append((n, d, k))
-            self.cum.append(self.cum[-1] + d if i else d)
-            self.pos[k] = i
+            self.cum.append((self.cum[-1] if i else self.cum_base) + d)
+            self.pos[k] = self.base + i
             st = n.stats
             if isinstance(st, self.stats_type) and st.hits.get(self.worker):
-                self.hot.append(i)
+                self.hot.append(self.base + i)
             p = entries[k][1]
-            if p is not None and id(p) in entries:  # its last resident child gone: the parent is a candidate
+            if p is not None:  # counted resident or not (`reached`: its becoming resident changes this step)
                 kp = id(p)
                 c = self.local_held.get(kp, idx.held.get(kp, 0)) - 1
                 self.local_held[kp] = c
-                if c == 0:
+                if c == 0 and kp in entries:  # its last resident child gone: the parent is a candidate
                     unlocked[kp] = p.last_access
                     heapq.heappush(extra, (p.last_access, p.seq, p))
             return True

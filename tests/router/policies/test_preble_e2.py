@@ -701,6 +701,87 @@ def test_lru_index_matches_lru_victims(seed: int) -> None:
                 assert [(id(n), k) for n, k in got] == [(id(n), k) for n, k in want], (step, v, need)
 
 
+def _check_kept_orders(seed: int) -> tuple[int, int, int]:
+    """Random hooks (`hook_fuzz.drive`), with the worker's LRU evicting the first victim of an order, whole or
+    its tail, between them; after every hook, every index's kept order against one simulated afresh from the
+    index: the same steps, victims and M, and the same further steps. (orders kept from one check to the next,
+    kept through a first-victim eviction, kept through a push onto the heap)."""
+    import random
+
+    rng = random.Random(seed)
+    workers = [W0, W1, W2]
+    window = 5.0
+    policy = PrebleE2(E2Config.paper(node_window_s=window))
+    prompts = random_prompts(rng, 40, labels=50)
+    clock = [0.0]
+    kept = resized = stored = 0
+    before: dict[WorkerId, object] = {}
+    on_kv_events = policy.on_kv_events
+
+    def counting(w: WorkerId, batch: KvEventBatch) -> None:
+        nonlocal stored
+        idx = policy.lru.get(w)
+        order, size = (idx._order, len(idx.heap)) if idx is not None else (None, 0)
+        on_kv_events(w, batch)
+        if order is not None and order.steps and idx is policy.lru.get(w) and len(idx.heap) > size:  # a push
+            stored += idx._order is order
+
+    policy.on_kv_events = counting  # type: ignore[method-assign]
+    for step in drive(policy, rng, prompts, workers, 300, clock=clock):
+        now = clock[0]
+        for _ in range(2):
+            for v, idx in policy.lru.items():
+                order = idx._order
+                if order is not None:
+                    kept += order is before.get(v)
+                    fresh = type(order)(idx, v, preble_load.NodeStats)
+                    cutoff = now - window
+                    for need in (1, 2, 4, 8, 16, 1000):
+                        assert order.hot_victims(need, set()) == fresh.hot_victims(need, set()), step
+                        assert order.price(need, set(), cutoff, 16, COST) == fresh.price(need, set(), cutoff, 16, COST)
+                    got = [(id(n), d) for n, d, _ in order.steps]
+                    assert got == [(id(n), d) for n, d, _ in (fresh.at(i) for i in range(len(got)))], step
+                    order.reach(rng.choice([1, 10, 1000]))  # further, from the kept frontier
+                    got = [(id(n), d) for n, d, _ in order.steps]
+                    assert got == [(id(n), d) for n, d, _ in (fresh.at(i) for i in range(len(got)))], step
+                elif idx.heap:
+                    idx._order = order = preble_load.EvictionOrder(idx, v, preble_load.NodeStats)
+                    order.reach(rng.choice([1, 10, 1000]))
+                before[v] = idx._order
+            # the worker's LRU evicts the first victim of one worker, whole or its tail
+            v = rng.choice(workers)
+            order = policy.lru[v]._order if v in policy.lru else None
+            if order is None or not order.steps or rng.random() < 0.3:
+                break
+            node, d, _ = order.steps[0]
+            k = d if rng.random() < 0.6 else rng.randint(1, d)
+            policy.on_kv_events(v, KvEventBatch(10**6 + step, now, (BlockRemoved(tuple(node.blocks)[d - k : d]),)))
+            resized += policy.lru[v]._order is order
+    return kept, resized, stored
+
+
+@pytest.mark.usefixtures("impl")
+@pytest.mark.parametrize("seed", range(8))
+def test_an_eviction_order_kept_across_hooks_equals_a_fresh_one(seed: int) -> None:
+    """An index keeps its eviction order across the hooks that leave its steps as they were or change them in a
+    known way: nodes stored or accessed now, the worker evicting its first victim whole or its tail (what a
+    full worker's LRU does), the heap's entries moved or compacted. The kept order is the one a fresh
+    simulation gives, and orders are kept (the test fails if every change dropped them)."""
+    kept, resized, stored = _check_kept_orders(seed)
+    assert kept > 300 and resized > 30 and stored >= 5
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_kept_eviction_order_past_its_caps_equals_a_fresh_one(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same, with the reference order's caps tiny: past RETIRED_CAP taken-out steps the order is dropped
+    (a fresh one forgets them), past MEMO_CAP terms the memo starts over; neither changes a step or an M."""
+    monkeypatch.setattr(preble_load, "EvictionOrder", lru_order_py.EvictionOrder)
+    monkeypatch.setattr(lru_order_py, "RETIRED_CAP", 2)
+    monkeypatch.setattr(lru_order_py, "MEMO_CAP", 3)
+    kept, resized, _ = _check_kept_orders(seed)
+    assert kept > 100 and resized > 10
+
+
 @pytest.mark.usefixtures("impl")
 @pytest.mark.parametrize("seed", range(6))
 def test_evicted_sets_hold_exactly_the_assigned_blocks_removed_by_events(seed: int) -> None:
