@@ -77,8 +77,9 @@ def _ext_at(repo: Path, sha: str) -> Callable[[str], str]:
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "switchyard" / "revisions"
     root = cache / f"{sha}-{sysconfig.get_config_var('SOABI')}"
     pyx = {Path(f).stem for f in _git(repo, "ls-tree", "--name-only", sha, f"{_EXT_DIR}/").split() if f.endswith(".pyx")}
-    # compiled modules the working tree has too (none when an included .pxi differs: it is part of its includers)
-    shared = set() if any(f.endswith(".pxi") for f in changed) else {m for m in pyx if f"{m}.pyx" not in changed}
+    # compiled modules the working tree has too: the same .pyx, including no .pxi that differs
+    pxi = {f for f in changed if f.endswith(".pxi")}
+    shared = {m for m in pyx if f"{m}.pyx" not in changed and not (pxi and pxi & _includes(repo, sha, m))}
 
     def rename(text: str) -> str:
         def one(m: re.Match[str]) -> str:
@@ -97,6 +98,11 @@ def _ext_at(repo: Path, sha: str) -> Callable[[str], str]:
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     return rename
+
+
+def _includes(repo: Path, sha: str, module: str) -> set[str]:
+    """The files `module`.pyx `include`s at revision `sha`."""
+    return set(re.findall(r'^include\s+"([^"]+)"', _git(repo, "show", f"{sha}:{_EXT_DIR}/{module}.pyx"), re.M))
 
 
 def _compile(pkg_dir: Path, pkg: str, modules: list[str]) -> None:
