@@ -66,6 +66,36 @@ class VllmProc:
         worker mid-stream without racing the end of the generation."""
         os.killpg(self.popen.pid, signal.SIGSTOP)
 
+    @contextlib.contextmanager
+    def engine_paused(self) -> Iterator[worker_pb2.WorkerStats]:
+        """SIGSTOP the EngineCore alone (the worker's other group members) and yield a Stats snapshot taken once
+        the worker has caught up with it: vLLM's scheduler as of its last step, read without racing the
+        generation. SIGCONT on exit.
+
+        NOTE: why: the EngineCore spins a core between steps, so on a loaded 2-core box the worker's event loop
+        can fall behind its outputs and answer Stats only after a whole generation (CI saw a 1,500-token one
+        three times in a row). Paused, the EngineCore makes no more outputs; two answers 20 ms apart with the
+        same step count mean the worker has recorded every step the engine made."""
+        engine = [pid for pid in group_members(self.popen.pid) if pid != self.popen.pid]
+        assert engine, f"{self.name}: no EngineCore process in its group"
+        for pid in engine:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            last = [self.stats()]
+
+            def settled() -> bool:
+                now = self.stats()
+                done = now.num_iterations == last[0].num_iterations
+                last[0] = now
+                return done
+
+            until(settled, what=f"{self.name}'s Stats catch up with its paused EngineCore")
+            yield last[0]
+        finally:
+            for pid in engine:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL the worker process only; its orphan guard must then take vLLM's EngineCore down with it."""
         if self.popen.poll() is None:
@@ -352,51 +382,26 @@ def test_cancel_mid_stream_aborts_on_vllm(vllm_workers: list[VllmProc], router_f
     w0 = vllm_workers[0]
     router = router_factory([w0])
     with client_for(router) as c:
-        # NOTE: a Stats answer starved on a loaded box can come after the whole generation (see below), so the
-        # request may be done before one reads it running: such an attempt proves nothing and is run again
-        # (once seen, 1 in ~6 full local runs)
-        for _ in range(3):
-            call = c.generate(MODEL, prompt="a long one", max_tokens=1500, ignore_eos=True, timeout=120)
-            next(call), next(call)
-            seen = False
-            deadline = time.monotonic() + 30.0
-            while time.monotonic() < deadline:  # `until`'s poll, without raising
-                if w0.stats().num_running == 1:
-                    seen = True
+        # Each request is read running in vLLM's scheduler with the EngineCore paused after its first tokens
+        # (`engine_paused`: no race with the generation), then cancelled. The worker's own view goes idle at
+        # once (it counts its open streams), so the proof that vLLM aborted the first request is the second:
+        # paused while that one runs, vLLM's scheduler counts it alone, not the cancelled one beside it.
+        # NOTE: a pause that lands past step 1,400 of the 1,500 (the worker's outputs lagging the engine that
+        # far) proves nothing and is tried again, at most 3 times.
+        for prompt in ("a long one", "another long one"):
+            for _ in range(3):
+                steps = w0.stats().num_iterations
+                call = c.generate(MODEL, prompt=prompt, max_tokens=1500, ignore_eos=True, timeout=120)
+                next(call), next(call)
+                with w0.engine_paused() as snap:
+                    if snap.num_iterations < steps + 1400:
+                        assert snap.num_running == 1, (prompt, snap)
+                call.cancel()
+                until(lambda: is_idle(w0), what="worker idle after cancel")
+                if snap.num_iterations < steps + 1400:
                     break
-                time.sleep(0.02)
-            call.cancel()
-            until(lambda: is_idle(w0), what="worker idle after cancel")
-            if seen:
-                break
-        else:
-            raise AssertionError("vLLM was never seen running the request before it ended, in 3 attempts")
-        # vLLM's own scheduler must not still run the cancelled request: with a second long request in
-        # flight, the engine's snapshot (taken at a step after that request's first tokens) counts only it.
-        # NOTE: which snapshot proves that: the engine was idle at `steps`, so from then on it steps for the
-        # second request alone, one token a step, and a snapshot taken at a step in [steps + 3, steps + 1400)
-        # was taken while that request ran (past the steps that gave its first tokens, before its 1,500th).
-        # A Stats answer starved on a loaded box can come after the whole generation (CI saw step 1,543);
-        # such an attempt proves nothing and is run again, at most 3 times.
-        for _ in range(3):
-            steps = w0.stats().num_iterations
-            second = c.generate(MODEL, prompt="another long one", max_tokens=1500, ignore_eos=True, timeout=120)
-            next(second), next(second)
-            last = [w0.stats()]
-
-            def past_first_tokens(last: list = last, steps: int = steps) -> bool:
-                last[0] = w0.stats()
-                return last[0].num_iterations >= steps + 3
-
-            until(past_first_tokens, what="an engine step after the first tokens")
-            snap = last[0]
-            second.cancel()
-            until(lambda: is_idle(w0), what="worker idle after the second cancel")
-            if snap.num_iterations < steps + 1400:
-                assert snap.num_running == 1
-                break
-        else:
-            raise AssertionError("no Stats snapshot taken while the second request ran, in 3 attempts")
+            else:
+                raise AssertionError(f"{prompt!r}: every pause came after the generation's step 1,400")
 
 
 # ---------------------------------------------------------------------- prefix-aware routing (E2)
