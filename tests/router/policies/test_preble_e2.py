@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import statistics
 import zlib
 
@@ -637,19 +638,20 @@ def test_the_cold_floor_counts_every_bucket_it_passes_with_few_ticks() -> None:
         assert idx.below == sum(v for b, v in mass.items() if b < floor)
 
 
+def _fuzzed_policy(seed: int, window: float) -> tuple[random.Random, PrebleE2, list[tuple[int, ...]]]:
+    """(the seed's rng, an E2 with that node window, 40 random prompts) for `hook_fuzz.drive`."""
+    rng = random.Random(seed)
+    return rng, PrebleE2(E2Config.paper(node_window_s=window)), random_prompts(rng, 40, labels=50)
+
+
 @pytest.mark.usefixtures("impl")
 @pytest.mark.parametrize("seed", range(6))
 def test_m_is_zero_without_simulating_when_the_cold_candidates_cover_the_need(seed: int) -> None:
     """`LruIndex.cold_blocks` (the candidates keyed before the cold floor, which `on_tick` advances): kept
     incrementally equal to its definition, and whenever it covers a need, the straightforward scan's victims
     (`lru_victims`) carry no request in the window, so M is 0. Random hooks as above; ticks every step."""
-    import random
-
-    rng = random.Random(seed)
+    rng, policy, prompts = _fuzzed_policy(seed, window := 5.0)
     workers = [W0, W1, W2]
-    window = 5.0
-    policy = PrebleE2(E2Config.paper(node_window_s=window))
-    prompts = random_prompts(rng, 40, labels=50)
     clock = [0.0]
     fired = 0
     for step in drive(policy, rng, prompts, workers, 300, clock=clock):
@@ -704,15 +706,10 @@ def test_lru_index_matches_lru_victims(seed: int) -> None:
 def _check_kept_orders(seed: int) -> tuple[int, int, int]:
     """Random hooks (`hook_fuzz.drive`), with the worker's LRU evicting the first victim of an order, whole or
     its tail, between them; after every hook, every index's kept order against one simulated afresh from the
-    index: the same steps, victims and M, and the same further steps. (orders kept from one check to the next,
-    kept through a first-victim eviction, kept through a push onto the heap)."""
-    import random
-
-    rng = random.Random(seed)
+    index: the same steps, victims and M, and the same further steps. Returns how often an order was kept from
+    one check to the next, through a first-victim eviction, and through a push onto the heap."""
+    rng, policy, prompts = _fuzzed_policy(seed, window := 5.0)
     workers = [W0, W1, W2]
-    window = 5.0
-    policy = PrebleE2(E2Config.paper(node_window_s=window))
-    prompts = random_prompts(rng, 40, labels=50)
     clock = [0.0]
     kept = resized = stored = 0
     before: dict[WorkerId, object] = {}
