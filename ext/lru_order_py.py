@@ -77,7 +77,8 @@ class EvictionOrder:
         self.cum: list[int] = []
         self.pos: dict[int, int] = {}  # id -> its step number
         # the step numbers whose node had requests through it on this worker when simulated (the only ones M
-        # prices): a node gains one only by a dispatch through it, which touches it and so drops this order
+        # prices): a node gains one only by a dispatch through it, which touches it, and a touch of a node the
+        # order has taken drops the order (one it has not reached is read when it is)
         self.hot: list[int] = []
         # the caller's cache of values derived from these steps (E2 keeps its victims' M terms here, by node id):
         # it goes with the order, and a step whose node changes takes its entries with it
