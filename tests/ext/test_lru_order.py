@@ -62,8 +62,50 @@ def test_cython_order_equals_reference(seed: int) -> None:
             assert _walk(fast) == _walk(ref)
             assert (fast.cum, fast.hot, fast.pos) == (ref.cum, ref.hot, ref.pos)
             assert (fast.done, fast.unlocked, fast.local_held) == (ref.done, ref.unlocked, ref.local_held)
+            assert (fast.max_key, fast.last_popped) == (ref.max_key, ref.last_popped)  # what `pushed` reads
             compared += len(ref.steps)
     assert compared > 500  # the indexes were not trivially empty
+
+
+@pytest.mark.c_extension
+@pytest.mark.skipif(_lru_order_c is None, reason="Cython extension not built")
+@pytest.mark.parametrize("seed", range(6))
+def test_cython_kept_order_updates_equal_reference(seed: int) -> None:
+    """What the index tells a kept order, done to both builds alike: the first step shrunk or taken out
+    (`first_resized`, step numbers and `cum` by offset, the memo's terms of a shrunk node dropped) and the
+    array moved (`rebased`, the frontier rebuilt past the largest step key), then the order read further: the
+    same steps, tables and offsets."""
+    rng = random.Random(seed)
+    policy = PrebleE2(E2Config.paper(node_window_s=5.0))
+    prompts = random_prompts(rng, 50, labels=60)
+    resized = 0
+    for _ in drive(policy, rng, prompts, WORKERS, 250, tied_times=True):
+        for v, idx in policy.lru.items():
+            orders = [lru_order_py.EvictionOrder(idx, v, NodeStats), _lru_order_c.EvictionOrder(idx, v, NodeStats)]
+            need = rng.choice([4, 20, 80])
+            for o in orders:
+                o.reach(need)
+                o.price(need, set(), 0.0, 16, profile_cost(DEFAULT_PROFILE))  # a memo to keep or drop
+            for _ in range(rng.randint(1, 3)):
+                if not orders[0].steps:
+                    break
+                _, d, k = orders[0].steps[0]
+                blocks = rng.choice([0, 0, max(1, d - 1)])
+                assert orders[0].first_resized(k, blocks) == orders[1].first_resized(k, blocks) is True
+                resized += 1
+            if rng.random() < 0.5:
+                for o in orders:
+                    o.rebased(idx.heap)
+            for o in orders:
+                o.reach(need + 40)
+            ref, fast = orders
+            assert [(k, d) for _, d, k in fast.steps] == [(k, d) for _, d, k in ref.steps]
+            assert (fast.cum, fast.hot, fast.pos, fast.base, fast.cum_base) == (
+                ref.cum, ref.hot, ref.pos, ref.base, ref.cum_base)
+            assert (fast.max_key, fast.last_popped, fast.stale, fast.memo) == (
+                ref.max_key, ref.last_popped, ref.stale, ref.memo)
+            assert fast.hot_victims(need, set()) == ref.hot_victims(need, set())
+    assert resized > 200
 
 
 def _path_ids(node: object) -> set[int]:
