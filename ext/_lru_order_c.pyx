@@ -15,8 +15,9 @@ from cpython.ref cimport PyObject
 from cpython.set cimport PySet_Add, PySet_Contains
 from cpython.tuple cimport PyTuple_GET_ITEM
 
-include "_profile_cost.pxi"  # _prefill_s
 from libc.math cimport INFINITY
+
+include "_profile_cost.pxi"  # _prefill_s
 
 import heapq
 
@@ -85,7 +86,7 @@ cdef class EvictionOrder:
         self.local_held = {}
         self.pos = {}
         self.done = set()
-        # the index replaces none of these objects while an order lives (it drops the order first)
+        # the index replaces none of these objects while an order lives, its heap array only through `rebased`
         self.array = idx.heap
         self._keyed = idx.keyed
         self._entries = idx.entries
