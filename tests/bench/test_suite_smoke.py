@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from switchyard.bench import suite
@@ -78,6 +79,19 @@ def test_steal_share_from_cpu_times() -> None:
     assert decisions.steal_frac(None, (40, 1100)) is None and decisions.steal_frac((0, 5), (0, 5)) is None
 
 
+def test_balanced_ratio_cancels_the_order_they_ran_in() -> None:
+    """Whoever runs first pays ×1.5 (the cache misses), so per-request ratios have one mode per order; the balanced
+    ratio reads the true one, for two policies and for three."""
+    rng = np.random.default_rng(0)
+    n = 3000
+    for k, true in ((2, 1.0), (2, 0.8), (3, 1.25)):
+        work = rng.lognormal(np.log(10_000), 0.3, n)  # each request's own cost, shared by the policies
+        first = np.arange(n) % k  # which policy runs first at request i
+        base = work * np.where(first == 0, 1.5, 1.0) * rng.lognormal(0.0, 0.05, n)
+        other = true * work * np.where(first == 1, 1.5, 1.0) * rng.lognormal(0.0, 0.05, n)
+        assert abs(decisions.balanced_ratio(other, base, k) - true) < 0.02 * true, (k, true)
+
+
 def test_decisions_paired_runs_every_policy_on_the_first_ones_decisions(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -115,7 +129,7 @@ def test_decisions_paired_runs_every_policy_on_the_first_ones_decisions(
     assert selected["e2"] != selected["round_robin"]  # so the check above is not vacuous
     rows = json.loads((tmp_path / "decisions.json").read_text())["rows"]
     assert [r["paired_with"] for r in rows] == ["round_robin"] * 3
-    assert rows[0]["paired_select_ratio_median"] == rows[0]["paired_dispatch_ratio_median"] == 1.0
+    assert rows[0]["paired_select_ratio"] == rows[0]["paired_dispatch_ratio"] == 1.0
     names = ["round_robin", "e2", "e2-py"]  # the dispatches rotate as the selects do: none always runs first
     assert dispatch_order[:9] == names + names[1:] + names[:1] + names[2:] + names[:2]
     assert rows[1]["state_size"] == rows[2]["state_size"]
