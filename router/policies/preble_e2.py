@@ -651,7 +651,11 @@ class PrebleE2(Policy):
         if self.lru and matched is not None:
             last = matched[-1] if matched else None
             if last is not None and last not in path:  # nodes compare by identity
-                self._touch(matched + path)  # a split moved matched[-1] under a new node: reconcile every index
+                # a split moved matched[-1] under a new node, and may have left it with less or nothing resident:
+                # every index that holds it is asked. The path's other nodes are matched ones (last_access moved)
+                # or new (the split's upper half, the leaf), which no index can hold yet: their holders are asked.
+                self._touch([last])
+                self._touch_holders(path)
             else:
                 self._touch_holders(matched)  # only last_access moved; the new leaves after it hold nothing yet
         win = self.cfg.node_window_s
