@@ -738,13 +738,18 @@ cdef class RadixTree:
             out.append((last, start, end))
         return out
 
-    cdef Py_ssize_t _walk(self, PyObject** items, Py_ssize_t n, list path, Py_ssize_t* last_m) except -1:
-        """Append the matched nodes to path; returns the matched blocks, *last_m = those of the last node."""
+    cdef Py_ssize_t _walk(self, PyObject** items, Py_ssize_t n, list path, Py_ssize_t* last_m,
+                          bint strict=False) except -1:
+        """Append the matched nodes to path; returns the matched blocks, *last_m = those of the last node.
+        `strict`: also stop at a child's first hash that is not a uint64 (a float equal to an int finds its child),
+        so `insert` converts, and refuses, every hash it did not walk."""
         cdef Node node = self._root
         cdef Node child
         cdef Py_ssize_t i = 0, m = 0
         cdef uint64_t v
         while i < n:
+            if strict and not _as_u64(<object>items[i], &v):
+                break
             c = node._children.get(<object>items[i])
             if c is None:
                 break
@@ -979,9 +984,8 @@ cdef class RadixTree:
         self._num_nodes += 1
         return leaf
 
-    cdef uint64_t* _to_buffer(self, object seq, Py_ssize_t n) except NULL:
+    cdef uint64_t* _to_buffer(self, PyObject** items, Py_ssize_t n) except NULL:
         cdef uint64_t* buf = <uint64_t*>PyMem_Malloc((n + 1) * sizeof(uint64_t))
-        cdef PyObject** items = PySequence_Fast_ITEMS(seq)
         cdef Py_ssize_t i
         if buf == NULL:
             raise MemoryError()
@@ -994,12 +998,15 @@ cdef class RadixTree:
     def insert(self, block_hashes, double now):
         cdef object seq = _fast_seq(block_hashes)
         cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
-        cdef uint64_t* buf = self._to_buffer(seq, n)
+        cdef PyObject** items = PySequence_Fast_ITEMS(seq)
         cdef list path = []
-        cdef Py_ssize_t matched, last_m = 0, j, num_path
+        cdef Py_ssize_t last_m = 0, j, num_path
         cdef Node under, node
+        # NOTE: only the unmatched tail is converted (a video-QA prompt is ~1,500 blocks, nearly all matched): the
+        # strict walk stops at the first hash that is not a uint64, so one raises here, before the tree changes.
+        cdef Py_ssize_t matched = self._walk(items, n, path, &last_m, True)
+        cdef uint64_t* buf = self._to_buffer(items + matched, n - matched)
         try:
-            matched = self._walk(PySequence_Fast_ITEMS(seq), n, path, &last_m)
             # NOTE: wraparound is off in this module: index with len - 1, never -1.
             num_path = PyList_GET_SIZE(path)
             under = self._root
@@ -1009,7 +1016,7 @@ cdef class RadixTree:
                     under = self._split(under, last_m)
                     path[num_path - 1] = under
             if matched < n:
-                leaf = self._add_leaf(under, buf + matched, PySequence_Fast_ITEMS(seq) + matched, n - matched, now)
+                leaf = self._add_leaf(under, buf, items + matched, n - matched, now)
                 if leaf is not None:
                     path.append(leaf)
                     self._candidate(<Node>leaf)  # resident nowhere yet
@@ -1058,7 +1065,7 @@ cdef class RadixTree:
     def mark_resident(self, worker, block_hashes, parent_hash, double now):
         cdef object seq = _fast_seq(block_hashes)
         cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
-        cdef uint64_t* buf = self._to_buffer(seq, n)
+        cdef uint64_t* buf = self._to_buffer(PySequence_Fast_ITEMS(seq), n)
         cdef Node prev = None, node, under
         cdef Py_ssize_t prev_off = -1, off, i
         cdef uint64_t ph

@@ -212,6 +212,18 @@ def test_bad_hashes_and_collisions(impl) -> None:  # type: ignore[no-untyped-def
     t.check_invariants()
 
 
+def test_a_bad_hash_on_a_matched_path_is_refused(impl) -> None:  # type: ignore[no-untyped-def]
+    """The C insert converts only the blocks past the walk: a non-uint64 that equals a stored hash (a float) must
+    still be refused wherever it sits, before the tree changes."""
+    t = impl.RadixTree()
+    t.insert([1, 2, 3], now=0.0)
+    for bad in ([1.0, 2, 3, 4], [1, 2.0, 3, 4], [1, 2, 3.0], [1, 2, 3, -4]):
+        with pytest.raises(ValueError, match="not a uint64"):
+            t.insert(bad, now=1.0)
+    assert t.num_nodes == 1 and blocks_of(t.insert([1, 2, 3], now=2.0)) == [(1, 2, 3)]
+    t.check_invariants()
+
+
 class _Int(int):
     """An int subclass: the C build reads exact ints from their digits and takes the API path for these."""
 
