@@ -15,9 +15,9 @@ what SWITCHYARD_NO_EXTENSIONS=1 selects).
 
 This VM's timings drift by up to ±30% between runs. `--paired` runs the listed policies side by side in one pass
 over the same states (the first one's decisions are dispatched to all) and reports, per policy, its per-request
-select and on_dispatch times over the first policy's (`balanced_ratio`: free of the order they ran in): e.g. `--policies e2,e2-py --paired` for the
-Cython tree's speed-up, `--policies e2@e81af29,e2 --paired` for a change to E2's modules since that commit
-(`NAME@REV`: bench/micro/revision.py).
+select and on_dispatch times over the first policy's (`balanced_ratio`: free of the order they ran in): e.g.
+`--policies e2,e2-py --paired` for the Cython tree's speed-up, `--policies e2@e81af29,e2 --paired` for a change to
+E2's modules since that commit (`NAME@REV`: bench/micro/revision.py).
 
 Quick: `switchyard bench decisions --num-requests 2000`. Paper size (50k toolbench requests; VideoQA ~12.9k
 requests = 1500 videos at 8.6 questions each), all policies, 8 and 16 workers: `switchyard bench decisions`
@@ -422,7 +422,7 @@ def balanced_ratio(times: np.ndarray, base: np.ndarray, k: int) -> float:
     identical e2s on videoqa's first 3,000 requests at 16 workers: medians ×0.633 with the first policy first,
     ×1.545 with it second), and the median of all requests falls in the gap between the modes (×0.824 there).
     Each order's median carries its positions' factors; over the k orders every position pairs with every other
-    once, so their product cancels and the geometric mean is the ratio itself (×0.988 there)."""
+    once, so their product cancels and the geometric mean is the ratio itself (×0.988 there, ×1.002 in a rerun)."""
     ratio = times / np.maximum(base, 1)
     order = np.arange(len(ratio)) % k
     medians = [float(np.median(ratio[order == g])) for g in range(k) if np.any(order == g)]
