@@ -478,9 +478,9 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
         lines += [
             "",
             "Paired (`--paired`): every policy selected on the same states in one pass, the first one's decisions "
-            "dispatched to all (selects and dispatches timed in an order rotating by request); a ratio is its time over "
-            "the first policy's per request, the median over each order's requests, then the geometric mean over the "
-            "orders (`balanced_ratio`: the first to run pays the cache misses, and this cancels it).",
+            "dispatched to all (selects and dispatches timed in an order rotating by request); a ratio is its time "
+            "over the first policy's per request, the median over each order's requests, then the geometric mean "
+            "over the orders (`balanced_ratio`: the first to run pays the cache misses, and this cancels it).",
             "",
             "| workload | workers | policy | vs | select ratio, each run | on_dispatch ratio, each run "
             "| select p50 / p99 µs | on_dispatch p50 / p99 µs |",
