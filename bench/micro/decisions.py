@@ -565,6 +565,10 @@ def main(argv: list[str] | None = None) -> int:
         if w not in WORKLOADS:
             print(f"bench decisions: unknown workload {w!r}; known: {', '.join(WORKLOADS)}", file=sys.stderr)
             return 2
+    if len(set(policies)) < len(policies):  # their runs are grouped by name: twins would fold into one row
+        print("bench decisions: a policy is listed twice; for two instances of one code name one NAME@HEAD "
+              "(e.g. --policies e2,e2@HEAD)", file=sys.stderr)
+        return 2
     for p in policies:
         try:
             make_bench_policy(p)

@@ -79,6 +79,14 @@ def test_steal_share_from_cpu_times() -> None:
     assert decisions.steal_frac(None, (40, 1100)) is None and decisions.steal_frac((0, 5), (0, 5)) is None
 
 
+def test_decisions_refuses_a_policy_listed_twice(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Rows are grouped by name, so `e2,e2` would fold two instances into one row: refused, with the way out."""
+    rc = decisions.main(["--num-requests", "10", "--workloads", "toolbench-200", "--workers", "2", "--paired",
+                         "--policies", "e2,e2", "--out", str(tmp_path), "--no-plot"])
+    assert rc == 2 and "NAME@HEAD" in capsys.readouterr().err
+    assert not (tmp_path / "decisions.json").exists()
+
+
 def test_balanced_ratio_cancels_the_order_they_ran_in() -> None:
     """Whoever runs first pays ×1.5 (the cache misses), so per-request ratios have one mode per order; the balanced
     ratio reads the true one, for two policies and for three."""
