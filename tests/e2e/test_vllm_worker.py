@@ -66,20 +66,6 @@ class VllmProc:
         worker mid-stream without racing the end of the generation."""
         os.killpg(self.popen.pid, signal.SIGSTOP)
 
-    def settled_stats(self) -> worker_pb2.WorkerStats:
-        """A Stats answer once two, 20 ms apart, agree on the step count: with the engine paused or idle, every
-        step it made is recorded (the worker records a step when it has processed its outputs)."""
-        last = [self.stats()]
-
-        def settled() -> bool:
-            now = self.stats()
-            done = now.num_iterations == last[0].num_iterations
-            last[0] = now
-            return done
-
-        until(settled, what=f"{self.name}'s step count to stand still")
-        return last[0]
-
     @contextlib.contextmanager
     def engine_paused(self) -> Iterator[worker_pb2.WorkerStats]:
         """SIGSTOP the EngineCore alone (the worker's other group members) and yield a Stats snapshot taken once
@@ -96,7 +82,16 @@ class VllmProc:
         for pid in engine:
             os.kill(pid, signal.SIGSTOP)
         try:
-            yield self.settled_stats()
+            last = [self.stats()]
+
+            def settled() -> bool:
+                now = self.stats()
+                done = now.num_iterations == last[0].num_iterations
+                last[0] = now
+                return done
+
+            until(settled, what=f"{self.name}'s Stats catch up with its paused EngineCore")
+            yield last[0]
         finally:
             for pid in engine:
                 with contextlib.suppress(ProcessLookupError):
