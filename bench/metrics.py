@@ -3,7 +3,7 @@ throughput, cache hit ratio, balance, SLO attainment). Plain data in, a JSON-rea
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,6 +76,49 @@ def norm_latency_slo(
         met += r.norm_latency_s <= slo
     n = len(records)
     return {"attainment": met / n if n else 0.0, "num_met": met, "num_violations": n - met, "num_requests": n}
+
+
+def load_imbalance(
+    records: Sequence[RequestRecord],
+    worker_ids: Sequence[str],
+    work_s: Callable[[RequestRecord], float],
+    window_s: float,
+    threshold: float,
+    step_s: float = 1.0,
+) -> dict[str, float]:
+    """Preble's per-GPU load imbalance, the quantity its rebalancing tests (specs/preble.md §5.4, claim 7): every
+    `step_s` from the first dispatch + `window_s` to the last dispatch, each worker's L = Σ `work_s(r)` over the
+    completed requests dispatched to it in the last `window_s`, and the ratio max L / min L. Returns the ratio's
+    p50 / p90 / max over the samples with every L > 0, `frac_over` (the share of samples with max L > `threshold` ×
+    min L; a worker with L = 0 counts as over), `n` samples and `num_idle` (samples with some L = 0). Computed from
+    what the engines did (the requests' real cache hits and output lengths), not from a policy's own bookkeeping,
+    so policies compare on one measure. A run shorter than `window_s` has no sample (n = 0)."""
+    done = sorted((r for r in records if r.status == OK and r.worker_id in worker_ids), key=lambda r: r.dispatch_s)
+    out: dict[str, float] = {"p50": 0.0, "p90": 0.0, "max": 0.0, "frac_over": 0.0, "n": 0, "num_idle": 0,
+                             "window_s": window_s, "threshold": threshold}
+    if not done:
+        return out
+    t = np.array([r.dispatch_s for r in done])
+    samples = np.arange(t[0] + window_s, t[-1] + 1e-9, step_s)
+    if samples.size == 0:
+        return out
+    col = {w: i for i, w in enumerate(worker_ids)}
+    per = np.zeros((len(done) + 1, len(worker_ids)))
+    per[np.arange(1, len(done) + 1), [col[r.worker_id] for r in done]] = [work_s(r) for r in done]
+    cum = per.cumsum(axis=0)  # cum[k] = each worker's work over the first k dispatches
+    hi = np.searchsorted(t, samples, side="right")  # dispatches at or before the sample ...
+    lo = np.searchsorted(t, samples - window_s, side="right")  # ... and after its window's start
+    loads = cum[hi] - cum[lo]
+    lmin, lmax = loads.min(axis=1), loads.max(axis=1)
+    busy = lmin > 0
+    ratio = lmax[busy] / lmin[busy]
+    out["n"] = int(samples.size)
+    out["num_idle"] = int((~busy).sum())
+    out["frac_over"] = float(((lmax > threshold * lmin) | ~busy).mean())
+    if ratio.size:
+        p50, p90 = np.percentile(ratio, [50, 90])
+        out.update(p50=float(p50), p90=float(p90), max=float(ratio.max()))
+    return out
 
 
 WARMUP_FRAC = 0.25  # the first quarter of arrivals is the cold-cache warm-up

@@ -33,6 +33,7 @@ from switchyard.bench.metrics import (
     REJECTED_QUEUE_FULL,
     REJECTED_TOO_LONG,
     RequestRecord,
+    load_imbalance,
     summarize,
 )
 from switchyard.bench.traces import (
@@ -50,6 +51,8 @@ from switchyard.router.config import split_assignment
 from switchyard.router.fleet import Fleet, StatsSample, WorkerInfo
 from switchyard.router.policies.base import Policy, RoutingContext, WorkerId
 from switchyard.router.policies.oracle_partition import OraclePartition
+from switchyard.router.policies.preble_cost import profile_cost
+from switchyard.router.policies.preble_e2 import E2Config
 from switchyard.router.policies.registry import POLICIES, make_policy
 from switchyard.router.predictor.fallback import LengthFallback
 from switchyard.router.queue import QueueEntry, QueueFull, RequestQueue, should_hold
@@ -174,6 +177,7 @@ class SimResult:
     num_events: int
     num_engine_steps: int
     num_engine_iterations: int
+    policy_counters: dict[str, int] = field(default_factory=dict)  # `Policy.counters()` at the end
 
     def summary(self, slo_ttft_s: float, slo_tpot_s: float) -> dict[str, Any]:
         out = summarize(
@@ -185,10 +189,24 @@ class SimResult:
             slo_ttft_s=slo_ttft_s,
             slo_tpot_s=slo_tpot_s,
         )
+        e2 = E2Config()  # claim 7's measure at E2's defaults, for every policy (the suite's skew section)
+        out["preble_load_imbalance"] = self.load_imbalance(e2.history_window_s, e2.rebalance_threshold)
+        out["policy_counters"] = dict(self.policy_counters)
         out["num_engine_steps"] = self.num_engine_steps
         out["num_engine_iterations"] = self.num_engine_iterations
         out["num_events"] = self.num_events
         return out
+
+    def load_imbalance(self, window_s: float, threshold: float) -> dict[str, float]:
+        """Preble's per-worker load imbalance in this run (`metrics.load_imbalance`), each request's work priced as
+        Alg 2 prices L: PREFILLTIME of its uncached tokens + single-request DECODETIME, on the run's profile."""
+        cost = profile_cost(self.config.profile)
+        return load_imbalance(
+            self.records, self.worker_ids,
+            lambda r: cost.prefill_s(r.num_prompt_tokens - r.num_cached_tokens, r.num_cached_tokens)
+            + cost.decode_s(r.num_output_tokens, r.num_prompt_tokens + r.num_output_tokens / 2),
+            window_s, threshold,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- engine
@@ -371,6 +389,7 @@ class Simulator:
             num_events=self.num_events,
             num_engine_steps=self.num_engine_steps,
             num_engine_iterations=self.num_engine_iterations,
+            policy_counters=self.policy.counters(),
         )
 
     # -------------------------------------------------------------------- engines

@@ -19,6 +19,11 @@ Sections (specs/preble.md §8, §10):
      has nothing to reorder), at 1, 1.5 and 2 x round_robin's capacity. Low-hit = under half the prompt cached.
   d. scaling (claim 13): toolbench at 2 and 4 workers: each policy's capacity at both sizes, and latencies at
      rate r on 2 workers vs 2r on 4.
+  f. skew (claim 7): toolbench with tool popularity Zipf 1.1, 1.5 and 2.0 (the hottest of 200 tools draws ~21%,
+     ~40% and ~61% of requests) at 1 and 1.5 x the Zipf-1.1 loads' highest, runs spanning 3 x E2's window H (so L's
+     window fills and the TTFT-doubling detector has two halves): e2_base (no skew rules) -> e2_rebal (+
+     rebalancing, replication) -> e2, against switchyard and smg_cache_aware. Per run: Preble's per-worker load
+     imbalance max L / min L over H (`load_imbalance`, from what the engines did) and how often the rules fired.
 
 Capacity: a geometric rate ladder (factor √2) of short round_robin runs; the "light" reference is the mean TTFT at
 the lowest rung (load far below saturation); a rung is saturated when its mean TTFT exceeds
@@ -26,7 +31,7 @@ the lowest rung (load far below saturation); a rung is saturated when its mean T
 saturated one. The two loads are `--load-fractions` (0.5, 1.0) x capacity: half load, and round_robin's knee, where
 cache-aware placement should matter most. `--rates WORKLOAD=R1,R2` skips the ladder for that workload.
 
-Full (about 10-15 min on 2 cores): `switchyard bench suite`. Quick (about 2 min, 300-request runs):
+Full (about 25 min on 2 cores, 5 of them section f's long runs): `switchyard bench suite`. Quick (about 2 min, 300-request runs):
 `switchyard bench suite --quick`.
 """
 
@@ -44,6 +49,7 @@ from typing import Any
 
 from switchyard.bench import report, sim
 from switchyard.bench.traces import PromptFactory, prefix_hit_bound
+from switchyard.router.policies.preble_e2 import E2Config
 from switchyard.workers.engine.profiles import get_profile
 
 PEERS = ("smg_cache_aware", "smg_least_load", "dynamo_kv", "llmd_scorer", "aibrix_prefix")
@@ -68,6 +74,10 @@ FAIRNESS_SCHEDULINGS = ("fcfs", "lpm", "preble_groups")
 FAIRNESS_MAX_NUM_SEQS = 32
 FAIRNESS_LOAD_FACTORS = (1.0, 1.5, 2.0)  # x the workload's highest load (round_robin's capacity by default)
 SCALING_WORKLOAD = "toolbench"
+SKEW_ZIPFS = (1.1, 1.5, 2.0)
+SKEW_POLICIES = ("e2_base", "e2_rebal", "e2", "switchyard", "smg_cache_aware")
+SKEW_LOAD_FACTORS = (1.0, 1.5)  # x the ablation workload's highest load
+SKEW_SPAN_H = 3.0  # arrivals span this many E2 windows H: L over H is sampled over the last two
 LADDER = [0.125 * math.sqrt(2) ** k for k in range(23)]  # 0.125 .. 256 req/s (x workers / 4)
 
 
@@ -191,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated; known: {','.join(WORKLOADS)}")
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--sections", default="a,b,c,d,e",
-                    help="a workloads, b ablation, c no-sharing, d scaling, e fairness")
+    ap.add_argument("--sections", default="a,b,c,d,e,f",
+                    help="a workloads, b ablation, c no-sharing, d scaling, e fairness, f skew")
     ap.add_argument("--rates", nargs="*", default=[], metavar="WORKLOAD=R1,R2",
                     help="fixed loads for a workload (skips its capacity ladder); 'no-sharing' for section c")
     ap.add_argument("--load-fractions", default="0.5,1.0", help="loads as fractions of round_robin's capacity")
@@ -229,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "load_fractions": fractions, "sat_factor": args.sat_factor,
                                        "policies": policies, "quick": args.quick, "seed": args.seed},
                             "capacity": {}, "workloads": {}, "ablation": {}, "no_sharing": {}, "scaling": {},
-                            "fairness": {}}
+                            "fairness": {}, "skew": {}}
     md: list[str] = []
 
     def log(msg: str) -> None:
@@ -362,6 +372,43 @@ def main(argv: list[str] | None = None) -> int:
         data["fairness"] = {"workload": w, "rates": rates, "max_num_seqs": FAIRNESS_MAX_NUM_SEQS,
                             "runs": [{"policy": r["policy"], "rate": r["rate"], "metrics": r["metrics"]} for r in runs]}
         log(f"fairness: {len(runs)} runs in {time.perf_counter() - t0:.0f} s")
+
+    # ------------------------------------------------------------------ f. skew
+    if "f" in sections:
+        w = ABLATION_WORKLOAD
+        base = data["workloads"][w]["rates"] if w in data["workloads"] else loads_for(w, WORKLOADS[w])
+        rates = [round(max(base) * f, 3) for f in SKEW_LOAD_FACTORS]
+        window_s = E2Config().history_window_s
+        t0 = time.perf_counter()
+        runs = []
+        for z in SKEW_ZIPFS:
+            for rate in rates:
+                k = n if args.quick else max(n, math.ceil(SKEW_SPAN_H * window_s * rate))
+                res = run_sweep(["--trace", "preble-toolbench", "--zipf", f"{z:g}", *P70, *sized(k), *common,
+                                 "--policies", ",".join(SKEW_POLICIES), "--rates", f"{rate:g}"],
+                                out / "skew" / f"zipf{z:g}-{rate:g}", plots)
+                for r in res["runs"]:
+                    r["zipf"] = z
+                runs += res["runs"]
+        md.append("## f. Skew (claim 7), toolbench, Zipf tool popularity\n")
+        md.append(f"Runs span {SKEW_SPAN_H:g} x H = {SKEW_SPAN_H * window_s:g} s of arrivals. L max/min: Preble's "
+                  f"per-worker load L (Σ PREFILLTIME + DECODETIME of the requests dispatched in the last H = "
+                  f"{window_s:g} s, from the engines' real cache hits and output lengths) sampled every second "
+                  "once a full window has passed; p50 over the samples, and the share of samples over Th_bal = "
+                  f"{E2Config().rebalance_threshold:g}. Redirects, replicas: how often E2's rules fired.\n")
+        lines = ["| zipf | req/s | policy | TTFT mean s | TTFT p99 s | E2E p99 s | hit ratio | L max/min p50 "
+                 "| share > Th_bal | redirects | replicas |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in runs:
+            m, li, c = r["metrics"], r["metrics"]["preble_load_imbalance"], r["metrics"]["policy_counters"]
+            lines.append(f"| {r['zipf']:g} | {r['rate']:g} | {r['policy']} | {m['ttft_s']['mean']:.3f} "
+                         f"| {m['ttft_s']['p99']:.3f} | {m['e2e_s']['p99']:.2f} | {m['prefix_cache_hit_ratio']:.3f} "
+                         + (f"| {li['p50']:.2f} | {li['frac_over']:.2f} " if li["n"] else "| - | - ")
+                         + f"| {c.get('rebalance_redirects', '-')} | {c.get('replications', '-')} |")
+        md.append("\n".join(lines) + "\n")
+        data["skew"] = {"workload": "preble-toolbench", "zipfs": list(SKEW_ZIPFS), "rates": rates,
+                        "runs": [{"policy": r["policy"], "zipf": r["zipf"], "rate": r["rate"],
+                                  "metrics": r["metrics"]} for r in runs]}
+        log(f"skew: {len(runs)} runs in {time.perf_counter() - t0:.0f} s")
 
     # ------------------------------------------------------------------ c. no sharing
     if "c" in sections:

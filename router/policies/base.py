@@ -126,6 +126,11 @@ class Policy:
     def on_tick(self, now: float) -> None:
         """Periodic background work (rebalancing, GC), driven by the daemon or the simulator."""
 
+    def counters(self) -> dict[str, int]:
+        """Cumulative counts of the policy's own actions that no routing outcome shows (E2: rebalancing redirects,
+        replicas), for reports; {} when it has none."""
+        return {}
+
 
 def candidates(ctx: RoutingContext, fleet: FleetView) -> list[WorkerView]:
     """The routable workers for `ctx.model`, minus those that already failed this request."""

@@ -830,6 +830,9 @@ class PrebleE2(Policy):
             d.pop(worker_id, None)  # type: ignore[attr-defined]
         self.moved_load.drop(worker_id)
 
+    def counters(self) -> dict[str, int]:
+        return {"rebalance_redirects": self.num_redirects, "replications": self.num_replications}
+
     def on_tick(self, now: float) -> None:
         for h in self.history.values():
             h.expire(now)

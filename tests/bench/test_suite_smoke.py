@@ -36,7 +36,7 @@ def test_decisions_preload_grows_the_tree(tmp_path: Path) -> None:
 
 def test_suite_smoke(tmp_path: Path) -> None:
     rc = suite.main(["--quick", "--num-requests", "40", "--ladder-requests", "30", "--workloads", "toolbench",
-                     "--policies", "e2,switchyard,smg_cache_aware,oracle_partition,round_robin", "--sections", "a,b,c,e", "--jobs", "1",
+                     "--policies", "e2,switchyard,smg_cache_aware,oracle_partition,round_robin", "--sections", "a,b,c,e,f", "--jobs", "1",
                      "--rates", "toolbench=5,10", "toolbench-zipf1.1=8", "no-sharing=2", "--no-plots",
                      "--out", str(tmp_path)])
     assert rc == 0
@@ -59,6 +59,14 @@ def test_suite_smoke(tmp_path: Path) -> None:
     assert {r["policy"] for r in data["ablation"]["runs"]} == {"oracle_partition", "e2_base", "e2_rebal", "e2",
                                                                 "e2 + preble_groups"}
     assert (tmp_path / "workloads" / "toolbench" / "results.json").is_file()
+    assert "## f. Skew (claim 7)" in text
+    skew = data["skew"]["runs"]
+    assert data["skew"]["rates"] == [8.0, 12.0]  # 1 and 1.5 x the Zipf-1.1 load
+    assert {(r["zipf"], round(r["rate"], 6)) for r in skew} == {(z, rate) for z in suite.SKEW_ZIPFS for rate in (8, 12)}
+    assert {r["policy"] for r in skew} == set(suite.SKEW_POLICIES)
+    for r in skew:  # E2's and the default policy's counters; none for a peer
+        assert set(r["metrics"]["policy_counters"]) == (set() if r["policy"] == "smg_cache_aware"
+                                                       else {"rebalance_redirects", "replications"})
 
 
 def test_decisions_repeat_reports_the_median_run(tmp_path: Path) -> None:
