@@ -403,6 +403,7 @@ class Dispatcher:
             now = self._clock.now()
             self._fleet.set_time(now)
             self._policy.on_tick(now)
+            self._metrics.observe_policy_counters(self._policy_name, self._policy.counters())
             self.pump()
 
     async def close(self) -> None:

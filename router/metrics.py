@@ -78,6 +78,11 @@ class RouterMetrics:
             "switchyard_retries", "Dispatch retries after a worker failed before the first token",
             ["model", "reason"], registry=r,
         )
+        self.policy_actions = Counter(
+            "switchyard_policy_actions", "Background actions of the routing policy (E2: rebalancing redirects, "
+            "hot-prefix replicas; `Policy.counters`)", ["policy", "action"], registry=r,
+        )
+        self._policy_counts: dict[tuple[str, str], int] = {}
         self.worker_in_flight = Gauge(
             "switchyard_worker_in_flight", "Requests this router has in flight on a worker", ["worker"], registry=r
         )
@@ -135,6 +140,16 @@ class RouterMetrics:
         self.worker_running.labels(worker).set(num_running)
         self.worker_waiting.labels(worker).set(num_waiting)
         self.prefix_hit_ratio.labels(worker).set(hits / queries if queries else 0.0)
+
+    def observe_policy_counters(self, policy: str, counts: dict[str, int]) -> None:
+        """Advance `switchyard_policy_actions_total` to the policy's cumulative `counts` (each series shows from
+        the first call, at 0 until the policy acts)."""
+        for action, n in counts.items():
+            key = (policy, action)
+            series = self.policy_actions.labels(policy, action)
+            if n > self._policy_counts.get(key, 0):
+                series.inc(n - self._policy_counts.get(key, 0))
+                self._policy_counts[key] = n
 
     def forget_worker(self, worker: str) -> None:
         for gauge in (
