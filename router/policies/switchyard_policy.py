@@ -767,6 +767,11 @@ class Switchyard(PrebleE2):
             for a in self.arrivals.values():
                 a.forget(worker_id)
 
+    def counters(self) -> dict[str, int]:
+        """E2's redirects and replicas only where they steer requests (placement "e2"); under "argmin" E2's passes
+        still run but nothing reads their redirects or replicas."""
+        return super().counters() if self.sy.placement == "e2" else {}
+
     def on_tick(self, now: float) -> None:
         super().on_tick(now)
         if self._fleet is not None:  # the workers' arrival counters, for B's rate (every replica's requests)

@@ -389,6 +389,9 @@ def test_ablation_registry() -> None:
     assert make_policy("switchyard").name == "switchyard"
     split = make_policy("switchyard-e2_split")
     assert isinstance(split, Switchyard) and split.sy.placement == "e2"
+    # E2's redirects and replicas are reported only where they steer requests
+    assert make_policy("switchyard").counters() == {}
+    assert split.counters() == {"rebalance_redirects": 0, "replications": 0}
 
 
 # ---------------------------------------------------------------------------------------------- decisions
