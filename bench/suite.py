@@ -31,8 +31,8 @@ the lowest rung (load far below saturation); a rung is saturated when its mean T
 saturated one. The two loads are `--load-fractions` (0.5, 1.0) x capacity: half load, and round_robin's knee, where
 cache-aware placement should matter most. `--rates WORKLOAD=R1,R2` skips the ladder for that workload.
 
-Full (about 25 min on 2 cores, 5 of them section f's long runs): `switchyard bench suite`. Quick (about 2 min, 300-request runs):
-`switchyard bench suite --quick`.
+Full (about 25 min on 2 cores, 5 of them section f's long runs): `switchyard bench suite`. Quick (about 2 min,
+300-request runs): `switchyard bench suite --quick`.
 """
 
 from __future__ import annotations
