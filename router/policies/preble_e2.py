@@ -250,6 +250,16 @@ class PrebleE2(Policy):
         self._next_rebalance = 0.0
         self.num_redirects = 0
         self.num_replications = 0
+        # what E2's background passes and L feed is read only where they steer a decision (`_skew_rules_steer`): a
+        # subclass pricing without them (`Switchyard` under placement "argmin") neither runs them nor prices L
+        steer = self._skew_rules_steer()
+        self._rebalance_on = cfg.enable_rebalancing and steer
+        self._replicate_on = cfg.enable_replication and steer
+        self._price_l = cfg.load_signal != "outstanding" or self._rebalance_on or self._replicate_on
+
+    def _skew_rules_steer(self) -> bool:
+        """Whether rebalancing's redirects and replication's replicas reach a decision (here: the exploit set)."""
+        return True
 
     # ------------------------------------------------------------------------------------------ cost model
     def cost_model(self, w: WorkerId) -> CostModel:
@@ -691,7 +701,8 @@ class PrebleE2(Policy):
         if out is None:
             out = self.outstanding[w] = Outstanding()
         out.add(ctx.request_id, missed, prefill_s)
-        self.load_s(w, now)  # its history changed: price L here, so the next selects read it from the memo
+        if self._price_l:
+            self.load_s(w, now)  # its history changed: price L here, so the next selects read it from the memo
 
     def on_first_token(self, request_id: str, worker_id: WorkerId, now: float) -> None:
         rec = self.in_flight.get(request_id)
@@ -705,6 +716,8 @@ class PrebleE2(Policy):
         fit = self.fits.get(worker_id)
         if fit is not None:
             fit.add_prefill(rec.missed_tokens, ttft)
+        if not self._replicate_on:
+            return  # the TTFT samples below feed replication's detector alone
         key = self.key_of(rec.block_hashes)
         if key is not None and isinstance(key.stats, NodeStats):
             dq = key.stats.ttft.setdefault(worker_id, deque())
@@ -724,7 +737,8 @@ class PrebleE2(Policy):
         hist = self.history.get(worker_id)
         if hist is not None:
             hist.set_decode(request_id, num_output_tokens)
-            self.load_s(worker_id, now, LOAD_PIECES_AHEAD)  # as on_dispatch
+            if self._price_l:
+                self.load_s(worker_id, now, LOAD_PIECES_AHEAD)  # as on_dispatch
         key = self.key_of(rec.block_hashes)
         if key is not None and isinstance(key.stats, NodeStats):
             key.stats.add_decode(num_output_tokens)
@@ -839,9 +853,9 @@ class PrebleE2(Policy):
         for hw in self.hit_ratio.values():
             hw.expire(now)
         self.moved_load.expire(now - self.cfg.history_window_s)
-        if self.cfg.enable_replication and self.dirty_ttft:
+        if self._replicate_on and self.dirty_ttft:
             maybe_replicate(self, now)
-        if self.cfg.enable_rebalancing and now >= self._next_rebalance:
+        if self._rebalance_on and now >= self._next_rebalance:
             self._next_rebalance = now + self.cfg.rebalance_interval_s
             for model in sorted(self._models):
                 rebalance(self, model, now)
@@ -851,8 +865,9 @@ class PrebleE2(Policy):
             # a mass expiry (every node of a burst, in one second) goes over the next ticks, not in one stall
             budget_hit = before - self.tree.num_blocks >= self.cfg.gc_budget_blocks
             self._next_gc = now if budget_hit else now + self.cfg.gc_interval_s
-        for w in self.history:  # expiry and moves above changed L: price it here, off the selects' path
-            self.load_s(w, now, LOAD_PIECES_AHEAD)
+        if self._price_l:
+            for w in self.history:  # expiry and moves above changed L: price it here, off the selects' path
+                self.load_s(w, now, LOAD_PIECES_AHEAD)
         self.advance_cold(now)
 
     def cold_floor(self, w: WorkerId, now: float) -> float:

@@ -176,7 +176,7 @@ class SwitchyardConfig(E2Config):
     ext_frac: float = Field(default=0.2, ge=0)  # overrun extension / prediction (PreServe §5.2)
     fallback_prior_tokens: float = Field(default=256.0, gt=0)  # LengthFallback's prior before any finish
     # E2 defaults changed: Q only (no 3-minute history L), no P/D balancing (I_w prices it); rebalancing and
-    # replication stay on but only act in placement "e2"
+    # replication stay on but run only in placement "e2" (`_skew_rules_steer`)
     load_signal: Literal["history", "outstanding", "both"] = "outstanding"
     enable_pd_balancing: bool = False
     # branch and bound: price workers in order of a cheap lower bound, stop when it exceeds the best cost so far
@@ -767,10 +767,13 @@ class Switchyard(PrebleE2):
             for a in self.arrivals.values():
                 a.forget(worker_id)
 
+    def _skew_rules_steer(self) -> bool:
+        return self.sy.placement == "e2"  # "argmin" prices every worker: no exploit set reads redirects or replicas
+
     def counters(self) -> dict[str, int]:
-        """E2's redirects and replicas only where they steer requests (placement "e2"); under "argmin" E2's passes
-        still run but nothing reads their redirects or replicas."""
-        return super().counters() if self.sy.placement == "e2" else {}
+        """E2's redirects and replicas only where they steer requests (placement "e2"; under "argmin" the passes
+        do not run)."""
+        return super().counters() if self._skew_rules_steer() else {}
 
     def on_tick(self, now: float) -> None:
         super().on_tick(now)

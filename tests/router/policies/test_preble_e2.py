@@ -444,6 +444,19 @@ def test_no_replica_without_doubling() -> None:
     assert policy.num_replications == 0
 
 
+@pytest.mark.usefixtures("impl")
+def test_replication_off_keeps_no_detector_samples() -> None:
+    """e2_base: first tokens feed replication's TTFT detector alone, so with replication off none is kept (the
+    (key node, worker) pairs waiting for a replication pass would pile up with no pass to drain them)."""
+    fleet, policy = make_fleet(2), make_policy("e2_base")
+    for i in range(4):
+        place(policy, fleet, dataclasses.replace(req("h", shared=384), request_id=f"h{i}"), "w0", now=float(i))  # type: ignore[arg-type]
+        policy.on_first_token(f"h{i}", W0, i + 0.1)
+        policy.on_tick(i + 0.5)
+    assert policy.dirty_ttft == {}  # type: ignore[attr-defined]
+    assert not policy.key_of(req("h", shared=384).block_hashes).stats.ttft  # type: ignore[attr-defined]
+
+
 # ---------------------------------------------------------------------------------------------- M, cost models
 @pytest.mark.usefixtures("impl")
 def test_eviction_cost_when_full() -> None:

@@ -383,6 +383,22 @@ def test_total_is_own_latency_plus_weighted_externalities() -> None:
     assert LAM == 0.1
 
 
+@pytest.mark.parametrize("placement", ["argmin", "e2"])
+def test_e2_skew_passes_and_l_run_only_where_they_steer(placement: str) -> None:
+    """Under "argmin" nothing reads E2's redirects, replicas or history L (load_signal "outstanding"), so no
+    replication sample is kept and L is never priced; under "e2" the exploit set reads them. (The passes and
+    the pricing were ~60% of the default policy's tick time; `bench sim` results are unchanged without them.)"""
+    p, fleet = policy(placement=placement)
+    for i in range(3):
+        dispatch(p, fleet, req(f"r{i}", shared=256), WorkerId("w0"), running=True, now=float(i))
+        p.on_finish(f"r{i}", WorkerId("w0"), i + 0.5, 10)
+        p.on_tick(i + 0.6)
+    steer = placement == "e2"
+    assert bool(p._load_memo) == steer  # L priced by the hooks and ticks
+    assert bool(p.key_of(req("r0", shared=256).block_hashes).stats.ttft) == steer  # replication's detector
+    assert p.counters() == ({"rebalance_redirects": 0, "replications": 0} if steer else {})
+
+
 def test_ablation_registry() -> None:
     assert set(ABLATIONS) == set(DROPPED) | {"switchyard-e2_split"}
     assert all(POLICIES[k] is v for k, v in ABLATIONS.items())
