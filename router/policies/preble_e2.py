@@ -250,12 +250,14 @@ class PrebleE2(Policy):
         self._next_rebalance = 0.0
         self.num_redirects = 0
         self.num_replications = 0
-        # what E2's background passes and L feed is read only where they steer a decision (`_skew_rules_steer`): a
-        # subclass pricing without them (`Switchyard` under placement "argmin") neither runs them nor prices L
+        # state is kept only where a decision reads it: the skew passes' redirects and replicas where they steer
+        # (`_skew_rules_steer`; not `Switchyard` under placement "argmin"), L and its history window where L is
+        # priced or the passes run, the windowed hit ratio where DECODERATIO reads it
         steer = self._skew_rules_steer()
         self._rebalance_on = cfg.enable_rebalancing and steer
         self._replicate_on = cfg.enable_replication and steer
         self._price_l = cfg.load_signal != "outstanding" or self._rebalance_on or self._replicate_on
+        self._keep_hit_ratio = cfg.enable_pd_balancing and cfg.decode_ratio == "hit_ratio"  # DECODERATIO's window
 
     def _skew_rules_steer(self) -> bool:
         """Whether rebalancing's redirects and replication's replicas reach a decision (here: the exploit set)."""
@@ -682,15 +684,17 @@ class PrebleE2(Policy):
         key, _ = self._key_end(path, len(hashes))
         med = key.stats.median_decode() if key is not None else None  # every node of path has stats now
         decode = int(med) if med is not None else (ctx.predicted_output_tokens or ctx.max_tokens)
-        hist = self.history.get(w)
-        if hist is None:
-            hist = self.history[w] = WorkerHistory(self.cfg.history_window_s, self.cfg.history_max_requests)
-            hist.on_change = partial(self._drop_load_memo, w)
-        hist.add(HistoryEntry(now, ctx.request_id, prefill_s, ctx.num_prompt_tokens, decode, hashes))
-        hw = self.hit_ratio.get(w)
-        if hw is None:
-            hw = self.hit_ratio[w] = HitRatioWindow(self.cfg.hit_ratio_window_s)
-        hw.add(now, cached, ctx.num_prompt_tokens)
+        if self._price_l:  # the history window H is L's (and the skew passes', which need L)
+            hist = self.history.get(w)
+            if hist is None:
+                hist = self.history[w] = WorkerHistory(self.cfg.history_window_s, self.cfg.history_max_requests)
+                hist.on_change = partial(self._drop_load_memo, w)
+            hist.add(HistoryEntry(now, ctx.request_id, prefill_s, ctx.num_prompt_tokens, decode, hashes))
+        if self._keep_hit_ratio:
+            hw = self.hit_ratio.get(w)
+            if hw is None:
+                hw = self.hit_ratio[w] = HitRatioWindow(self.cfg.hit_ratio_window_s)
+            hw.add(now, cached, ctx.num_prompt_tokens)
         if w not in self.fits:
             self._cost_memo.pop(w, None)
             self.fits[w] = OnlineFit(

@@ -457,6 +457,18 @@ def test_replication_off_keeps_no_detector_samples() -> None:
     assert not policy.key_of(req("h", shared=384).block_hashes).stats.ttft  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize(("cfg", "kept"), [(E2Config(), (True, False)), (E2Config.paper(), (True, True)),
+                                           (E2Config(load_signal="outstanding", enable_rebalancing=False,
+                                                     enable_replication=False), (False, False))])
+def test_windows_are_kept_only_where_read(cfg: E2Config, kept: tuple[bool, bool]) -> None:
+    """The history window H where L is priced or the skew passes run; the hit-ratio window where DECODERATIO
+    reads it (P/D balancing with decode_ratio "hit_ratio", the paper's)."""
+    fleet, policy = make_fleet(2), PrebleE2(cfg)
+    place(policy, fleet, req("a", shared=256), "w0", now=0.0)
+    policy.on_tick(0.5)
+    assert (bool(policy.history), bool(policy.hit_ratio)) == kept
+
+
 # ---------------------------------------------------------------------------------------------- M, cost models
 @pytest.mark.usefixtures("impl")
 def test_eviction_cost_when_full() -> None:

@@ -394,7 +394,8 @@ def test_e2_skew_passes_and_l_run_only_where_they_steer(placement: str) -> None:
         p.on_finish(f"r{i}", WorkerId("w0"), i + 0.5, 10)
         p.on_tick(i + 0.6)
     steer = placement == "e2"
-    assert bool(p._load_memo) == steer  # L priced by the hooks and ticks
+    assert bool(p._load_memo) == bool(p.history) == steer  # L priced by the hooks and ticks, and its window H
+    assert not p.hit_ratio  # DECODERATIO's window: P/D balancing is off (the interference term I prices it)
     assert bool(p.key_of(req("r0", shared=256).block_hashes).stats.ttft) == steer  # replication's detector
     assert p.counters() == ({"rebalance_redirects": 0, "replications": 0} if steer else {})
 
