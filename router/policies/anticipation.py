@@ -99,14 +99,16 @@ class AnticipationTracker:
 
     # ------------------------------------------------------------------------------------------ hooks
     def on_dispatch(
-        self, ctx: RoutingContext, worker_id: WorkerId, predicted_tokens: int, now: float
+        self, ctx: RoutingContext, worker_id: WorkerId, predicted_tokens: int, now: float,
+        prompt_tokens: int | None = None,
     ) -> None:
-        """The request was sent to `worker_id`: its prompt is queued there until its first token."""
+        """The request was sent to `worker_id`: its prompt is queued there until its first token. `prompt_tokens`:
+        the prompt KV it will hold privately, when not all of it (a prefix shared with the worker's cache)."""
         if ctx.request_id in self._requests:  # a retry whose earlier attempt was never closed
             old = self._requests[ctx.request_id]
             self.on_abort(ctx.request_id, old.worker_id, now)
         d = max(1, min(int(predicted_tokens), self.max_len))
-        req = _Request(worker_id, ctx.num_prompt_tokens, d)
+        req = _Request(worker_id, ctx.num_prompt_tokens if prompt_tokens is None else prompt_tokens, d)
         self._requests[ctx.request_id] = req
         st = self._worker(worker_id)
         st.queued_prefill_tokens += req.prompt_tokens

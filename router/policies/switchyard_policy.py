@@ -120,7 +120,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from operator import add
 from typing import Any, Literal
 
@@ -720,8 +720,7 @@ class Switchyard(PrebleE2):
         d = decision.predicted_output_tokens or self.predicted_tokens(ctx)
         self._drop(ctx.request_id)  # a retry: the earlier attempt is gone (the tracker does the same)
         # the map holds r's private KV: its prompt minus the prefix w already holds (PreServe §5.5 [project] flag)
-        kv_ctx = ctx if not shared else replace(ctx, prompt_token_ids=ctx.prompt_token_ids[shared:])
-        self.tracker.on_dispatch(kv_ctx, w, d, now)
+        self.tracker.on_dispatch(ctx, w, d, now, max(0, ctx.num_prompt_tokens - shared))
         rq = _Req(
             w,
             ctx.num_prompt_tokens,

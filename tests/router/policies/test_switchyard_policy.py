@@ -318,6 +318,10 @@ def test_shared_prefix_is_not_counted_twice_in_the_map() -> None:
     t2 = terms(p2, fleet2, req("r", 1024, shared=992, predicted=50))
     assert t2[W0].peak_frac == pytest.approx((1024 + 49 + 1024 + 49) / 1600)
     assert t2[W0].kv_wait_s > 0.0 == t[W0].kv_wait_s
+    # a request dispatched where its prefix is held queues only its private prompt for the map
+    dispatch(p, fleet, req("y", 1024, shared=992, predicted=50), W0)
+    dispatch(p2, fleet2, req("y", 1024, shared=992, predicted=50), W0)
+    assert (p.tracker.queued_prefill_tokens(W0), p2.tracker.queued_prefill_tokens(W0)) == (32, 1024)
 
 
 # ---------------------------------------------------------------------------------------------- ablations
