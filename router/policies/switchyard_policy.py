@@ -664,7 +664,9 @@ class Switchyard(PrebleE2):
             if best is None or key < best:
                 best, pick = key, w
         t = terms[pick.worker_id]
+        reason = why  # its figures only where a DEBUG line prints them (formatting them was ~2% of a select)
         if log.isEnabledFor(logging.DEBUG):
+            reason = f"{why} cost={t.total_s:.3f}s R={t.prefill_s:.3f} D_co={t.decode_co_s:.3f} peak={t.peak_frac:.2f}"
             cfg = self.sy
             lam = cfg.externality_weight
             log.debug(
@@ -703,11 +705,7 @@ class Switchyard(PrebleE2):
                 n,
                 {k: round(v.total_s, 4) for k, v in terms.items()},
             )
-        return Decision(
-            worker_id=pick.worker_id,
-            predicted_output_tokens=d,
-            reason=f"{why} cost={t.total_s:.3f}s R={t.prefill_s:.3f} D_co={t.decode_co_s:.3f} peak={t.peak_frac:.2f}",
-        )
+        return Decision(worker_id=pick.worker_id, predicted_output_tokens=d, reason=reason)
 
     # ------------------------------------------------------------------------------------------ hooks
     def on_dispatch(self, ctx: RoutingContext, decision: Decision, now: float) -> None:

@@ -14,6 +14,7 @@ Reference costs of that profile (PerfProfile.iteration_time_s, seconds):
 from __future__ import annotations
 
 import dataclasses
+import logging
 import zlib
 
 import pytest
@@ -469,6 +470,14 @@ def test_overflow_makes_a_worker_over_t_mem_lose() -> None:
     assert pw.select(ctx, fleetw, NOW).worker_id == W1
     p0, fleet0 = setup(overflow_weight=0.0)
     assert p0.select(ctx, fleet0, NOW).worker_id == W0
+
+
+def test_decision_reason_carries_the_figures_only_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    p, fleet = policy()
+    assert p.select(req("a"), fleet, NOW).reason == "argmin"  # type: ignore[union-attr]
+    caplog.set_level(logging.DEBUG, logger="switchyard.router.policies.switchyard_policy")
+    d = p.select(req("b"), fleet, NOW)
+    assert d is not None and d.reason.startswith("argmin cost=") and " R=" in d.reason and " peak=" in d.reason
 
 
 def test_select_does_not_mutate_state() -> None:
