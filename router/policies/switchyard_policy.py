@@ -122,7 +122,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import add
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import Field
 
@@ -184,9 +184,9 @@ class SwitchyardConfig(E2Config):
     prune: bool = True
 
 
-@dataclass(frozen=True, slots=True)
-class Terms:
-    """One worker's cost for one request, term by term (seconds, unweighted) and the weighted total."""
+class Terms(NamedTuple):
+    """One worker's cost for one request, term by term (seconds, unweighted) and the weighted total. A tuple: a
+    select prices ~3 of them, and a frozen dataclass of 13 fields took ~1.4 µs to build against ~0.3 µs."""
 
     queue_s: float  # Q
     prefill_s: float  # R
