@@ -783,9 +783,10 @@ class PrebleE2(Policy):
                 tree.mark_evicted(w, ev.block_hashes)
                 runs = tree.runs_of(ev.block_hashes)
                 idx = self.lru.get(w)
-                if idx is not None:
+                if idx is not None and runs:
                     for node, _, _ in runs:  # once per node: a touch reconciles the node's whole state
-                        idx.touch(w, node)
+                        idx.touch(w, node, prune=False)
+                    idx._prune()  # once for the event: stale entries only gather at the top meanwhile
                 self.resident_count[w] = max(0, self.resident_count.get(w, 0) - len(ev.block_hashes))
                 evicted = self.evicted.get(w)
                 if evicted is None:

@@ -639,8 +639,10 @@ class LruIndex:
                 n -= c[1]
         return n
 
-    def touch(self, worker: Any, node: Any, resident: dict[Any, int] | None = None) -> None:
-        """Reconcile one node for `worker` (`resident` = node.resident when the caller already has it)."""
+    def touch(self, worker: Any, node: Any, resident: dict[Any, int] | None = None, prune: bool = True) -> None:
+        """Reconcile one node for `worker` (`resident` = node.resident when the caller already has it). `prune`
+        False leaves the heap's stale top to the caller's one `_prune` after a batch of touches (an eviction event
+        touches every node of its run: ~23 per event while a preloaded cache of small prompts drains)."""
         self.worker = worker
         k = id(node)
         res = (node.resident if resident is None else resident).get(worker, 0) > 0 and node.is_attached
@@ -672,7 +674,8 @@ class LruIndex:
         else:
             del self.entries[k]
         self._consider(node)
-        self._prune()
+        if prune:
+            self._prune()
 
     def touch_unmoved(self, node: Any, k: int, parent: Any) -> bool:
         """`touch` of a node resident and attached here (k = id(node), parent = node.parent) when it is recorded
