@@ -145,11 +145,11 @@ class RouterMetrics:
         """Advance `switchyard_policy_actions_total` to the policy's cumulative `counts` (each series shows from
         the first call, at 0 until the policy acts)."""
         for action, n in counts.items():
-            key = (policy, action)
             series = self.policy_actions.labels(policy, action)
-            if n > self._policy_counts.get(key, 0):
-                series.inc(n - self._policy_counts.get(key, 0))
-                self._policy_counts[key] = n
+            seen = self._policy_counts.get((policy, action), 0)
+            if n > seen:
+                series.inc(n - seen)
+                self._policy_counts[(policy, action)] = n
 
     def forget_worker(self, worker: str) -> None:
         for gauge in (
