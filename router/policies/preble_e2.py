@@ -741,8 +741,7 @@ class PrebleE2(Policy):
         hist = self.history.get(worker_id)
         if hist is not None:
             hist.set_decode(request_id, num_output_tokens)
-            if self._price_l:
-                self.load_s(worker_id, now, LOAD_PIECES_AHEAD)  # as on_dispatch
+            self.load_s(worker_id, now, LOAD_PIECES_AHEAD)  # as on_dispatch (a history is kept only where L is)
         key = self.key_of(rec.block_hashes)
         if key is not None and isinstance(key.stats, NodeStats):
             key.stats.add_decode(num_output_tokens)
@@ -783,10 +782,8 @@ class PrebleE2(Policy):
                 tree.mark_evicted(w, ev.block_hashes)
                 runs = tree.runs_of(ev.block_hashes)
                 idx = self.lru.get(w)
-                if idx is not None and runs:
-                    for node, _, _ in runs:  # once per node: a touch reconciles the node's whole state
-                        idx.touch(w, node, prune=False)
-                    idx._prune()  # once for the event: stale entries only gather at the top meanwhile
+                if idx is not None:
+                    idx.touch_all(w, [node for node, _, _ in runs])  # once per node of the evicted run
                 self.resident_count[w] = max(0, self.resident_count.get(w, 0) - len(ev.block_hashes))
                 evicted = self.evicted.get(w)
                 if evicted is None:
@@ -870,9 +867,8 @@ class PrebleE2(Policy):
             # a mass expiry (every node of a burst, in one second) goes over the next ticks, not in one stall
             budget_hit = before - self.tree.num_blocks >= self.cfg.gc_budget_blocks
             self._next_gc = now if budget_hit else now + self.cfg.gc_interval_s
-        if self._price_l:
-            for w in self.history:  # expiry and moves above changed L: price it here, off the selects' path
-                self.load_s(w, now, LOAD_PIECES_AHEAD)
+        for w in self.history:  # expiry and moves above changed L: price it here, off the selects' path
+            self.load_s(w, now, LOAD_PIECES_AHEAD)  # (a history is kept only where L is priced)
         self.advance_cold(now)
 
     def cold_floor(self, w: WorkerId, now: float) -> float:
