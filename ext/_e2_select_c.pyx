@@ -267,3 +267,138 @@ def cheapest(BoundsEnv env, ws, dict cached, Py_ssize_t n, double now, Py_ssize_
     finally:
         PyMem_Free(b)
     return best, priced
+
+
+cdef class ArgminEnv:
+    """As `e2_select_py.ArgminEnv`."""
+
+    cdef public dict cost_memo, outstanding, num_queued
+    cdef public object cost_model, batched_tokens
+    cdef public double queue_weight, prefix_weight, decode_weight, interference_weight
+    cdef public bint queue_by_sum, joint_prefill
+
+    def __init__(self, *, dict cost_memo, cost_model, dict outstanding, dict num_queued, batched_tokens,
+                 double queue_weight, double prefix_weight, double decode_weight, double interference_weight,
+                 bint queue_by_sum, bint joint_prefill):
+        self.cost_memo, self.cost_model, self.outstanding = cost_memo, cost_model, outstanding
+        self.num_queued, self.batched_tokens = num_queued, batched_tokens
+        self.queue_weight, self.prefix_weight, self.decode_weight = queue_weight, prefix_weight, decode_weight
+        self.interference_weight, self.queue_by_sum, self.joint_prefill = (interference_weight, queue_by_sum,
+                                                                          joint_prefill)
+
+
+cdef struct ArgminBound:
+    double lb
+    Py_ssize_t rot, i
+
+
+cdef int _argmin_fill(ArgminEnv env, object pool, dict cached, Py_ssize_t p, Py_ssize_t d, Py_ssize_t turn,
+                      ArgminBound* out, Py_ssize_t m) except -1:
+    """Each pool worker's bound into out[0..m) (`e2_select_py.argmin_bounds`, the same floats in the same order).
+    R is priced once per (cost model, cached tokens) and D_self once per cost model (the same floats again)."""
+    cdef Py_ssize_t i = 0, tok, missed, t, b, k, nq, nmemo = 0, j
+    cdef Py_ssize_t last = p - 1 if p > 1 else 0
+    cdef double r, d_self, q, gain, interference, ctx = <double>p + <double>(d - 1) / 2.0
+    cdef double qw = env.queue_weight, pw = env.prefix_weight, dw = env.decode_weight, iw = env.interference_weight
+    cdef PyObject* got
+    cdef object wid, cost, o, oq
+    cdef Py_ssize_t mk_tok[_MEMO]
+    cdef void* mk_cost[_MEMO]
+    cdef double mk_r[_MEMO]
+    cdef double mk_d[_MEMO]
+    cdef bint found
+    cdef list held = []  # keeps the memo's cost models alive, so their addresses stay unique for the call
+    for w in pool:
+        if i >= m:
+            break
+        wid = w.worker_id
+        got = PyDict_GetItem(env.cost_memo, wid)
+        cost = <object>got if got is not NULL else None
+        if not cost:
+            cost = env.cost_model(wid)
+        tok = <Py_ssize_t>cached[wid] * <Py_ssize_t>w.block_size
+        if tok > last:
+            tok = last
+        missed = p - tok
+        found = False
+        for j in range(nmemo):
+            if mk_cost[j] == <void*>cost and mk_tok[j] == tok:
+                r, d_self, found = mk_r[j], mk_d[j], True
+                break
+        if not found:
+            r = _prefill_s(cost, missed, tok)
+            d_self = _decode_s(cost, d, ctx)
+            if nmemo < _MEMO:
+                held.append(cost)
+                mk_cost[nmemo], mk_tok[nmemo], mk_r[nmemo], mk_d[nmemo] = <void*>cost, tok, r, d_self
+                nmemo += 1
+        got = PyDict_GetItem(env.outstanding, wid)
+        o = <object>got if got is not NULL else None
+        q = 0.0
+        if env.queue_by_sum:
+            if o is not None:
+                oq = o.queued_s
+                if oq > 0.0:
+                    q = PyFloat_AsDouble(oq)
+        elif o is not None and o.queued_tokens > 0:
+            t = o.queued_tokens
+            b = env.batched_tokens(w)
+            if env.joint_prefill and t + missed <= b:
+                q = _prefill_s(cost, t + missed, 0) - _prefill_s(cost, missed, 0)
+                if not q > 0.0:
+                    q = 0.0
+            else:
+                k = -_floordiv(-t, b)
+                q = <double>k * _prefill_s(cost, -_floordiv(-t, k), 0)
+        got = PyDict_GetItem(env.num_queued, wid)
+        nq = <Py_ssize_t>(<object>got) if got is not NULL else 0
+        interference = 0.0
+        if nq:
+            t = o.queued_tokens if o is not None and env.joint_prefill else 0
+            if t > 0 and t + missed <= <Py_ssize_t>env.batched_tokens(w):
+                gain = _prefill_s(cost, t + missed, 0) - _prefill_s(cost, t, 0) + r - _prefill_s(cost, missed, 0)
+            else:
+                gain = r - _prefill_s(cost, 0, 0)
+            interference = <double>nq * (gain if gain > 0.0 else 0.0)
+        out[i].lb = qw * q + pw * r + dw * d_self + iw * interference
+        out[i].rot = _pymod(i - turn, m)
+        out[i].i = i
+        i += 1
+    if i != m:
+        raise ValueError("argmin_order: the pool changed length while it was priced")
+    return 0
+
+
+def argmin_bounds(ArgminEnv env, pool, dict cached, Py_ssize_t p, Py_ssize_t d):
+    """As `e2_select_py.argmin_bounds`."""
+    cdef Py_ssize_t m = len(pool), i
+    cdef ArgminBound* b = <ArgminBound*>PyMem_Malloc((m if m else 1) * sizeof(ArgminBound))
+    if b == NULL:
+        raise MemoryError()
+    try:
+        _argmin_fill(env, pool, cached, p, d, 0, b, m)
+        return [b[i].lb for i in range(m)]
+    finally:
+        PyMem_Free(b)
+
+
+def argmin_order(ArgminEnv env, pool, dict cached, Py_ssize_t p, Py_ssize_t d, Py_ssize_t turn):
+    """As `e2_select_py.argmin_order`: the bounds in C structs, ordered by an insertion sort on (bound, rot) (a
+    pool is at most the fleet; the rotation is a permutation, so no two keys tie)."""
+    cdef Py_ssize_t m = len(pool), i, j
+    cdef ArgminBound x
+    cdef ArgminBound* b = <ArgminBound*>PyMem_Malloc((m if m else 1) * sizeof(ArgminBound))
+    if b == NULL:
+        raise MemoryError()
+    try:
+        _argmin_fill(env, pool, cached, p, d, turn, b, m)
+        for i in range(1, m):
+            x = b[i]
+            j = i
+            while j > 0 and (x.lb < b[j - 1].lb or (x.lb == b[j - 1].lb and x.rot < b[j - 1].rot)):
+                b[j] = b[j - 1]
+                j -= 1
+            b[j] = x
+        return [(b[i].lb, b[i].rot, b[i].i) for i in range(m)]
+    finally:
+        PyMem_Free(b)

@@ -36,3 +36,28 @@ cdef double _prefill_s(object cost, Py_ssize_t missed, Py_ssize_t cached) except
             t += PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 3))
         return 0.001 * t
     return PyFloat_AsDouble(cost.prefill_s(missed, cached))
+
+
+cdef double _decode_s(object cost, Py_ssize_t num_tokens, double context_tokens) except? -1.0:
+    """`cost.decode_s(num_tokens, context_tokens)` for an int token count: `ProfileCost`'s formula in C (num_tokens
+    × one iteration of a single sequence at int(context) tokens, operation for operation); anything else is
+    asked."""
+    cdef object k = getattr(cost, "terms", None)
+    cdef Py_ssize_t over
+    cdef double t
+    if num_tokens <= 0:
+        return PyFloat_AsDouble(cost.decode_s(num_tokens, context_tokens))
+    if (type(k) is tuple and PyTuple_GET_SIZE(k) == 7 and PyLong_CheckExact(<object>PyTuple_GET_ITEM(k, 5))
+            and PyFloat_CheckExact(<object>PyTuple_GET_ITEM(k, 0)) and PyFloat_CheckExact(<object>PyTuple_GET_ITEM(k, 1))
+            and PyFloat_CheckExact(<object>PyTuple_GET_ITEM(k, 2)) and PyFloat_CheckExact(<object>PyTuple_GET_ITEM(k, 4))
+            and PyFloat_CheckExact(<object>PyTuple_GET_ITEM(k, 6))
+            and 0.0 <= context_tokens < <double>(1LL << 52) and num_tokens < 1 << 52):
+        over = 1 - <Py_ssize_t>(<object>PyTuple_GET_ITEM(k, 5))
+        if over < 0:
+            over = 0
+        t = 0.001 * (PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 0)) + PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 1)) * 1.0
+                     + PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 2)) * <double>(<long long>context_tokens) / 1000.0
+                     + PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 4))
+                     * (<double>over + PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 6)) * 0.0))
+        return <double>num_tokens * t
+    return PyFloat_AsDouble(cost.decode_s(num_tokens, context_tokens))

@@ -1,4 +1,5 @@
-"""Selects E2's per-select loops: the Cython build when present, else the Python reference.
+"""Selects E2's per-select loops and the default policy's bound pass: the Cython build when present, else the
+Python reference.
 
 SWITCHYARD_NO_EXTENSIONS=1 forces the reference. `IMPLEMENTATION` says which one loaded. The contract is the
 docstring of `e2_select_py`.
@@ -8,14 +9,27 @@ from __future__ import annotations
 
 import os
 
-from switchyard.ext.e2_select_py import BoundsEnv, Priced, cheapest, exploit_set, m_is_zero, raw_bounds
+from switchyard.ext.e2_select_py import (
+    ArgminEnv,
+    BoundsEnv,
+    Priced,
+    argmin_bounds,
+    argmin_order,
+    cheapest,
+    exploit_set,
+    m_is_zero,
+    raw_bounds,
+)
 
 IMPLEMENTATION = "py"
 
 if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
     try:
         from switchyard.ext._e2_select_c import (  # type: ignore[no-redef]  # noqa: F811
+            ArgminEnv,
             BoundsEnv,
+            argmin_bounds,
+            argmin_order,
             cheapest,
             exploit_set,
             m_is_zero,
@@ -26,4 +40,7 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
     except ImportError:  # pragma: no cover - exercised by test_c_extension_loaded
         pass
 
-__all__ = ["IMPLEMENTATION", "BoundsEnv", "Priced", "cheapest", "exploit_set", "m_is_zero", "raw_bounds"]
+__all__ = [
+    "IMPLEMENTATION", "ArgminEnv", "BoundsEnv", "Priced", "argmin_bounds", "argmin_order", "cheapest", "exploit_set",
+    "m_is_zero", "raw_bounds",
+]

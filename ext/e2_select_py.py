@@ -9,6 +9,8 @@ Reference build (obviously correct); `_e2_select_c.pyx` is the Cython build, `e2
   `BoundsEnv` that holds its dicts by reference, never written here except through `load_s` on a memo miss.
 - `cheapest`: the branch and bound of every explore and every exploit with several holders over those bounds,
   asking the caller for M only where it can still change the answer and `m_is_zero` cannot tell it is 0.
+- `argmin_bounds` / `argmin_order`: the default policy's (`switchyard`, placement "argmin") lower bound of each
+  pool worker's cost, and the order its branch and bound prices them in (an `ArgminEnv` holds what they read).
 
 Duck-typed (nothing here imports from `router/`): a worker view has `worker_id`, `kv_usage_frac`, `block_size`
 and `kv_capacity_blocks`; a cost model `prefill_s(missed, cached)` (the Cython build computes it in C from
@@ -154,3 +156,91 @@ def cheapest(
         if best < 0 or key < best_key:
             best, best_key = i, key
     return best, priced
+
+
+class ArgminEnv:
+    """What the default policy's bounds (`argmin_order`) read of it: its dicts by reference, its fallbacks and its
+    weights (`router/policies/switchyard_policy.py`, `Switchyard.lower_bounds` has the terms).
+
+    - `cost_memo[w]`, else `cost_model(w)`: w's cost model.
+    - `outstanding[w]`: `queued_s` (E2's Σ PT of queued prefills) and `queued_tokens` (their missed tokens).
+    - `num_queued[w]`: w's requests without a first token yet.
+    - `batched_tokens(view)`: w's max_num_batched_tokens B (read only when tokens are queued on w).
+    """
+
+    __slots__ = ("cost_memo", "cost_model", "outstanding", "num_queued", "batched_tokens", "queue_weight",
+                 "prefix_weight", "decode_weight", "interference_weight", "queue_by_sum", "joint_prefill")
+
+    def __init__(
+        self, *, cost_memo: dict[Any, Any], cost_model: Callable[[Any], Any], outstanding: dict[Any, Any],
+        num_queued: dict[Any, int], batched_tokens: Callable[[Any], int], queue_weight: float,
+        prefix_weight: float, decode_weight: float, interference_weight: float, queue_by_sum: bool,
+        joint_prefill: bool,
+    ) -> None:
+        self.cost_memo, self.cost_model, self.outstanding = cost_memo, cost_model, outstanding
+        self.num_queued, self.batched_tokens = num_queued, batched_tokens
+        self.queue_weight, self.prefix_weight, self.decode_weight = queue_weight, prefix_weight, decode_weight
+        self.interference_weight, self.queue_by_sum, self.joint_prefill = (interference_weight, queue_by_sum,
+                                                                          joint_prefill)
+
+
+def argmin_bounds(env: ArgminEnv, pool: Sequence[Any], cached: dict[Any, int], p: int, d: int) -> list[float]:
+    """Per pool worker, in pool order, the default policy's lower bound of its cost for a request of p prompt
+    tokens (worker w holds the leading `cached[w]` blocks) and d predicted output tokens:
+    qw·Q + pw·R + dw·D_self + iw·I, with Q without its decode part and I over the queued requests alone.
+
+    - R = PREFILLTIME(p − tok, tok), tok = min(cached blocks × block size, p − 1) (the last token is computed);
+    - D_self = DECODETIME(d, p + (d − 1)/2);
+    - Q: "sum" pricing, max(0, queued_s); else 0 without queued missed tokens, otherwise their T tokens in
+      k = ceil(T / B) chunks, k × PREFILLTIME(ceil(T / k), 0), or with `joint_prefill` and T + m <= B (m = r's
+      missed tokens) PREFILLTIME(T + m, 0) − PREFILLTIME(m, 0), at least 0;
+    - I = n_queued × gain, gain = R − PREFILLTIME(0, 0), or with `joint_prefill` and 0 < T, T + m <= B,
+      PREFILLTIME(T + m, 0) − PREFILLTIME(T, 0) + R − PREFILLTIME(m, 0); at least 0.
+    """
+    qw, pw, dw, iw = env.queue_weight, env.prefix_weight, env.decode_weight, env.interference_weight
+    last = p - 1 if p > 1 else 0
+    out: list[float] = []
+    for w in pool:
+        wid = w.worker_id
+        cost = env.cost_memo.get(wid) or env.cost_model(wid)
+        tok = cached[wid] * w.block_size
+        if tok > last:
+            tok = last
+        missed = p - tok
+        r = cost.prefill_s(missed, tok)
+        d_self = cost.decode_s(d, p + (d - 1) / 2)
+        o = env.outstanding.get(wid)
+        q = 0.0
+        if env.queue_by_sum:
+            if o is not None:
+                q = max(0.0, o.queued_s)
+        elif o is not None and o.queued_tokens > 0:
+            t = o.queued_tokens
+            b = env.batched_tokens(w)
+            if env.joint_prefill and t + missed <= b:
+                q = cost.prefill_s(t + missed, 0) - cost.prefill_s(missed, 0)
+                q = q if q > 0.0 else 0.0
+            else:
+                k = -(-t // b)
+                q = k * cost.prefill_s(-(-t // k), 0)
+        nq = env.num_queued.get(wid, 0)
+        interference = 0.0
+        if nq:
+            t = o.queued_tokens if o is not None and env.joint_prefill else 0
+            if t > 0 and t + missed <= env.batched_tokens(w):
+                gain = cost.prefill_s(t + missed, 0) - cost.prefill_s(t, 0) + r - cost.prefill_s(missed, 0)
+            else:
+                gain = r - cost.prefill_s(0, 0)
+            interference = nq * (gain if gain > 0.0 else 0.0)
+        out.append(qw * q + pw * r + dw * d_self + iw * interference)
+    return out
+
+
+def argmin_order(
+    env: ArgminEnv, pool: Sequence[Any], cached: dict[Any, int], p: int, d: int, turn: int
+) -> list[tuple[float, int, int]]:
+    """(bound, rotated index (i − turn) mod n, i) of each pool worker i, ascending: the order in which the default
+    policy's branch and bound prices them (`argmin_bounds`; the rotation is a permutation, so no two keys tie)."""
+    n = len(pool)
+    return sorted(zip(argmin_bounds(env, pool, cached, p, d), [(i - turn) % n for i in range(n)], range(n),
+                      strict=True))

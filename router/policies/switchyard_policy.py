@@ -127,6 +127,7 @@ from typing import Any, Literal, NamedTuple
 from pydantic import Field
 
 from switchyard.ext.anticipator import Anticipator
+from switchyard.ext.e2_select import ArgminEnv, argmin_bounds, argmin_order
 from switchyard.router.policies.anticipation import AnticipationTracker
 from switchyard.router.policies.base import (
     Decision,
@@ -306,6 +307,13 @@ class Switchyard(PrebleE2):
         self.by_worker: dict[WorkerId, dict[str, _Req]] = {}
         self.num_queued: dict[WorkerId, int] = {}  # requests of by_worker[w] without a first token yet
         self.arrivals: dict[str, ArrivalRate] = {}  # per model, for B_w
+        self._argmin_env = ArgminEnv(  # what the bound pass reads, by reference (`lower_bounds`)
+            cost_memo=self._cost_memo, cost_model=self.cost_model, outstanding=self.outstanding,
+            num_queued=self.num_queued, batched_tokens=self.batched_tokens, queue_weight=cfg.queue_weight,
+            prefix_weight=cfg.prefix_weight, decode_weight=cfg.decode_weight,
+            interference_weight=cfg.interference_weight * cfg.externality_weight,
+            queue_by_sum=cfg.queue_pricing == "sum", joint_prefill=cfg.joint_prefill,
+        )
 
     def arrival_rate(self, model: str) -> ArrivalRate:
         got = self.arrivals.get(model)
@@ -508,46 +516,9 @@ class Switchyard(PrebleE2):
     ) -> list[float]:
         """Per pool worker, in pool order, a cost no higher than `terms(...).total_s`, from O(1) state (no
         anticipator sync, no batch walk): R and D_self exactly, Q without its decode part, I with the queued
-        requests alone as co-runners, every other term 0. R is priced once per (cost model, cached tokens) and
-        D_self once per cost model.
-
-        NOTE: the loop every select runs over the whole pool: the config is read once and conditionals stand in
-        for min()/max(); each bound is the same sum of the same products, so the same float.
-        """
-        cfg = self.sy
-        qw, pw, dw = cfg.queue_weight, cfg.prefix_weight, cfg.decode_weight
-        iw = cfg.interference_weight * cfg.externality_weight
-        by_sum = cfg.queue_pricing == "sum"
-        p = ctx.num_prompt_tokens
-        last = p - 1 if p > 1 else 0  # as E2's loadcost: the last prompt token is always computed
-        cost_memo, num_queued, outstanding = self._cost_memo, self.num_queued, self.outstanding
-        r_memo: dict[tuple[int, int], float] = {}  # (id(cost), cached tokens before the last-token cut) -> R
-        d_memo: dict[int, float] = {}  # id(cost) -> D_self
-        out: list[float] = []
-        for w in pool:
-            wid = w.worker_id
-            cost = cost_memo.get(wid) or self.cost_model(wid)
-            tok = cached[wid] * w.block_size
-            key = (id(cost), tok)  # the cost objects outlive the select (held by E2's memo): ids are stable
-            r = r_memo.get(key)
-            if r is None:
-                if tok > last:
-                    tok = last
-                r = r_memo[key] = cost.prefill_s(p - tok, tok)
-            d_self = d_memo.get(id(cost))
-            if d_self is None:
-                d_self = d_memo[id(cost)] = cost.decode_s(d, p + (d - 1) / 2)
-            if by_sum:
-                q = self.queue_s(wid)
-            else:  # `queued_prefill_s`, whose answer is 0 without queued missed tokens (most workers)
-                o = outstanding.get(wid)
-                q = (self.queued_prefill_s(w, cost, self.missed_tokens(w, cached[wid], p))[0]
-                     if o is not None and o.queued_tokens > 0 else 0.0)
-            nq = num_queued.get(wid, 0)
-            interference = (nq * self.prefill_step_gain_s(w, cost, r, self.missed_tokens(w, cached[wid], p))
-                            if nq else 0.0)
-            out.append(qw * q + pw * r + dw * d_self + iw * interference)
-        return out
+        requests alone as co-runners, every other term 0 (`ext/e2_select.argmin_bounds`: the loop every select
+        runs over the whole pool, in Cython; the same floats as these terms' own methods, which a test checks)."""
+        return argmin_bounds(self._argmin_env, pool, cached, ctx.num_prompt_tokens, d)
 
     def terms(
         self, w: WorkerView, ctx: RoutingContext, cached_blocks: int, path: list[Any], d: int, now: float,
@@ -635,16 +606,17 @@ class Switchyard(PrebleE2):
         n = len(pool)
         per_worker = self.arrival_rate(ctx.model).rate(now) / n  # B_w: an even share of the model's arrivals
         turn = self._turn
-        rot = [(i - turn) % n for i in range(n)]  # E2's rotation, a permutation: no two (bound, rot) keys tie
         ants: list[Anticipator] | list[None]
         if self.sy.prune:
             # every clock moves now, priced or not: the anticipator's integration of the iteration rate depends
             # on when it is sampled, so a pruned worker synced later would drift from the reference
             ants = self.tracker.sync_all(pool, now)
-            order = sorted(zip(self.lower_bounds(pool, ctx, cached, d), rot, range(n), strict=True))
+            # (lower bound, E2's rotation (i - turn) mod n, i), ascending: the rotation is a permutation, so no two
+            # keys tie
+            order = argmin_order(self._argmin_env, pool, cached, ctx.num_prompt_tokens, d, turn)
         else:
             ants = [None] * n  # the reference: each worker synced as it is priced
-            order = [(0.0, r, i) for i, r in enumerate(rot)]
+            order = [(0.0, (i - turn) % n, i) for i in range(n)]
         terms: dict[WorkerId, Terms] = {}
         best: tuple[float, int] | None = None
         pick = pool[0]

@@ -319,3 +319,119 @@ def test_cheapest_ties_go_to_the_lower_rotated_index(mod: str) -> None:
     assert [p[0] for p in priced] == [0, 1] and best == 0  # rotated indices 0 and 1: a
     best, priced = impl.cheapest(env, ws, {a: 0, b: 0}, 32, 0.0, 1, lambda i, ev: ms[i], [])
     assert [p[0] for p in priced] == [0, 1] and best == 1  # turn 1: b's rotated index is 0
+
+
+# ---------------------------------------------------------------------------------------------- the default policy
+@dataclass
+class SyView:
+    """What the default policy's bound pass reads of a worker view."""
+
+    worker_id: WorkerId
+    block_size: int
+
+
+class FitCost:
+    """A cost model without `terms` (as `OnlineFit`): the Cython build must ask it, not price it in C."""
+
+    def __init__(self, k: float) -> None:
+        self.k = k
+
+    def prefill_s(self, missed: int, cached: int) -> float:
+        return self.k * (0.002 + missed * 1e-4 + missed * cached * 1e-9)
+
+    def decode_s(self, num_tokens: float, context_tokens: float) -> float:
+        return num_tokens * self.k * (0.01 + context_tokens * 1e-7)
+
+
+@dataclass
+class Queued:
+    queued_s: float
+    queued_tokens: int
+
+
+def _argmin_envs(rng: random.Random, ids: list[int]) -> tuple[object, object, dict[WorkerId, int]]:
+    """(reference env, Cython env, batched tokens per worker) over one random state: profile and fitted cost
+    models, queued prefills (some over B, some not), queued request counts, both queue pricings and both
+    `joint_prefill` settings."""
+    models: list[object] = [profile_cost(name) for name in PROFILES] + [FitCost(1.0), FitCost(3.0)]
+    by_worker = {WorkerId(f"w{i}"): rng.choice(models) for i in ids}
+    memo = {w: c for w, c in by_worker.items() if rng.random() < 0.6}  # the rest through cost_model
+    outstanding = {w: Queued(rng.choice([0.0, -1e-12, rng.random()]), rng.choice([0, 0, 16, 500, 3000, 9000]))
+                   for w in by_worker if rng.random() < 0.7}
+    num_queued = {w: rng.randint(0, 6) for w in by_worker if rng.random() < 0.7}
+    batched = {w: rng.choice([512, 2048, 8192]) for w in by_worker}
+    kw = dict(
+        cost_memo=memo, cost_model=by_worker.__getitem__, outstanding=outstanding, num_queued=num_queued,
+        batched_tokens=lambda v: batched[v.worker_id], queue_weight=rng.choice([0.0, 1.0, 0.7]),
+        prefix_weight=rng.choice([1.0, 0.5]), decode_weight=rng.choice([1.0, 0.0]),
+        interference_weight=rng.choice([0.1, 0.0, 0.25]), queue_by_sum=rng.random() < 0.3,
+        joint_prefill=rng.random() < 0.7,
+    )
+    return e2_select_py.ArgminEnv(**kw), _e2_select_c.ArgminEnv(**kw), batched  # type: ignore[union-attr]
+
+
+@pytest.mark.c_extension
+@pytest.mark.skipif(_e2_select_c is None, reason="Cython extension not built")
+@pytest.mark.parametrize("seed", range(4))
+def test_cython_argmin_bounds_equal_reference(seed: int) -> None:
+    """The default policy's bound pass: the Cython build returns the reference's floats and order, over random
+    states that take every branch (queued tokens that fit beside r in one iteration and that do not, "sum"
+    queue pricing, fitted cost models priced through Python, ties in the bounds broken by the rotation)."""
+    rng = random.Random(seed)
+    seen = {"joint": 0, "chunked": 0, "interference": 0, "fit": 0, "tie": 0, "by_sum": 0}
+    for _ in range(300):
+        ids = rng.sample(range(40), rng.randint(1, 20))
+        ref_env, c_env, batched = _argmin_envs(rng, ids)
+        pool = [SyView(WorkerId(f"w{i}"), rng.choice([1, 16, 32])) for i in ids]
+        if rng.random() < 0.3:  # identical workers: equal bounds, ordered by the rotation alone
+            pool = [SyView(pool[0].worker_id, pool[0].block_size)] * len(pool)
+        cached = {v.worker_id: rng.choice([0, 0, 3, 40, 500]) for v in pool}
+        p, d, turn = rng.choice([1, 2, 17, 700, 5000]), rng.choice([1, 2, 50, 900]), rng.randint(-5, 10**6)
+        got = _e2_select_c.argmin_bounds(c_env, pool, cached, p, d)  # type: ignore[union-attr]
+        want = e2_select_py.argmin_bounds(ref_env, pool, cached, p, d)
+        assert got == want and all(type(x) is float for x in got)
+        assert _e2_select_c.argmin_order(c_env, pool, cached, p, d, turn) == e2_select_py.argmin_order(  # type: ignore[union-attr]
+            ref_env, pool, cached, p, d, turn)
+        for v in pool:
+            o = ref_env.outstanding.get(v.worker_id)  # type: ignore[attr-defined]
+            if o is not None and o.queued_tokens > 0 and not ref_env.queue_by_sum:  # type: ignore[attr-defined]
+                fits = o.queued_tokens + p <= batched[v.worker_id]
+                seen["joint" if fits and ref_env.joint_prefill else "chunked"] += 1  # type: ignore[attr-defined]
+            seen["interference"] += ref_env.num_queued.get(v.worker_id, 0) > 0  # type: ignore[attr-defined]
+            seen["fit"] += isinstance(ref_env.cost_model(v.worker_id), FitCost)  # type: ignore[attr-defined]
+        seen["tie"] += len(set(want)) < len(want)
+        seen["by_sum"] += ref_env.queue_by_sum  # type: ignore[attr-defined]
+    assert all(seen.values()), seen
+
+
+@pytest.mark.parametrize("mod", ["py", "c"])
+def test_argmin_bounds_price_each_term(mod: str) -> None:
+    """A worked case: R and D_self from the cost model, Q from the queued prefill (chunked, and joint with r's),
+    I from the queued requests, each weighted."""
+    impl = e2_select_py if mod == "py" else _e2_select_c
+    if impl is None:
+        pytest.skip("Cython extension not built")
+    cost = FitCost(1.0)
+    a, b, c = WorkerId("a"), WorkerId("b"), WorkerId("c")
+    out = {a: Queued(0.3, 3000), b: Queued(0.2, 100)}
+    env = impl.ArgminEnv(
+        cost_memo={}, cost_model=lambda w: cost, outstanding=out, num_queued={b: 2}, batched_tokens=lambda v: 2048,
+        queue_weight=1.0, prefix_weight=1.0, decode_weight=0.5, interference_weight=0.1, queue_by_sum=False,
+        joint_prefill=True,
+    )
+    pool = [SyView(a, 16), SyView(b, 16), SyView(c, 16)]
+    p, d = 800, 11
+    cached = {a: 0, b: 10, c: 100}  # c holds more than the prompt: its last token is still computed
+    r = [cost.prefill_s(800, 0), cost.prefill_s(640, 160), cost.prefill_s(1, 799)]
+    d_self = cost.decode_s(11, 805.0)
+    # a: 3000 queued tokens > B: 2 chunks of 1500; b: 100 + 640 <= B, run with r's: PT(740) - PT(640), and its two
+    # queued requests each delayed by what r's 640 tokens add to that iteration plus r's attention over its cache
+    q_a = 2 * cost.prefill_s(1500, 0)
+    q_b = cost.prefill_s(740, 0) - cost.prefill_s(640, 0)
+    gain_b = cost.prefill_s(740, 0) - cost.prefill_s(100, 0) + r[1] - cost.prefill_s(640, 0)
+    want = [q_a + r[0] + 0.5 * d_self + 0.1 * 0.0, q_b + r[1] + 0.5 * d_self + 0.1 * (2 * gain_b),
+            0.0 + r[2] + 0.5 * d_self + 0.1 * 0.0]
+    assert impl.argmin_bounds(env, pool, cached, p, d) == want
+    order = impl.argmin_order(env, pool, cached, p, d, 1)
+    assert [i for _, _, i in order] == sorted(range(3), key=lambda i: want[i])
+    assert {(i, rot) for _, rot, i in order} == {(0, 2), (1, 0), (2, 1)}  # (i - 1) mod 3

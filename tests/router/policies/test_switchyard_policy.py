@@ -22,8 +22,10 @@ from factories import make_fleet, make_requests, make_worker_info
 
 from switchyard.bench.sim import SimConfig, Simulator
 from switchyard.bench.workloads import WorkloadSpec, make_workload
+from switchyard.ext import e2_select_py
+from switchyard.ext.e2_select import argmin_order
 from switchyard.router.fleet import Fleet, StatsSample, WorkerState
-from switchyard.router.policies.base import Decision, RoutingContext, WorkerId
+from switchyard.router.policies.base import Decision, FleetView, RoutingContext, WorkerId, WorkerView
 from switchyard.router.policies.preble_cost import profile_cost
 from switchyard.router.policies.registry import POLICIES, make_policy
 from switchyard.router.policies.switchyard_policy import (
@@ -634,6 +636,64 @@ def test_lower_bounds_price_cached_tokens_not_blocks() -> None:
     d_self = COST.decode_s(50, 512 + 49 / 2)
     assert bounds[0] == pytest.approx(COST.prefill_s(512 - 128, 128) + d_self)
     assert bounds[1] == pytest.approx(COST.prefill_s(512 - 256, 256) + d_self)
+
+
+def _bound_from_terms(pol: Switchyard, w: WorkerView, ctx: RoutingContext, cached_blocks: int, d: int) -> float:
+    """A worker's lower bound composed from the policy's own term methods (what the bound pass must equal)."""
+    cfg = pol.sy
+    wid = w.worker_id
+    p = ctx.num_prompt_tokens
+    cost = pol.cost_model(wid)
+    missed = Switchyard.missed_tokens(w, cached_blocks, p)
+    r = cost.prefill_s(missed, p - missed)
+    d_self = cost.decode_s(d, p + (d - 1) / 2)
+    q = pol.queue_s(wid) if cfg.queue_pricing == "sum" else pol.queued_prefill_s(w, cost, missed)[0]
+    nq = pol.num_queued.get(wid, 0)
+    interference = nq * pol.prefill_step_gain_s(w, cost, r, missed) if nq else 0.0
+    return (cfg.queue_weight * q + cfg.prefix_weight * r + cfg.decode_weight * d_self
+            + cfg.interference_weight * cfg.externality_weight * interference)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"joint_prefill": False}, {"queue_pricing": "sum"}],
+                         ids=["default", "no_joint", "sum"])
+def test_bound_pass_equals_the_terms_it_bounds(overrides: dict) -> None:  # type: ignore[type-arg]
+    """The bound pass (`ext/e2_select.argmin_bounds`, in Cython) gives, float for float, the sum of the policy's own
+    term methods (R, D_self, Q's prefill part, I over the queued requests) on the states of a loaded run, every
+    bound is at most the worker's full cost, and the select's order is the bounds sorted with E2's rotation."""
+    seen = {"queued_tokens": 0, "queued_requests": 0, "selects": 0}
+
+    class Checked(Switchyard):
+        def select(self, ctx: RoutingContext, fleet: FleetView, now: float) -> Decision | None:
+            pool = self.pool(ctx, fleet)
+            if pool:
+                self._remember(fleet, pool, ctx.model)
+                cached, _, path = self.prefix(ctx, pool)
+                d = self.predicted_tokens(ctx)
+                got = self.lower_bounds(pool, ctx, cached, d)
+                assert got == [_bound_from_terms(self, w, ctx, cached[w.worker_id], d) for w in pool]
+                assert got == e2_select_py.argmin_bounds(self._argmin_env, pool, cached, ctx.num_prompt_tokens, d)
+                ants = self.tracker.sync_all(pool, now)
+                for w, ant, bound in zip(pool, ants, got, strict=True):
+                    t = self.terms(w, ctx, cached[w.worker_id], path, d, now, None, ant)
+                    assert t is not None and bound <= t.total_s + 1e-9 * max(1.0, t.total_s)
+                n, turn = len(pool), self._turn
+                assert argmin_order(self._argmin_env, pool, cached, ctx.num_prompt_tokens, d, turn) == sorted(
+                    zip(got, [(i - turn) % n for i in range(n)], range(n), strict=True))
+                seen["selects"] += 1
+                seen["queued_tokens"] += sum(1 for w in pool if (o := self.outstanding.get(w.worker_id)) is not None
+                                             and o.queued_tokens > 0)
+                seen["queued_requests"] += sum(1 for w in pool if self.num_queued.get(w.worker_id, 0) > 0)
+            return super().select(ctx, fleet, now)
+
+    trace = make_workload(
+        WorkloadSpec(arrival="poisson", rate=40.0, num_requests=200, prompt_len="lognormal:1500:0.5",
+                     output_len="lognormal:60:0.6", prefix_groups=4, prefix_len=800),
+        seed=5,
+    )
+    pol = Checked(SwitchyardConfig(**overrides))
+    res = Simulator(trace, SimConfig(policy="switchyard", num_workers=4, predictor="oracle"), policy=pol).run()
+    assert len(res.records) == 200
+    assert all(seen.values()), seen
 
 
 # ---------------------------------------------------------------------------------------------- arrivals behind
