@@ -13,8 +13,12 @@ Layout, chosen for the per-decision queries (peak, virtual_peak over 100 slots) 
 All loops over the ring and the records run in C without the GIL.
 """
 
+from cpython.dict cimport PyDict_GetItem
+from cpython.float cimport PyFloat_Check
+from cpython.long cimport PyLong_Check
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.number cimport PyNumber_Index
+from cpython.object cimport PyObject
 from libc.math cimport ceil, isfinite
 from libc.stdint cimport INT64_MAX, int64_t
 from libc.string cimport memset
@@ -335,3 +339,104 @@ cdef class Anticipator:
 
     def resident_tokens(self):
         return self._ring[self._it & self._mask]
+
+
+# ---------------------------------------------------------------------------------------------- iteration clock
+include "_profile_cost.pxi"  # _decode_iteration_s
+
+
+cdef class IterationClock:
+    """As `anticipator_py.IterationClock`: the fields in C, the rate's profile formula in C (`_profile_cost.pxi`),
+    the map read through its C fields when it is this module's `Anticipator`."""
+
+    cdef public object cost, default_cost
+    cdef public long long base, sample_iterations, rate_n, rate_c
+    cdef public double sample_at, since_sample, last_t, observed_rate, memo_rate
+    cdef public bint has_sample
+
+    def __init__(self, cost, default_cost, double now):
+        self.cost, self.default_cost = cost, default_cost
+        self.base = self.sample_iterations = 0
+        self.sample_at = self.last_t = now
+        self.has_sample = False
+        self.since_sample = self.observed_rate = self.memo_rate = 0.0
+        self.rate_n = self.rate_c = -1
+
+    def same_sample(self, stats_at, num_iterations):
+        return self._same(stats_at, num_iterations)
+
+    cdef bint _same(self, object stats_at, object num_iterations) except -1:
+        if not self.has_sample or not (PyFloat_Check(stats_at) or PyLong_Check(stats_at)):
+            return False
+        if <double>float(stats_at) != self.sample_at:
+            return False
+        return num_iterations == self.sample_iterations
+
+    def rate(self, ant):
+        return self._rate(ant)
+
+    cdef double _rate(self, object ant) except? -1.0:
+        cdef Py_ssize_t n
+        cdef long long c
+        cdef object cost
+        cdef double t, rate
+        if type(ant) is Anticipator:
+            n = (<Anticipator>ant)._n
+        else:
+            n = len(ant)
+        if n == 0:
+            return 0.0
+        cost = self.cost
+        if cost is None:
+            if self.observed_rate > 0:
+                return self.observed_rate
+            cost = self.default_cost
+        if type(ant) is Anticipator:
+            c = (<Anticipator>ant)._ring[(<Anticipator>ant)._it & (<Anticipator>ant)._mask]
+        else:
+            c = ant.resident_tokens()
+        if n == self.rate_n and c == self.rate_c:  # exact, a function of (n, c) alone: a worker's cost is fixed
+            return self.memo_rate
+        t = _decode_iteration_s(cost, n, c)
+        rate = 1.0 / t if t > 0 else 0.0
+        self.rate_n, self.rate_c, self.memo_rate = n, c, rate
+        return rate
+
+    def advance(self, ant, double now):
+        self._advance(ant, now)
+
+    cdef int _advance(self, object ant, double now) except -1:
+        cdef double dt = now - self.last_t
+        cdef long long target, it
+        if dt > 0:
+            self.since_sample += dt * self._rate(ant)
+            self.last_t = now
+        target = self.base + self.sample_iterations + <long long>self.since_sample
+        it = (<Anticipator>ant)._it if type(ant) is Anticipator else ant.iteration
+        if target > it:
+            ant.advance_to(target)
+        return 0
+
+
+def sync_known(dict states, pool, double now):
+    """As `anticipator_py.sync_known`."""
+    cdef list out = []
+    cdef PyObject* p
+    cdef object st, ant, clock
+    for w in pool:
+        p = PyDict_GetItem(states, w.worker_id)
+        if p is NULL:
+            out.append(None)
+            continue
+        st = <object>p
+        ant = st.anticipator
+        if ant is None:
+            out.append(None)
+            continue
+        clock = st.clock
+        if not (<IterationClock?>clock)._same(getattr(w, "stats_at", None), w.num_iterations):
+            out.append(None)
+            continue
+        (<IterationClock>clock)._advance(ant, now)
+        out.append(ant)
+    return out

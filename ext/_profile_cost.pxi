@@ -1,6 +1,7 @@
-# PREFILLTIME in C for `ProfileCost`, shared by the Cython builds that price it (`include`d, so each module has its
-# own copy of one source: `_e2_select_c` prices R with it, `_lru_order_c` M's victim terms).
-# The formula is `router/policies/preble_cost.ProfileCost.prefill_s` written out in its order of operations; the
+# PREFILLTIME and DECODETIME in C for `ProfileCost`, shared by the Cython builds that price them (`include`d, so each
+# module has its own copy of one source: `_e2_select_c` prices R and the default policy's bounds with them,
+# `_lru_order_c` M's victim terms, `_anticipator_c` the iteration clock's rate).
+# The formulas are `router/policies/preble_cost.ProfileCost`'s methods written out in their order of operations; the
 # modules are compiled with -ffp-contract=off, so no fused multiply-add rounds differently: the same floats
 # (`tests/ext/test_e2_select.py` and `tests/ext/test_lru_order.py` compare them).
 
@@ -38,26 +39,36 @@ cdef double _prefill_s(object cost, Py_ssize_t missed, Py_ssize_t cached) except
     return PyFloat_AsDouble(cost.prefill_s(missed, cached))
 
 
-cdef double _decode_s(object cost, Py_ssize_t num_tokens, double context_tokens) except? -1.0:
-    """`cost.decode_s(num_tokens, context_tokens)` for an int token count: `ProfileCost`'s formula in C (num_tokens
-    × one iteration of a single sequence at int(context) tokens, operation for operation); anything else is
-    asked."""
-    cdef object k = getattr(cost, "terms", None)
-    cdef Py_ssize_t over
-    cdef double t
-    if num_tokens <= 0:
-        return PyFloat_AsDouble(cost.decode_s(num_tokens, context_tokens))
-    if (type(k) is tuple and PyTuple_GET_SIZE(k) == 7 and PyLong_CheckExact(<object>PyTuple_GET_ITEM(k, 5))
+
+cdef inline bint _has_decode_terms(object k):
+    """`k` is a `ProfileCost.terms` tuple whose decode constants (all but prefill_ms) are exact floats and ints."""
+    return (type(k) is tuple and PyTuple_GET_SIZE(k) == 7 and PyLong_CheckExact(<object>PyTuple_GET_ITEM(k, 5))
             and PyFloat_CheckExact(<object>PyTuple_GET_ITEM(k, 0)) and PyFloat_CheckExact(<object>PyTuple_GET_ITEM(k, 1))
             and PyFloat_CheckExact(<object>PyTuple_GET_ITEM(k, 2)) and PyFloat_CheckExact(<object>PyTuple_GET_ITEM(k, 4))
-            and PyFloat_CheckExact(<object>PyTuple_GET_ITEM(k, 6))
-            and 0.0 <= context_tokens < <double>(1LL << 52) and num_tokens < 1 << 52):
-        over = 1 - <Py_ssize_t>(<object>PyTuple_GET_ITEM(k, 5))
+            and PyFloat_CheckExact(<object>PyTuple_GET_ITEM(k, 6)))
+
+
+cdef double _decode_iteration_s(object cost, Py_ssize_t num_decode_reqs, Py_ssize_t context_tokens) except? -1.0:
+    """`cost.decode_iteration_s(num_decode_reqs, context_tokens)`: `ProfileCost`'s formula in C, operation for
+    operation (one iteration of D sequences holding C context tokens); anything else is asked."""
+    cdef object k = getattr(cost, "terms", None)
+    cdef Py_ssize_t over
+    if (_has_decode_terms(k) and 0 <= num_decode_reqs < 1 << 52 and 0 <= context_tokens < 1 << 52):
+        over = num_decode_reqs - <Py_ssize_t>(<object>PyTuple_GET_ITEM(k, 5))
         if over < 0:
             over = 0
-        t = 0.001 * (PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 0)) + PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 1)) * 1.0
-                     + PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 2)) * <double>(<long long>context_tokens) / 1000.0
-                     + PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 4))
-                     * (<double>over + PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 6)) * 0.0))
-        return <double>num_tokens * t
+        return 0.001 * (PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 0))
+                        + PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 1)) * <double>num_decode_reqs
+                        + PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 2)) * <double>context_tokens / 1000.0
+                        + PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 4))
+                        * (<double>over + PyFloat_AsDouble(<object>PyTuple_GET_ITEM(k, 6)) * 0.0))
+    return PyFloat_AsDouble(cost.decode_iteration_s(num_decode_reqs, context_tokens))
+
+
+cdef double _decode_s(object cost, Py_ssize_t num_tokens, double context_tokens) except? -1.0:
+    """`cost.decode_s(num_tokens, context_tokens)` for an int token count: `ProfileCost`'s formula (num_tokens ×
+    one iteration of a single sequence at int(context) tokens) with `_decode_iteration_s`; anything else is
+    asked."""
+    if num_tokens > 0 and 0.0 <= context_tokens < <double>(1LL << 52) and _has_decode_terms(getattr(cost, "terms", None)):
+        return <double>num_tokens * _decode_iteration_s(cost, 1, <Py_ssize_t>context_tokens)
     return PyFloat_AsDouble(cost.decode_s(num_tokens, context_tokens))

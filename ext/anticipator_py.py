@@ -52,7 +52,8 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 MAX_TOKENS = (1 << 31) - 1  # per request: prompt_tokens and predicted_tokens (keeps the C sums in int64)
 MAX_LEN = 1 << 20  # ring slots per worker (8 MiB of int64 in the C build)
@@ -251,3 +252,87 @@ class Anticipator:
 
     def resident_tokens(self) -> int:
         return self._ring[self._it % self._size]
+
+
+# ---------------------------------------------------------------------------------------------- iteration clock
+class IterationClock:
+    """A worker's decode-iteration clock (`router/policies/anticipation.py`'s module docstring has the rule):
+
+        iteration(now) = base + sample_iterations + int(since_sample)
+
+    where `since_sample` integrates the iteration rate from the Stats sample the clock is anchored on, piecewise,
+    up to `last_t`. The rate is 1 / `cost.decode_iteration_s(n, c)` at the map's batch (n requests, c resident
+    tokens; memoised on (n, c)), `observed_rate` for a worker without a profile (`cost` None) once it has one,
+    else the default profile's; 0 while the map is empty. The tracker re-anchors the fields on a new sample
+    (`_observe_stats`); `advance` and `same_sample` are what every select runs per worker (`sync_known`).
+    """
+
+    __slots__ = ("cost", "default_cost", "base", "sample_iterations", "sample_at", "has_sample", "since_sample",
+                 "last_t", "observed_rate", "rate_n", "rate_c", "memo_rate")
+
+    def __init__(self, cost: Any, default_cost: Any, now: float) -> None:
+        self.cost = cost  # the worker's profile cost model; None: real vLLM, rate from observed Stats
+        self.default_cost = default_cost
+        self.base = 0
+        self.sample_iterations = 0
+        self.sample_at = now  # no Stats yet: count from 0 at first sight
+        self.has_sample = False  # a real Stats sample anchors the clock
+        self.since_sample = 0.0  # iterations extrapolated from the sample up to `last_t`
+        self.last_t = now
+        self.observed_rate = 0.0  # iterations/s between the last two progressing samples (no-profile workers)
+        self.rate_n = -1  # the last profile rate and its batch (map size, resident tokens)
+        self.rate_c = -1
+        self.memo_rate = 0.0
+
+    def same_sample(self, stats_at: Any, num_iterations: Any) -> bool:
+        """The worker's Stats sample is the one the clock is anchored on, by its exact time and count."""
+        return (
+            self.has_sample
+            and isinstance(stats_at, (int, float))
+            and float(stats_at) == self.sample_at
+            and num_iterations == self.sample_iterations
+        )
+
+    def rate(self, ant: Any) -> float:
+        """Decode iterations per second at the map's current batch; 0 when the map is empty."""
+        n = len(ant)
+        if n == 0:
+            return 0.0
+        cost = self.cost
+        if cost is None:
+            if self.observed_rate > 0:
+                return self.observed_rate
+            cost = self.default_cost
+        c = ant.resident_tokens()
+        if n == self.rate_n and c == self.rate_c:  # NOTE: exact, a function of (n, c) alone: a worker's cost is fixed
+            return self.memo_rate
+        t = cost.decode_iteration_s(n, c)  # profile.iteration_time_s(0, 0, n, c), bit for bit
+        rate = 1.0 / t if t > 0 else 0.0
+        self.rate_n, self.rate_c, self.memo_rate = n, c, rate
+        return rate
+
+    def advance(self, ant: Any, now: float) -> None:
+        """Integrate the clock up to `now` (never back) and move the map's offset 0 to it."""
+        dt = now - self.last_t
+        if dt > 0:
+            self.since_sample += dt * self.rate(ant)
+            self.last_t = now
+        target = self.base + self.sample_iterations + int(self.since_sample)
+        if target > ant.iteration:
+            ant.advance_to(target)
+
+
+def sync_known(states: dict[Any, Any], pool: Sequence[Any], now: float) -> list[Any]:
+    """Per pool worker view, in order: its map advanced to `now` when the tracker knows it (`states[worker_id]`,
+    with an `anticipator` and a `clock`) and its Stats sample is the one its clock is anchored on (`stats_at`,
+    `num_iterations`); None for any other, which the caller syncs in full."""
+    out: list[Any] = []
+    for w in pool:
+        st = states.get(w.worker_id)
+        ant = st.anticipator if st is not None else None
+        if ant is None or not st.clock.same_sample(getattr(w, "stats_at", None), w.num_iterations):
+            out.append(None)
+            continue
+        st.clock.advance(ant, now)
+        out.append(ant)
+    return out

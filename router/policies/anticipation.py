@@ -37,12 +37,12 @@ fallback when neither is known. They are clamped to [1, max_len].
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from switchyard.ext.anticipator import Anticipator
+from switchyard.ext.anticipator import Anticipator, IterationClock, sync_known
 from switchyard.router.policies.base import RoutingContext, WorkerId, WorkerView
-from switchyard.router.policies.preble_cost import ProfileCost, profile_cost
+from switchyard.router.policies.preble_cost import profile_cost
 from switchyard.workers.engine.profiles import DEFAULT_PROFILE
 
 
@@ -59,23 +59,11 @@ class _Worker:
     """One worker's map, its pending prefills, and its iteration clock."""
 
     anticipator: Anticipator | None = None  # created at the first sync (its capacity comes from the view)
-    cost: ProfileCost | None = None  # its profile's iteration time; None: real vLLM, rate from observed Stats
+    clock: IterationClock | None = None  # created with the map (its cost model comes from the view)
     queued_prefill_tokens: int = 0
     pending_decode_tokens: int = 0
     num_pending: int = 0
     deferred: dict[str, _Request] = field(default_factory=dict)  # first token before the anticipator existed
-    # clock: iteration(now) = base + sample_iterations + since_sample
-    base: int = 0
-    sample_iterations: int = 0
-    sample_at: float = -math.inf  # Stats time of `sample_iterations` (first sight until a sample arrives)
-    has_sample: bool = False  # a real Stats sample anchors the clock
-    since_sample: float = 0.0  # iterations extrapolated from the sample up to `last_t`
-    last_t: float = -math.inf
-    observed_rate: float = 0.0  # iterations/s between the last two progressing samples (no-profile workers)
-    # the last profile rate and its batch (map size, resident tokens): the clock samples it at every select
-    rate_n: int = -1
-    rate_c: int = -1
-    rate: float = 0.0
 
 
 class AnticipationTracker:
@@ -169,22 +157,19 @@ class AnticipationTracker:
         self._advance(st, now)
         return ant
 
-    def sync_all(self, workers: Iterable[WorkerView], now: float) -> list[Anticipator]:
+    def sync_all(self, workers: Sequence[WorkerView], now: float) -> list[Anticipator]:
         """`sync` of each worker, in order: a policy that prices a pool moves every clock at every select (the
         integration of the iteration rate depends on when it is sampled).
 
-        NOTE: the hottest loop of a select. `sync`'s common case is taken directly: a known worker whose Stats
-        sample is the one its clock is anchored on (`_same_sample`: `_observe_stats` would change nothing), so only
-        `_advance` runs. Any other worker goes through `sync`.
+        NOTE: the hottest loop of a select. `sync`'s common case is taken in one call (`ext/anticipator.sync_known`,
+        in Cython): a known worker whose Stats sample is the one its clock is anchored on (`_observe_stats` would
+        change nothing), so only the clock's `advance` runs. Any other worker goes through `sync` (each worker's
+        sync reads and writes its own state alone, so the order between them does not matter).
         """
-        states, out, advance = self._workers, [], self._advance
-        for w in workers:
-            st = states.get(w.worker_id)
-            if st is None or st.anticipator is None or not self._same_sample(st, w):
-                out.append(self.sync(w, now))
-                continue
-            advance(st, now)
-            out.append(st.anticipator)
+        out = sync_known(self._workers, workers, now)
+        for i, ant in enumerate(out):
+            if ant is None:
+                out[i] = self.sync(workers[i], now)
         return out
 
     def queued_prefill_tokens(self, worker_id: WorkerId) -> int:
@@ -238,8 +223,9 @@ class AnticipationTracker:
         st.anticipator = ant
         info = getattr(worker, "info", None)  # NOTE: WorkerView has no profile; the fleet's record carries it
         name = getattr(info, "perf_profile", "") or ""
-        st.cost = profile_cost(name) if name else None
-        st.sample_at = st.last_t = now  # no Stats yet: count from 0 at first sight
+        # its profile's iteration time; None: real vLLM, the rate from observed Stats. No Stats yet: the clock
+        # counts from 0 at first sight
+        st.clock = IterationClock(profile_cost(name) if name else None, self._default_cost, now)
         for rid, req in st.deferred.items():
             ant.add(rid, req.prompt_tokens, req.predicted_tokens)
         st.deferred.clear()
@@ -249,9 +235,11 @@ class AnticipationTracker:
         """Re-anchor the clock on a new Stats sample.
 
         NOTE: runs for every pool worker at every select, and nearly always finds the sample it is anchored on:
-        `_same_sample` answers that before `stats_age_s` is read.
+        `same_sample` answers that before `stats_age_s` is read.
         """
-        if self._same_sample(st, worker):
+        clock, ant = st.clock, st.anticipator
+        assert clock is not None and ant is not None
+        if clock.same_sample(getattr(worker, "stats_at", None), worker.num_iterations):
             return
         age = worker.stats_age_s
         if not math.isfinite(age):
@@ -259,61 +247,21 @@ class AnticipationTracker:
         at = getattr(worker, "stats_at", None)  # exact sample time on the fleet's record
         at = float(at) if isinstance(at, (int, float)) else now - age
         n = worker.num_iterations
-        if st.has_sample and at == st.sample_at and n == st.sample_iterations:
+        if clock.has_sample and at == clock.sample_at and n == clock.sample_iterations:
             return
-        assert st.anticipator is not None
-        self._advance(st, now)  # integrate at the old anchor first, so the clock stays monotonic below
-        if n < st.sample_iterations:  # the worker restarted: continue from where the clock is
-            st.base = st.anticipator.iteration - n
-        elif st.has_sample and n > st.sample_iterations and at > st.sample_at:
-            st.observed_rate = (n - st.sample_iterations) / (at - st.sample_at)
-        st.has_sample = True
-        st.sample_iterations = n
-        st.sample_at = at
-        st.since_sample = max(0.0, now - at) * self._rate(st)
-        st.last_t = now
+        clock.advance(ant, now)  # integrate at the old anchor first, so the clock stays monotonic below
+        if n < clock.sample_iterations:  # the worker restarted: continue from where the clock is
+            clock.base = ant.iteration - n
+        elif clock.has_sample and n > clock.sample_iterations and at > clock.sample_at:
+            clock.observed_rate = (n - clock.sample_iterations) / (at - clock.sample_at)
+        clock.has_sample = True
+        clock.sample_iterations = n
+        clock.sample_at = at
+        clock.since_sample = max(0.0, now - at) * clock.rate(ant)
+        clock.last_t = now
 
     @staticmethod
-    def _same_sample(st: _Worker, worker: WorkerView) -> bool:
-        """The worker's Stats sample is the one the clock is anchored on, by its exact time (`stats_at`) and count:
-        `_observe_stats` would return without a change (whatever the age: a non-finite one returns too)."""
-        at = getattr(worker, "stats_at", None)
-        return (
-            st.has_sample
-            and isinstance(at, (int, float))
-            and float(at) == st.sample_at
-            and worker.num_iterations == st.sample_iterations
-        )
-
-    def _rate(self, st: _Worker) -> float:
-        """Decode iterations per second at the map's current batch; 0 when the map is empty."""
-        ant = st.anticipator
-        if ant is None:
-            return 0.0
-        n = len(ant)
-        if n == 0:
-            return 0.0
-        cost = st.cost
-        if cost is None:
-            if st.observed_rate > 0:
-                return st.observed_rate
-            cost = self._default_cost
-        c = ant.resident_tokens()
-        if n == st.rate_n and c == st.rate_c:  # NOTE: exact, a function of (n, c) alone: a worker's cost is fixed
-            return st.rate
-        t = cost.decode_iteration_s(n, c)  # profile.iteration_time_s(0, 0, n, c), bit for bit
-        rate = 1.0 / t if t > 0 else 0.0
-        st.rate_n, st.rate_c, st.rate = n, c, rate
-        return rate
-
-    def _advance(self, st: _Worker, now: float) -> None:
-        ant = st.anticipator
-        if ant is None:
-            return
-        dt = now - st.last_t
-        if dt > 0:
-            st.since_sample += dt * self._rate(st)
-            st.last_t = now
-        target = st.base + st.sample_iterations + int(st.since_sample)
-        if target > ant.iteration:
-            ant.advance_to(target)
+    def _advance(st: _Worker, now: float) -> None:
+        """The clock integrated up to now, and the map moved with it (before any change to the batch)."""
+        if st.anticipator is not None and st.clock is not None:
+            st.clock.advance(st.anticipator, now)

@@ -431,6 +431,100 @@ SideBySide.TestCase.settings = settings(max_examples=150, stateful_step_count=50
 test_side_by_side = SideBySide.TestCase
 
 
+# ---------------------------------------------------------------------------------------------- iteration clock
+class FitCost:
+    """A cost model without `terms` (a real vLLM worker's online fit): the Cython clock must ask it."""
+
+    def decode_iteration_s(self, n: int, c: int) -> float:
+        return 0.01 + n * 1e-4 + c * 1e-8
+
+
+@pytest.mark.c_extension
+@pytest.mark.skipif(_anticipator_c is None, reason="Cython extension not built")
+@pytest.mark.parametrize("seed", range(4))
+def test_cython_clock_equals_reference(seed: int) -> None:
+    """The iteration clock and `sync_known`, Cython against the reference, over random batches, Stats re-anchors
+    (the fields the tracker writes), times that step back, profile, fitted and missing cost models (the observed
+    rate, else the default profile): the same fields, floats and maps after every step."""
+    from switchyard.router.policies.preble_cost import profile_cost
+    from switchyard.workers.engine.profiles import DEFAULT_PROFILE, PROFILES
+
+    rng = random.Random(seed)
+    default = profile_cost(DEFAULT_PROFILE)
+    costs = [profile_cost(n) for n in PROFILES] + [FitCost(), None]
+    fields = ("base", "sample_iterations", "sample_at", "has_sample", "since_sample", "last_t", "observed_rate",
+              "rate_n", "rate_c", "memo_rate")
+
+    class State:  # what `sync_known` reads of the tracker's per-worker state
+        def __init__(self, mod, cost, now: float) -> None:  # type: ignore[no-untyped-def]
+            self.anticipator = mod.Anticipator(100_000, max_len=512)
+            self.clock = mod.IterationClock(cost, default, now)
+
+    class View:
+        def __init__(self, worker_id: str) -> None:
+            self.worker_id, self.stats_at, self.num_iterations = worker_id, None, 0
+
+    now = 0.0
+    ids = [f"w{i}" for i in range(5)]
+    profiles = costs[:-2]
+    worker_cost = {w: c for w, c in zip(ids, [None, FitCost(), *(rng.choice(profiles) for _ in range(3))],
+                                        strict=True)}
+    states = {mod: {w: State(mod, worker_cost[w], now) for w in ids} for mod in (anticipator_py, _anticipator_c)}
+    views = [View(w) for w in ids]
+    seen = {"advanced": 0, "synced": 0, "unsynced": 0, "observed": 0}
+    live: dict[str, list[str]] = {w: [] for w in ids}
+    finished: str | None = None
+    for step in range(600):
+        now += rng.choice([0.0, rng.uniform(0.0, 0.2), -0.05])
+        w = rng.choice(ids)
+        op = rng.random()
+        p, d, n = rng.randint(1, 300), rng.randint(1, 80), rng.randint(0, 5000)  # drawn once for both builds
+        if op < 0.3:
+            live[w].append(f"r{step}")
+        elif op < 0.4 and live[w]:
+            finished = live[w][step % len(live[w])]
+        for sts in states.values():
+            st = sts[w]
+            ant, clock = st.anticipator, st.clock
+            if op < 0.3:
+                rid = f"r{step}"
+                clock.advance(ant, now)
+                ant.add(rid, p, d)
+            elif op < 0.4 and live[w]:
+                clock.advance(ant, now)
+                assert ant.finish(finished)
+            elif op < 0.55:  # a new Stats sample: the fields the tracker's `_observe_stats` writes
+                clock.advance(ant, now)
+                if clock.has_sample and n > clock.sample_iterations and now > clock.sample_at:
+                    clock.observed_rate = (n - clock.sample_iterations) / (now - clock.sample_at)
+                clock.has_sample, clock.sample_iterations, clock.sample_at = True, n, now
+                clock.since_sample, clock.last_t = 0.0, now
+            else:
+                clock.advance(ant, now)
+        if op >= 0.3 and op < 0.4 and finished is not None:
+            live[w].remove(finished)
+        finished = None
+        if op >= 0.4 and op < 0.55:
+            v = views[ids.index(w)]
+            v.stats_at, v.num_iterations = now, states[anticipator_py][w].clock.sample_iterations
+        if rng.random() < 0.2:  # a view whose sample moved on: `sync_known` leaves it to the caller
+            v = rng.choice(views)
+            v.num_iterations += 1
+        got = {mod: mod.sync_known(sts, views, now) for mod, sts in states.items()}
+        assert [a is None for a in got[anticipator_py]] == [a is None for a in got[_anticipator_c]]
+        seen["synced"] += sum(a is not None for a in got[anticipator_py])
+        seen["unsynced"] += sum(a is None for a in got[anticipator_py])
+        for w2 in ids:
+            a, b = states[anticipator_py][w2], states[_anticipator_c][w2]
+            assert [getattr(a.clock, f) for f in fields] == [getattr(b.clock, f) for f in fields], (step, w2)
+            assert a.anticipator.iteration == b.anticipator.iteration
+            assert a.anticipator.load_tokens(64) == b.anticipator.load_tokens(64)
+            assert a.clock.rate(a.anticipator) == b.clock.rate(b.anticipator)
+            seen["advanced"] += a.anticipator.iteration > 0
+            seen["observed"] += a.clock.observed_rate > 0 and worker_cost[w2] is None
+    assert all(seen.values()), seen
+
+
 def test_bench_smoke(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from switchyard.bench.micro import anticipator as bench
 

@@ -226,8 +226,9 @@ def test_sync_all_moves_every_clock_as_sync_does(rate_source: str) -> None:
         got = many.sync_all(ws, now)
         want = [one.sync(w, now) for w in ws]
         assert [(a.iteration, a.load_tokens(64)) for a in got] == [(a.iteration, a.load_tokens(64)) for a in want]
-        clock = [(s.since_sample, s.last_t, s.base, s.sample_at) for s in many._workers.values()]
-        assert clock == [(s.since_sample, s.last_t, s.base, s.sample_at) for s in one._workers.values()]
+        clock = [(s.clock.since_sample, s.clock.last_t, s.clock.base, s.clock.sample_at) for s in many._workers.values()]
+        assert clock == [(s.clock.since_sample, s.clock.last_t, s.clock.base, s.clock.sample_at)
+                         for s in one._workers.values()]
 
 
 def test_profile_rate_is_the_profile_iteration_time_bit_for_bit() -> None:
