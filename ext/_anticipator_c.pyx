@@ -402,6 +402,39 @@ cdef class IterationClock:
         self.rate_n, self.rate_c, self.memo_rate = n, c, rate
         return rate
 
+    def observe(self, ant, stats_at, double stats_age_s, num_iterations, double now):
+        if not self._same(stats_at, num_iterations):
+            self._observe(ant, stats_at, stats_age_s, num_iterations, now)
+
+    cdef int _observe(self, object ant, object stats_at, double stats_age_s, object num_iterations,
+                      double now) except -1:
+        """`observe` past its same-sample exit."""
+        cdef double at, since
+        cdef long long n
+        if not isfinite(stats_age_s):
+            return 0  # no sample yet
+        if PyFloat_Check(stats_at) or PyLong_Check(stats_at):
+            at = float(stats_at)
+        else:
+            at = now - stats_age_s
+        n = num_iterations
+        if self.has_sample and at == self.sample_at and n == self.sample_iterations:
+            return 0
+        self._advance(ant, now)
+        if n < self.sample_iterations:
+            self.base = ((<Anticipator>ant)._it if type(ant) is Anticipator else <long long>ant.iteration) - n
+        elif self.has_sample and n > self.sample_iterations and at > self.sample_at:
+            self.observed_rate = <double>(n - self.sample_iterations) / (at - self.sample_at)
+        self.has_sample = True
+        self.sample_iterations = n
+        self.sample_at = at
+        since = now - at
+        if not since > 0.0:
+            since = 0.0
+        self.since_sample = since * self._rate(ant)
+        self.last_t = now
+        return 0
+
     def advance(self, ant, double now):
         self._advance(ant, now)
 
@@ -422,7 +455,7 @@ def sync_known(dict states, pool, double now):
     """As `anticipator_py.sync_known`."""
     cdef list out = []
     cdef PyObject* p
-    cdef object st, ant, clock
+    cdef object st, ant, clock, at, n
     for w in pool:
         p = PyDict_GetItem(states, w.worker_id)
         if p is NULL:
@@ -434,9 +467,9 @@ def sync_known(dict states, pool, double now):
             out.append(None)
             continue
         clock = st.clock
-        if not (<IterationClock?>clock)._same(getattr(w, "stats_at", None), w.num_iterations):
-            out.append(None)
-            continue
+        at, n = getattr(w, "stats_at", None), w.num_iterations
+        if not (<IterationClock?>clock)._same(at, n):
+            (<IterationClock>clock)._observe(ant, at, w.stats_age_s, n, now)
         (<IterationClock>clock)._advance(ant, now)
         out.append(ant)
     return out

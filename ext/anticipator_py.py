@@ -311,6 +311,31 @@ class IterationClock:
         self.rate_n, self.rate_c, self.memo_rate = n, c, rate
         return rate
 
+    def observe(self, ant: Any, stats_at: Any, stats_age_s: float, num_iterations: int, now: float) -> None:
+        """Re-anchor on the worker's Stats sample (taken at `stats_at`, else `now - stats_age_s`, with its
+        iteration counter): nothing when it is the one anchored on or there is none yet (a non-finite age). The
+        clock is integrated at the old anchor first, so it stays monotonic; a counter that went down (the worker
+        restarted) re-bases `base` so the clock continues from where it was; two progressing samples give the
+        observed rate."""
+        if self.same_sample(stats_at, num_iterations):
+            return
+        if not math.isfinite(stats_age_s):
+            return  # no sample yet
+        at = float(stats_at) if isinstance(stats_at, (int, float)) else now - stats_age_s
+        n = num_iterations
+        if self.has_sample and at == self.sample_at and n == self.sample_iterations:
+            return
+        self.advance(ant, now)
+        if n < self.sample_iterations:
+            self.base = ant.iteration - n
+        elif self.has_sample and n > self.sample_iterations and at > self.sample_at:
+            self.observed_rate = (n - self.sample_iterations) / (at - self.sample_at)
+        self.has_sample = True
+        self.sample_iterations = n
+        self.sample_at = at
+        self.since_sample = max(0.0, now - at) * self.rate(ant)
+        self.last_t = now
+
     def advance(self, ant: Any, now: float) -> None:
         """Integrate the clock up to `now` (never back) and move the map's offset 0 to it."""
         dt = now - self.last_t
@@ -323,16 +348,21 @@ class IterationClock:
 
 
 def sync_known(states: dict[Any, Any], pool: Sequence[Any], now: float) -> list[Any]:
-    """Per pool worker view, in order: its map advanced to `now` when the tracker knows it (`states[worker_id]`,
-    with an `anticipator` and a `clock`) and its Stats sample is the one its clock is anchored on (`stats_at`,
-    `num_iterations`); None for any other, which the caller syncs in full."""
+    """Per pool worker view, in order: when the tracker knows it (`states[worker_id]`, with an `anticipator` and
+    a `clock`), its map with the clock re-anchored on the view's Stats sample (`stats_at`, `num_iterations`;
+    `stats_age_s` is read only when the sample is not the one anchored on) and advanced to `now`; None for any
+    other, which the caller creates."""
     out: list[Any] = []
     for w in pool:
         st = states.get(w.worker_id)
         ant = st.anticipator if st is not None else None
-        if ant is None or not st.clock.same_sample(getattr(w, "stats_at", None), w.num_iterations):
+        if ant is None:
             out.append(None)
             continue
-        st.clock.advance(ant, now)
+        clock = st.clock
+        at, n = getattr(w, "stats_at", None), w.num_iterations
+        if not clock.same_sample(at, n):
+            clock.observe(ant, at, w.stats_age_s, n, now)
+        clock.advance(ant, now)
         out.append(ant)
     return out

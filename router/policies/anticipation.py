@@ -36,7 +36,6 @@ fallback when neither is known. They are clamped to [1, max_len].
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -161,10 +160,10 @@ class AnticipationTracker:
         """`sync` of each worker, in order: a policy that prices a pool moves every clock at every select (the
         integration of the iteration rate depends on when it is sampled).
 
-        NOTE: the hottest loop of a select. `sync`'s common case is taken in one call (`ext/anticipator.sync_known`,
-        in Cython): a known worker whose Stats sample is the one its clock is anchored on (`_observe_stats` would
-        change nothing), so only the clock's `advance` runs. Any other worker goes through `sync` (each worker's
-        sync reads and writes its own state alone, so the order between them does not matter).
+        NOTE: the hottest loop of a select. Every worker with a map is synced in one call
+        (`ext/anticipator.sync_known`, in Cython: `sync`'s steps); one without (first sight) goes through `sync`,
+        which creates it (each worker's sync reads and writes its own state alone, so the order between them does
+        not matter).
         """
         out = sync_known(self._workers, workers, now)
         for i, ant in enumerate(out):
@@ -231,34 +230,13 @@ class AnticipationTracker:
         st.deferred.clear()
         return ant
 
-    def _observe_stats(self, st: _Worker, worker: WorkerView, now: float) -> None:
-        """Re-anchor the clock on a new Stats sample.
-
-        NOTE: runs for every pool worker at every select, and nearly always finds the sample it is anchored on:
-        `same_sample` answers that before `stats_age_s` is read.
-        """
-        clock, ant = st.clock, st.anticipator
-        assert clock is not None and ant is not None
-        if clock.same_sample(getattr(worker, "stats_at", None), worker.num_iterations):
-            return
-        age = worker.stats_age_s
-        if not math.isfinite(age):
-            return  # no sample yet
-        at = getattr(worker, "stats_at", None)  # exact sample time on the fleet's record
-        at = float(at) if isinstance(at, (int, float)) else now - age
-        n = worker.num_iterations
-        if clock.has_sample and at == clock.sample_at and n == clock.sample_iterations:
-            return
-        clock.advance(ant, now)  # integrate at the old anchor first, so the clock stays monotonic below
-        if n < clock.sample_iterations:  # the worker restarted: continue from where the clock is
-            clock.base = ant.iteration - n
-        elif clock.has_sample and n > clock.sample_iterations and at > clock.sample_at:
-            clock.observed_rate = (n - clock.sample_iterations) / (at - clock.sample_at)
-        clock.has_sample = True
-        clock.sample_iterations = n
-        clock.sample_at = at
-        clock.since_sample = max(0.0, now - at) * clock.rate(ant)
-        clock.last_t = now
+    @staticmethod
+    def _observe_stats(st: _Worker, worker: WorkerView, now: float) -> None:
+        """Re-anchor the clock on the worker's Stats sample (`IterationClock.observe`: nothing when it is the one
+        anchored on, or there is none yet)."""
+        assert st.clock is not None and st.anticipator is not None
+        st.clock.observe(st.anticipator, getattr(worker, "stats_at", None), worker.stats_age_s,
+                         worker.num_iterations, now)
 
     @staticmethod
     def _advance(st: _Worker, now: float) -> None:

@@ -4,6 +4,7 @@ from-scratch recount, and a state machine that runs the reference and the Cython
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -443,15 +444,16 @@ class FitCost:
 @pytest.mark.skipif(_anticipator_c is None, reason="Cython extension not built")
 @pytest.mark.parametrize("seed", range(4))
 def test_cython_clock_equals_reference(seed: int) -> None:
-    """The iteration clock and `sync_known`, Cython against the reference, over random batches, Stats re-anchors
-    (the fields the tracker writes), times that step back, profile, fitted and missing cost models (the observed
-    rate, else the default profile): the same fields, floats and maps after every step."""
+    """The iteration clock and `sync_known`, Cython against the reference, over random batches, Stats samples
+    (progressing, repeated, without an exact time, not yet taken, a counter that went down), times that step
+    back, profile, fitted and missing cost models (the observed rate, else the default profile) and workers the
+    tracker does not know: the same fields, floats and maps after every step."""
     from switchyard.router.policies.preble_cost import profile_cost
     from switchyard.workers.engine.profiles import DEFAULT_PROFILE, PROFILES
 
     rng = random.Random(seed)
     default = profile_cost(DEFAULT_PROFILE)
-    costs = [profile_cost(n) for n in PROFILES] + [FitCost(), None]
+    profiles = [profile_cost(n) for n in PROFILES]
     fields = ("base", "sample_iterations", "sample_at", "has_sample", "since_sample", "last_t", "observed_rate",
               "rate_n", "rate_c", "memo_rate")
 
@@ -460,60 +462,50 @@ def test_cython_clock_equals_reference(seed: int) -> None:
             self.anticipator = mod.Anticipator(100_000, max_len=512)
             self.clock = mod.IterationClock(cost, default, now)
 
-    class View:
+    class View:  # what it reads of a worker view
         def __init__(self, worker_id: str) -> None:
-            self.worker_id, self.stats_at, self.num_iterations = worker_id, None, 0
+            self.worker_id, self.stats_at, self.stats_age_s, self.num_iterations = worker_id, None, math.inf, 0
 
     now = 0.0
     ids = [f"w{i}" for i in range(5)]
-    profiles = costs[:-2]
     worker_cost = {w: c for w, c in zip(ids, [None, FitCost(), *(rng.choice(profiles) for _ in range(3))],
                                         strict=True)}
     states = {mod: {w: State(mod, worker_cost[w], now) for w in ids} for mod in (anticipator_py, _anticipator_c)}
-    views = [View(w) for w in ids]
-    seen = {"advanced": 0, "synced": 0, "unsynced": 0, "observed": 0}
+    views = {w: View(w) for w in [*ids, "unknown"]}
+    seen = {"advanced": 0, "synced": 0, "unknown": 0, "observed": 0, "restarted": 0, "anchored": 0}
     live: dict[str, list[str]] = {w: [] for w in ids}
-    finished: str | None = None
     for step in range(600):
         now += rng.choice([0.0, rng.uniform(0.0, 0.2), -0.05])
         w = rng.choice(ids)
         op = rng.random()
-        p, d, n = rng.randint(1, 300), rng.randint(1, 80), rng.randint(0, 5000)  # drawn once for both builds
+        p, d = rng.randint(1, 300), rng.randint(1, 80)  # drawn once for both builds
+        finished = live[w][step % len(live[w])] if 0.3 <= op < 0.4 and live[w] else None
+        for sts in states.values():
+            ant, clock = sts[w].anticipator, sts[w].clock
+            clock.advance(ant, now)  # as the tracker's hooks, before the batch changes
+            if op < 0.3:
+                ant.add(f"r{step}", p, d)
+            elif finished is not None:
+                assert ant.finish(finished)
         if op < 0.3:
             live[w].append(f"r{step}")
-        elif op < 0.4 and live[w]:
-            finished = live[w][step % len(live[w])]
-        for sts in states.values():
-            st = sts[w]
-            ant, clock = st.anticipator, st.clock
-            if op < 0.3:
-                rid = f"r{step}"
-                clock.advance(ant, now)
-                ant.add(rid, p, d)
-            elif op < 0.4 and live[w]:
-                clock.advance(ant, now)
-                assert ant.finish(finished)
-            elif op < 0.55:  # a new Stats sample: the fields the tracker's `_observe_stats` writes
-                clock.advance(ant, now)
-                if clock.has_sample and n > clock.sample_iterations and now > clock.sample_at:
-                    clock.observed_rate = (n - clock.sample_iterations) / (now - clock.sample_at)
-                clock.has_sample, clock.sample_iterations, clock.sample_at = True, n, now
-                clock.since_sample, clock.last_t = 0.0, now
-            else:
-                clock.advance(ant, now)
-        if op >= 0.3 and op < 0.4 and finished is not None:
+        elif finished is not None:
             live[w].remove(finished)
-        finished = None
-        if op >= 0.4 and op < 0.55:
-            v = views[ids.index(w)]
-            v.stats_at, v.num_iterations = now, states[anticipator_py][w].clock.sample_iterations
-        if rng.random() < 0.2:  # a view whose sample moved on: `sync_known` leaves it to the caller
-            v = rng.choice(views)
-            v.num_iterations += 1
-        got = {mod: mod.sync_known(sts, views, now) for mod, sts in states.items()}
+        elif op < 0.6:  # a Stats sample on the view: progressing, repeated, timeless, or a restart's counter
+            v = views[rng.choice([*ids, "unknown"])]
+            v.stats_age_s = rng.choice([0.0, 0.05, 0.3, math.inf])
+            taken = now - v.stats_age_s if math.isfinite(v.stats_age_s) else None  # a sample's time is finite
+            v.stats_at = rng.choice([taken, None, v.stats_at])
+            v.num_iterations = rng.choice([v.num_iterations + rng.randint(1, 400), v.num_iterations,
+                                           max(0, v.num_iterations - rng.randint(1, 50))])
+        elif op < 0.7:  # the clock's own `observe`, as the tracker's `sync` calls it
+            v = views[w]
+            for sts in states.values():
+                sts[w].clock.observe(sts[w].anticipator, v.stats_at, v.stats_age_s, v.num_iterations, now)
+        got = {mod: mod.sync_known(sts, list(views.values()), now) for mod, sts in states.items()}
         assert [a is None for a in got[anticipator_py]] == [a is None for a in got[_anticipator_c]]
         seen["synced"] += sum(a is not None for a in got[anticipator_py])
-        seen["unsynced"] += sum(a is None for a in got[anticipator_py])
+        seen["unknown"] += got[anticipator_py][-1] is None
         for w2 in ids:
             a, b = states[anticipator_py][w2], states[_anticipator_c][w2]
             assert [getattr(a.clock, f) for f in fields] == [getattr(b.clock, f) for f in fields], (step, w2)
@@ -522,6 +514,8 @@ def test_cython_clock_equals_reference(seed: int) -> None:
             assert a.clock.rate(a.anticipator) == b.clock.rate(b.anticipator)
             seen["advanced"] += a.anticipator.iteration > 0
             seen["observed"] += a.clock.observed_rate > 0 and worker_cost[w2] is None
+            seen["restarted"] += a.clock.base != 0
+            seen["anchored"] += a.clock.has_sample
     assert all(seen.values()), seen
 
 
