@@ -74,18 +74,26 @@ class ProfileCost:
         return 0.001 * (step + per_dec * d + ctx_ms * context_tokens / 1000.0 + lin * (max(0, 0 + d - knee) + ratio * 0))
 
     def decode_s(self, num_tokens: float, context_tokens: float) -> float:
+        """n × `decode_iteration_s(1, int(context))` (written out: the same float without the call)."""
         if num_tokens <= 0:
             return 0.0
         # iteration_time is linear in C, so one iteration at the mean context prices n tokens of growing context
-        return num_tokens * self.decode_iteration_s(1, int(context_tokens))
+        step, per_dec, ctx_ms, _, lin, knee, ratio = self.terms
+        return num_tokens * (0.001 * (step + per_dec * 1 + ctx_ms * int(context_tokens) / 1000.0
+                                      + lin * (max(0, 0 + 1 - knee) + ratio * 0)))
 
     def decode_marginal_s(self, num_tokens: float, context_tokens: float) -> float:
         """GPU time n decode tokens add to iterations that run anyway (continuous batching): the increment of one
-        more decoding sequence, iteration(D=2, C=2c) − iteration(D=1, C=c), without the per-iteration step."""
+        more decoding sequence, iteration(D=2, C=2c) − iteration(D=1, C=c), without the per-iteration step.
+
+        NOTE: the default policy prices it ~5 times per worker it prices: both `decode_iteration_s` calls are
+        written out, operation for operation (the same floats; a test compares them)."""
         if num_tokens <= 0:
             return 0.0
         c = int(context_tokens)
-        inc = self.decode_iteration_s(2, 2 * c) - self.decode_iteration_s(1, c)
+        step, per_dec, ctx_ms, _, lin, knee, ratio = self.terms
+        inc = (0.001 * (step + per_dec * 2 + ctx_ms * (2 * c) / 1000.0 + lin * (max(0, 0 + 2 - knee) + ratio * 0))
+               - 0.001 * (step + per_dec * 1 + ctx_ms * c / 1000.0 + lin * (max(0, 0 + 1 - knee) + ratio * 0)))
         return num_tokens * (inc if inc > 0.0 else 0.0)
 
 

@@ -127,7 +127,7 @@ from typing import Any, Literal, NamedTuple
 from pydantic import Field
 
 from switchyard.ext.anticipator import Anticipator
-from switchyard.ext.e2_select import ArgminEnv, argmin_bounds, argmin_order
+from switchyard.ext.e2_select import ArgminEnv, argmin_bounds, argmin_order, raw_bounds
 from switchyard.router.policies.anticipation import AnticipationTracker
 from switchyard.router.policies.base import (
     Decision,
@@ -138,7 +138,7 @@ from switchyard.router.policies.base import (
     WorkerView,
 )
 from switchyard.router.policies.preble_cost import CostModel
-from switchyard.router.policies.preble_e2 import E2Config, PrebleE2
+from switchyard.router.policies.preble_e2 import Cost, E2Config, PrebleE2
 from switchyard.router.predictor.fallback import LengthFallback
 
 log = logging.getLogger(__name__)
@@ -534,10 +534,12 @@ class Switchyard(PrebleE2):
         lam = cfg.externality_weight
         wid = w.worker_id
         cost = self.cost_model(wid)
-        e2, evict = self._bound(w, ctx, cached_blocks, now)  # Q, R (and L when load_signal asks for it); M next
+        p = ctx.num_prompt_tokens
+        # E2's bound kernel for w alone: Q, R (and L when load_signal asks for it), the blocks r would evict; M next
+        load, r, q, evict = raw_bounds(self._bounds_env, (w,), {wid: cached_blocks}, p, now)[0]
+        e2 = Cost(load, 0.0, r, q)
         if evict > 0 and beat is None:
             e2 = self._with_evict(e2, w, evict, now, {id(n) for n in path})
-        p = ctx.num_prompt_tokens
         if ant is None:
             ant = self.tracker.sync(w, now)
         running, queued = self.batch(wid, ant)

@@ -316,7 +316,7 @@ def _check_profile_cost(cost: ProfileCost) -> None:
     rng = random.Random(5)
     for _ in range(400):
         missed, cached = rng.randint(-5, 40) * 16, rng.randint(0, 20) * 16
-        n, ctx = rng.choice([0, 0.5, 3.0, 17.25]), rng.uniform(0, 9000)
+        n, ctx = rng.choice([0, 0.5, 3.0, 17.25, 1, 40]), rng.choice([rng.uniform(0, 9000), rng.randint(0, 200_000)])
         e = max(0, missed)
         assert cost.prefill_s(missed, cached) == it(e, pairs_for_prompt(e, max(0, cached)), 0, 0)
         assert cost.decode_s(n, ctx) == (n * it(0, 0, 1, int(ctx)) if n > 0 else 0.0)
