@@ -402,3 +402,28 @@ def argmin_order(ArgminEnv env, pool, dict cached, Py_ssize_t p, Py_ssize_t d, P
         return [(b[i].lb, b[i].rot, b[i].i) for i in range(m)]
     finally:
         PyMem_Free(b)
+
+
+def decode_marginal(cost, double num_tokens, double context_tokens):
+    """As `e2_select_py.decode_marginal`."""
+    return _decode_marginal_s(cost, num_tokens, context_tokens)
+
+
+def co_residency(list batch, Py_ssize_t prompt_tokens, Py_ssize_t d, cost):
+    """As `e2_select_py.co_residency`: the same sums in the same order, in C doubles (every int here is below
+    2^53, so each conversion is exact), and `decode_marginal_s` in C for `ProfileCost`."""
+    cdef Py_ssize_t m_sum = 0, m, rem, c, i, n = len(batch)
+    cdef double own_ctx = 0.0, pair_ctx = 0.0, half
+    cdef tuple x
+    for i in range(n):
+        x = <tuple>batch[i]
+        rem, c = x[0], x[1]
+        m = rem if rem < d else d
+        half = <double>(m - 1) / 2.0
+        m_sum += m
+        own_ctx += <double>m * (<double>c + half)
+        pair_ctx += <double>m * (<double>prompt_tokens + half)
+    if not m_sum:
+        return 0.0, 0.0
+    return (_decode_marginal_s(cost, <double>m_sum, own_ctx / <double>m_sum),
+            _decode_marginal_s(cost, <double>m_sum, pair_ctx / <double>m_sum))

@@ -72,3 +72,19 @@ cdef double _decode_s(object cost, Py_ssize_t num_tokens, double context_tokens)
     if num_tokens > 0 and 0.0 <= context_tokens < <double>(1LL << 52) and _has_decode_terms(getattr(cost, "terms", None)):
         return <double>num_tokens * _decode_iteration_s(cost, 1, <Py_ssize_t>context_tokens)
     return PyFloat_AsDouble(cost.decode_s(num_tokens, context_tokens))
+
+
+cdef double _decode_marginal_s(object cost, double num_tokens, double context_tokens) except? -1.0:
+    """`cost.decode_marginal_s(num_tokens, context_tokens)`: `ProfileCost`'s formula (num_tokens × the increment
+    iteration(D=2, C=2c) − iteration(D=1, C=c), c = int(context), at least 0) with `_decode_iteration_s`;
+    anything else is asked."""
+    cdef Py_ssize_t c
+    cdef double inc
+    if num_tokens <= 0:
+        return 0.0 if _has_decode_terms(getattr(cost, "terms", None)) else PyFloat_AsDouble(
+            cost.decode_marginal_s(num_tokens, context_tokens))
+    if 0.0 <= context_tokens < <double>(1LL << 51) and _has_decode_terms(getattr(cost, "terms", None)):
+        c = <Py_ssize_t>context_tokens
+        inc = _decode_iteration_s(cost, 2, 2 * c) - _decode_iteration_s(cost, 1, c)
+        return num_tokens * (inc if inc > 0.0 else 0.0)
+    return PyFloat_AsDouble(cost.decode_marginal_s(num_tokens, context_tokens))

@@ -16,6 +16,8 @@ from switchyard.ext.e2_select_py import (
     argmin_bounds,
     argmin_order,
     cheapest,
+    co_residency,
+    decode_marginal,
     exploit_set,
     m_is_zero,
     raw_bounds,
@@ -31,6 +33,8 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
             argmin_bounds,
             argmin_order,
             cheapest,
+            co_residency,
+            decode_marginal,
             exploit_set,
             m_is_zero,
             raw_bounds,
@@ -41,6 +45,6 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
         pass
 
 __all__ = [
-    "IMPLEMENTATION", "ArgminEnv", "BoundsEnv", "Priced", "argmin_bounds", "argmin_order", "cheapest", "exploit_set",
-    "m_is_zero", "raw_bounds",
+    "IMPLEMENTATION", "ArgminEnv", "BoundsEnv", "Priced", "argmin_bounds", "argmin_order", "cheapest", "co_residency",
+    "decode_marginal", "exploit_set", "m_is_zero", "raw_bounds",
 ]

@@ -10,7 +10,8 @@ Reference build (obviously correct); `_e2_select_c.pyx` is the Cython build, `e2
 - `cheapest`: the branch and bound of every explore and every exploit with several holders over those bounds,
   asking the caller for M only where it can still change the answer and `m_is_zero` cannot tell it is 0.
 - `argmin_bounds` / `argmin_order`: the default policy's (`switchyard`, placement "argmin") lower bound of each
-  pool worker's cost, and the order its branch and bound prices them in (an `ArgminEnv` holds what they read).
+  pool worker's cost, and the order its branch and bound prices them in (an `ArgminEnv` holds what they read);
+  `co_residency` and `decode_marginal`, two of the terms it prices per worker.
 
 Duck-typed (nothing here imports from `router/`): a worker view has `worker_id`, `kv_usage_frac`, `block_size`
 and `kv_capacity_blocks`; a cost model `prefill_s(missed, cached)` (the Cython build computes it in C from
@@ -244,3 +245,26 @@ def argmin_order(
     n = len(pool)
     return sorted(zip(argmin_bounds(env, pool, cached, p, d), [(i - turn) % n for i in range(n)], range(n),
                       strict=True))
+
+
+def decode_marginal(cost: Any, num_tokens: float, context_tokens: float) -> float:
+    """`cost.decode_marginal_s(num_tokens, context_tokens)` (the Cython build prices `ProfileCost`'s in C)."""
+    return cost.decode_marginal_s(num_tokens, context_tokens)  # type: ignore[no-any-return]
+
+
+def co_residency(batch: Sequence[tuple[int, int]], prompt_tokens: int, d: int, cost: Any) -> tuple[float, float]:
+    """The default policy's D_co (`Switchyard.co_residency_s`) over (remaining, context) co-runners of a request of
+    `prompt_tokens` and d predicted tokens: m_x = min(d, remaining_x) shared iterations, in each of which the
+    request pays x's marginal sequence cost and x pays the request's; the marginal is linear in context, so each
+    side is one `decode_marginal_s` at the m-weighted mean context. (0.0, 0.0) without co-runners."""
+    m_sum = 0
+    own_ctx = pair_ctx = 0.0
+    for rem, c in batch:
+        m = rem if rem < d else d
+        half = (m - 1) / 2
+        m_sum += m
+        own_ctx += m * (c + half)
+        pair_ctx += m * (prompt_tokens + half)
+    if not m_sum:
+        return 0.0, 0.0
+    return cost.decode_marginal_s(m_sum, own_ctx / m_sum), cost.decode_marginal_s(m_sum, pair_ctx / m_sum)

@@ -127,7 +127,14 @@ from typing import Any, Literal, NamedTuple
 from pydantic import Field
 
 from switchyard.ext.anticipator import Anticipator
-from switchyard.ext.e2_select import ArgminEnv, argmin_bounds, argmin_order, raw_bounds
+from switchyard.ext.e2_select import (
+    ArgminEnv,
+    argmin_bounds,
+    argmin_order,
+    co_residency,
+    decode_marginal,
+    raw_bounds,
+)
 from switchyard.router.policies.anticipation import AnticipationTracker
 from switchyard.router.policies.base import (
     Decision,
@@ -367,18 +374,8 @@ class Switchyard(PrebleE2):
     ) -> tuple[float, float]:
         """D_co over (remaining, context) co-runners: m_x = min(D, remaining_x) shared iterations, in each of which
         r pays x's marginal sequence cost and x pays r's. The marginal is linear in context, so each side is one
-        `decode_marginal_s` call at the m-weighted mean context."""
-        m_sum = 0
-        own_ctx = pair_ctx = 0.0
-        for rem, c in batch:
-            m = rem if rem < d else d
-            half = (m - 1) / 2
-            m_sum += m
-            own_ctx += m * (c + half)
-            pair_ctx += m * (prompt_tokens + half)
-        if not m_sum:
-            return 0.0, 0.0
-        return cost.decode_marginal_s(m_sum, own_ctx / m_sum), cost.decode_marginal_s(m_sum, pair_ctx / m_sum)
+        `decode_marginal_s` call at the m-weighted mean context (`ext/e2_select.co_residency`, in Cython)."""
+        return co_residency(batch, prompt_tokens, d, cost)  # type: ignore[no-any-return]
 
     @staticmethod
     def occupancy(ant: Any, queued: list[tuple[int, int]], horizon: int) -> list[int]:
@@ -508,7 +505,7 @@ class Switchyard(PrebleE2):
         n = len(running) + len(queued)
         if n:
             ctx = sum(c for _, c in running) + sum(p for p, _, _ in queued)
-            q += (k + 1.5) * cost.decode_marginal_s(n, ctx / n)
+            q += (k + 1.5) * decode_marginal(cost, n, ctx / n)
         return q
 
     def lower_bounds(

@@ -342,6 +342,9 @@ class FitCost:
     def decode_s(self, num_tokens: float, context_tokens: float) -> float:
         return num_tokens * self.k * (0.01 + context_tokens * 1e-7)
 
+    def decode_marginal_s(self, num_tokens: float, context_tokens: float) -> float:
+        return num_tokens * self.k * (1e-4 + context_tokens * 1e-8)
+
 
 @dataclass
 class Queued:
@@ -435,3 +438,22 @@ def test_argmin_bounds_price_each_term(mod: str) -> None:
     order = impl.argmin_order(env, pool, cached, p, d, 1)
     assert [i for _, _, i in order] == sorted(range(3), key=lambda i: want[i])
     assert {(i, rot) for _, rot, i in order} == {(0, 2), (1, 0), (2, 1)}  # (i - 1) mod 3
+
+
+@pytest.mark.c_extension
+@pytest.mark.skipif(_e2_select_c is None, reason="Cython extension not built")
+def test_cython_co_residency_equals_reference() -> None:
+    """D_co and the marginal decode cost: the Cython build returns the reference's floats (profile cost models in
+    C, others asked), over random batches: empty, co-runners shorter and longer than the request, contexts up to
+    100k tokens, float mean contexts."""
+    rng = random.Random(7)
+    models: list[object] = [profile_cost(name) for name in PROFILES] + [FitCost(2.0)]
+    for _ in range(2000):
+        cost = rng.choice(models)
+        batch = [(rng.randint(1, 900), rng.randint(0, 100_000)) for _ in range(rng.choice([0, 1, 3, 40]))]
+        p, d = rng.randint(1, 20_000), rng.randint(1, 800)
+        got = _e2_select_c.co_residency(batch, p, d, cost)  # type: ignore[union-attr]
+        assert got == e2_select_py.co_residency(batch, p, d, cost) and all(type(x) is float for x in got)
+        n, ctx = rng.choice([0, 1, 7, 300]), rng.choice([rng.uniform(0, 50_000), float(rng.randint(0, 9))])
+        assert _e2_select_c.decode_marginal(cost, n, ctx) == cost.decode_marginal_s(n, ctx)  # type: ignore[union-attr, attr-defined]
+    assert _e2_select_c.co_residency([], 5, 5, models[0]) == (0.0, 0.0)  # type: ignore[union-attr]
