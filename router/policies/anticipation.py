@@ -26,6 +26,8 @@ between samples it extrapolates:
 - rate = 0 while the map is empty [inferred]: then the worker runs no decode iterations the map could count (it
   may run prefill-only iterations; the next Stats sample accounts for them).
 - The integral is taken piecewise: every hook advances the clock before it changes the batch.
+- The clock is `ext/anticipator.IterationClock` (C fields and the rate's formula in C in its Cython build), and a
+  select syncs every known worker in one call (`sync_known`).
 - The clock never runs backwards: a sample behind the extrapolation holds the map until the count catches up.
   A counter that goes down (the worker restarted) re-bases `base` so the clock continues from where it was.
 - A worker with no Stats yet counts from 0 at the first time the tracker saw it.

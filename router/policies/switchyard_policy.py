@@ -103,8 +103,9 @@ Missing signals: no Stats → the anticipator's clock counts from first sight; n
 dispatches; no profile → the online fit (the default profile until it has samples); no max_num_batched_tokens →
 `default_batched_tokens`. Ties: lowest cost, then E2's rotation (candidate index − dispatches) mod n; no RNG.
 Cost per decision: branch and bound over the pool (`prune`). Every worker gets an O(1) lower bound (R and D_self
-exact, Q's prefill part, I over its queued requests only; every other term >= 0); workers are then priced in
-bound order, O(requests on the worker + l) each, until the next bound exceeds the best cost found; a priced
+exact, Q's prefill part, I over its queued requests only; every other term >= 0; computed and sorted in Cython,
+`ext/e2_select.argmin_order`, as is the pool's clock sync, `ext/anticipator.sync_known`); workers are then priced
+in bound order, O(requests on the worker + l) each, until the next bound exceeds the best cost found; a priced
 worker whose cost without M, O and W already exceeds the best is dropped before those are priced. Exact: the
 same pick as pricing every worker (a test replays loaded runs both ways). It cuts most of the pricing where
 misses are dear (R spreads the bounds); where decode co-residency dominates (long answers, busy workers: the
