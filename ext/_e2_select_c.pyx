@@ -116,6 +116,14 @@ cdef inline Py_ssize_t _pymod(Py_ssize_t a, Py_ssize_t m):
     return r + m if r < 0 else r
 
 
+cdef inline object _cost_of(dict cost_memo, object cost_model, object wid):
+    """`cost_memo.get(wid) or cost_model(wid)`: a worker's cost model."""
+    cdef PyObject* p = PyDict_GetItem(cost_memo, wid)
+    if p is not NULL and <object>p:
+        return <object>p
+    return cost_model(wid)
+
+
 cdef struct Bound:
     double load, r, q, lb  # L, R, Q and the bound L + R + Q
     Py_ssize_t evict, rot  # blocks R_k would evict; the rotated index
@@ -142,10 +150,7 @@ cdef int _fill(BoundsEnv env, object ws, dict cached, Py_ssize_t n, double now, 
         if i >= m:  # the sequence grew under us (it cannot through the policy): never write past the array
             break
         wid = w.worker_id
-        p = PyDict_GetItem(env.cost_memo, wid)
-        cost = <object>p if p is not NULL else None
-        if not cost:
-            cost = env.cost_model(wid)
+        cost = _cost_of(env.cost_memo, env.cost_model, wid)
         p = PyDict_GetItem(env.facts, wid)
         if p is NULL:
             bs, cap = w.block_size, w.kv_capacity_blocks
@@ -312,10 +317,7 @@ cdef int _argmin_fill(ArgminEnv env, object pool, dict cached, Py_ssize_t p, Py_
         if i >= m:
             break
         wid = w.worker_id
-        got = PyDict_GetItem(env.cost_memo, wid)
-        cost = <object>got if got is not NULL else None
-        if not cost:
-            cost = env.cost_model(wid)
+        cost = _cost_of(env.cost_memo, env.cost_model, wid)
         tok = <Py_ssize_t>cached[wid] * <Py_ssize_t>w.block_size
         if tok > last:
             tok = last
