@@ -25,7 +25,7 @@ import numpy as np
 
 from switchyard.bench.micro.decisions import WORKLOADS, prepare, run_one
 from switchyard.bench.micro.output import grouped_bars, write_outputs
-from switchyard.ext import e2_select_py
+from switchyard.ext import e2_select, e2_select_py
 from switchyard.router.policies import preble_e2
 
 try:
@@ -161,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if _e2_select_c is None:
         print("switchyard.ext._e2_select_c is not built (pip install -e .): nothing to compare", file=sys.stderr)
+        return 2
+    if e2_select.IMPLEMENTATION != "c":  # E2 would build its state for the reference, which the C calls refuse
+        print("SWITCHYARD_NO_EXTENSIONS is set: E2 runs on the reference build, so there is no Cython call to time",
+              file=sys.stderr)
         return 2
     runs = []
     for item in args.runs.split(","):
