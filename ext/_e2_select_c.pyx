@@ -406,6 +406,11 @@ def argmin_order(ArgminEnv env, pool, dict cached, Py_ssize_t p, Py_ssize_t d, P
         PyMem_Free(b)
 
 
+def prefill(cost, Py_ssize_t missed, Py_ssize_t cached):
+    """As `e2_select_py.prefill`."""
+    return _prefill_s(cost, missed, cached)
+
+
 def decode_marginal(cost, double num_tokens, double context_tokens):
     """As `e2_select_py.decode_marginal`."""
     return _decode_marginal_s(cost, num_tokens, context_tokens)

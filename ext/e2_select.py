@@ -20,6 +20,7 @@ from switchyard.ext.e2_select_py import (
     decode_marginal,
     exploit_set,
     m_is_zero,
+    prefill,
     raw_bounds,
 )
 
@@ -37,6 +38,7 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
             decode_marginal,
             exploit_set,
             m_is_zero,
+            prefill,
             raw_bounds,
         )
 
@@ -46,5 +48,5 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
 
 __all__ = [
     "IMPLEMENTATION", "ArgminEnv", "BoundsEnv", "Priced", "argmin_bounds", "argmin_order", "cheapest", "co_residency",
-    "decode_marginal", "exploit_set", "m_is_zero", "raw_bounds",
+    "decode_marginal", "exploit_set", "m_is_zero", "prefill", "raw_bounds",
 ]

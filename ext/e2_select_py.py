@@ -11,7 +11,7 @@ Reference build (obviously correct); `_e2_select_c.pyx` is the Cython build, `e2
   asking the caller for M only where it can still change the answer and `m_is_zero` cannot tell it is 0.
 - `argmin_bounds` / `argmin_order`: the default policy's (`switchyard`, placement "argmin") lower bound of each
   pool worker's cost, and the order its branch and bound prices them in (an `ArgminEnv` holds what they read);
-  `co_residency` and `decode_marginal`, two of the terms it prices per worker.
+  `co_residency`, `decode_marginal` and `prefill`, terms it prices per worker.
 
 Duck-typed (nothing here imports from `router/`): a worker view has `worker_id`, `kv_usage_frac`, `block_size`
 and `kv_capacity_blocks`; a cost model `prefill_s(missed, cached)` (the Cython build computes it in C from
@@ -245,6 +245,11 @@ def argmin_order(
     n = len(pool)
     return sorted(zip(argmin_bounds(env, pool, cached, p, d), [(i - turn) % n for i in range(n)], range(n),
                       strict=True))
+
+
+def prefill(cost: Any, missed: int, cached: int) -> float:
+    """`cost.prefill_s(missed, cached)` (the Cython build prices `ProfileCost`'s in C)."""
+    return cost.prefill_s(missed, cached)  # type: ignore[no-any-return]
 
 
 def decode_marginal(cost: Any, num_tokens: float, context_tokens: float) -> float:

@@ -134,6 +134,7 @@ from switchyard.ext.e2_select import (
     argmin_order,
     co_residency,
     decode_marginal,
+    prefill,
     raw_bounds,
 )
 from switchyard.router.policies.anticipation import AnticipationTracker
@@ -454,9 +455,9 @@ class Switchyard(PrebleE2):
         o = self.outstanding.get(w.worker_id)
         t = o.queued_tokens if o is not None and self.sy.joint_prefill else 0
         if t > 0 and t + missed <= self.batched_tokens(w):
-            gain = cost.prefill_s(t + missed, 0) - cost.prefill_s(t, 0) + r - cost.prefill_s(missed, 0)
+            gain = prefill(cost, t + missed, 0) - prefill(cost, t, 0) + r - prefill(cost, missed, 0)
             return gain if gain > 0.0 else 0.0
-        gain = r - cost.prefill_s(0, 0)
+        gain = r - prefill(cost, 0, 0)
         return gain if gain > 0.0 else 0.0
 
     @staticmethod
@@ -482,10 +483,10 @@ class Switchyard(PrebleE2):
             return 0.0, 0
         b = self.batched_tokens(w)
         if self.sy.joint_prefill and t + missed <= b:
-            q = cost.prefill_s(t + missed, 0) - cost.prefill_s(missed, 0)
+            q = prefill(cost, t + missed, 0) - prefill(cost, missed, 0)
             return (q if q > 0.0 else 0.0), 0
         k = -(-t // b)
-        return k * cost.prefill_s(-(-t // k), 0), k
+        return k * prefill(cost, -(-t // k), 0), k
 
     def batched_queue_s(
         self,
@@ -535,26 +536,26 @@ class Switchyard(PrebleE2):
         p = ctx.num_prompt_tokens
         # E2's bound kernel for w alone: Q, R (and L when load_signal asks for it), the blocks r would evict; M next
         load, r, q, evict = raw_bounds(self._bounds_env, (w,), {wid: cached_blocks}, p, now)[0]
-        e2 = Cost(load, 0.0, r, q)
+        m = 0.0
         if evict > 0 and beat is None:
-            e2 = self._with_evict(e2, w, evict, now, {id(n) for n in path})
+            m = self._with_evict(Cost(load, 0.0, r, q), w, evict, now, {id(n) for n in path}).evict_s
         if ant is None:
             ant = self.tracker.sync(w, now)
         running, queued = self.batch(wid, ant)
         missed = self.missed_tokens(w, cached_blocks, p)
-        queue = (e2.queue_s if cfg.queue_pricing == "sum"
+        queue = (q if cfg.queue_pricing == "sum"
                  else self.batched_queue_s(w, running, queued, cost, missed))
         d_self = cost.decode_s(d, p + (d - 1) / 2)
         in_run, out_run = self.co_residency_s(running, p, d, cost)
         in_q, out_q = self.co_residency_s([(dx, px) for px, _, dx in queued], p, d, cost)
         d_in, d_out = in_run + in_q, out_run + out_q
-        gain = self.prefill_step_gain_s(w, cost, e2.prefill_s, missed)
+        gain = self.prefill_step_gain_s(w, cost, r, missed)
         interference = (len(running) + len(queued)) * gain
         # the requests that reach w before r's prefill is done wait behind it (FCFS admission), each by its step
-        behind = arrivals_per_s * (queue + e2.prefill_s) * gain
+        behind = arrivals_per_s * (queue + r) * gain
         # the total's sum, left to right: head + e·M + d·D + λ·(i·I + b·B) + β·O + W (the same float as one
         # expression); the checks against `beat` price the terms not known yet at 0, in the same sum
-        head = e2.load_s + cfg.queue_weight * queue + cfg.prefix_weight * e2.prefill_s
+        head = load + cfg.queue_weight * queue + cfg.prefix_weight * r
         dec = cfg.decode_weight * (d_self + d_in + lam * d_out)
         inter = lam * (cfg.interference_weight * interference + cfg.behind_weight * behind)
         ew, ow, kw = cfg.eviction_weight, cfg.overflow_weight, cfg.kv_wait_weight
@@ -565,12 +566,12 @@ class Switchyard(PrebleE2):
         if evict > 0 and beat is not None:
             if head + ew * 0.0 + dec + inter + ow * over + kw * wait > beat:
                 return None
-            e2 = self._with_evict(e2, w, evict, now, {id(n) for n in path})
-        total = head + ew * e2.evict_s + dec + inter + ow * over + kw * wait
+            m = self._with_evict(Cost(load, 0.0, r, q), w, evict, now, {id(n) for n in path}).evict_s
+        total = head + ew * m + dec + inter + ow * over + kw * wait
         return Terms(
             queue,
-            e2.prefill_s,
-            e2.evict_s,
+            r,
+            m,
             d_self,
             d_in,
             d_out,
@@ -578,7 +579,7 @@ class Switchyard(PrebleE2):
             behind,
             over,
             wait,
-            e2.load_s,
+            load,
             peak,
             total,
         )
