@@ -300,7 +300,7 @@ cdef struct ArgminBound:
 cdef int _argmin_fill(ArgminEnv env, object pool, dict cached, Py_ssize_t p, Py_ssize_t d, Py_ssize_t turn,
                       ArgminBound* out, Py_ssize_t m) except -1:
     """Each pool worker's bound into out[0..m) (`e2_select_py.argmin_bounds`, the same floats in the same order).
-    R is priced once per (cost model, cached tokens) and D_self once per cost model (the same floats again)."""
+    R and D_self are priced once per (cost model, cached tokens), up to _MEMO pairs (the same floats again)."""
     cdef Py_ssize_t i = 0, tok, missed, t, b, k, nq, nmemo = 0, j
     cdef Py_ssize_t last = p - 1 if p > 1 else 0
     cdef double r, d_self, q, gain, interference, ctx = <double>p + <double>(d - 1) / 2.0
