@@ -411,6 +411,11 @@ def prefill(cost, Py_ssize_t missed, Py_ssize_t cached):
     return _prefill_s(cost, missed, cached)
 
 
+def decode(cost, Py_ssize_t num_tokens, double context_tokens):
+    """As `e2_select_py.decode`."""
+    return _decode_s(cost, num_tokens, context_tokens)
+
+
 def decode_marginal(cost, double num_tokens, double context_tokens):
     """As `e2_select_py.decode_marginal`."""
     return _decode_marginal_s(cost, num_tokens, context_tokens)

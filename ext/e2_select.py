@@ -17,6 +17,7 @@ from switchyard.ext.e2_select_py import (
     argmin_order,
     cheapest,
     co_residency,
+    decode,
     decode_marginal,
     exploit_set,
     m_is_zero,
@@ -35,6 +36,7 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
             argmin_order,
             cheapest,
             co_residency,
+            decode,
             decode_marginal,
             exploit_set,
             m_is_zero,
@@ -48,5 +50,5 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
 
 __all__ = [
     "IMPLEMENTATION", "ArgminEnv", "BoundsEnv", "Priced", "argmin_bounds", "argmin_order", "cheapest", "co_residency",
-    "decode_marginal", "exploit_set", "m_is_zero", "prefill", "raw_bounds",
+    "decode", "decode_marginal", "exploit_set", "m_is_zero", "prefill", "raw_bounds",
 ]

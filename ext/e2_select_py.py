@@ -11,7 +11,7 @@ Reference build (obviously correct); `_e2_select_c.pyx` is the Cython build, `e2
   asking the caller for M only where it can still change the answer and `m_is_zero` cannot tell it is 0.
 - `argmin_bounds` / `argmin_order`: the default policy's (`switchyard`, placement "argmin") lower bound of each
   pool worker's cost, and the order its branch and bound prices them in (an `ArgminEnv` holds what they read);
-  `co_residency`, `decode_marginal` and `prefill`, terms it prices per worker.
+  `co_residency`, `decode`, `decode_marginal` and `prefill`, terms it prices per worker.
 
 Duck-typed (nothing here imports from `router/`): a worker view has `worker_id`, `kv_usage_frac`, `block_size`
 and `kv_capacity_blocks`; a cost model `prefill_s(missed, cached)` (the Cython build computes it in C from
@@ -250,6 +250,11 @@ def argmin_order(
 def prefill(cost: Any, missed: int, cached: int) -> float:
     """`cost.prefill_s(missed, cached)` (the Cython build prices `ProfileCost`'s in C)."""
     return cost.prefill_s(missed, cached)  # type: ignore[no-any-return]
+
+
+def decode(cost: Any, num_tokens: int, context_tokens: float) -> float:
+    """`cost.decode_s(num_tokens, context_tokens)` (the Cython build prices `ProfileCost`'s in C)."""
+    return cost.decode_s(num_tokens, context_tokens)  # type: ignore[no-any-return]
 
 
 def decode_marginal(cost: Any, num_tokens: float, context_tokens: float) -> float:

@@ -133,6 +133,7 @@ from switchyard.ext.e2_select import (
     argmin_bounds,
     argmin_order,
     co_residency,
+    decode,
     decode_marginal,
     prefill,
     raw_bounds,
@@ -545,7 +546,7 @@ class Switchyard(PrebleE2):
         missed = self.missed_tokens(w, cached_blocks, p)
         queue = (q if cfg.queue_pricing == "sum"
                  else self.batched_queue_s(w, running, queued, cost, missed))
-        d_self = cost.decode_s(d, p + (d - 1) / 2)
+        d_self = decode(cost, d, p + (d - 1) / 2)
         in_run, out_run = self.co_residency_s(running, p, d, cost)
         in_q, out_q = self.co_residency_s([(dx, px) for px, _, dx in queued], p, d, cost)
         d_in, d_out = in_run + in_q, out_run + out_q

@@ -447,7 +447,7 @@ def test_argmin_bounds_price_each_term(mod: str) -> None:
 @pytest.mark.c_extension
 @pytest.mark.skipif(_e2_select_c is None, reason="Cython extension not built")
 def test_cython_co_residency_equals_reference() -> None:
-    """D_co, the marginal decode cost and PREFILLTIME: the Cython build returns the reference's floats (profile
+    """D_co, DECODETIME, the marginal decode cost and PREFILLTIME: the Cython build returns the reference's floats (profile
     cost models in C, others asked), over random batches: empty, co-runners shorter and longer than the request,
     contexts up to 100k tokens, float mean contexts."""
     rng = random.Random(7)
@@ -460,6 +460,7 @@ def test_cython_co_residency_equals_reference() -> None:
         assert got == e2_select_py.co_residency(batch, p, d, cost) and all(type(x) is float for x in got)
         n, ctx = rng.choice([0, 1, 7, 300]), rng.choice([rng.uniform(0, 50_000), float(rng.randint(0, 9))])
         assert _e2_select_c.decode_marginal(cost, n, ctx) == cost.decode_marginal_s(n, ctx)  # type: ignore[union-attr, attr-defined]
+        assert _e2_select_c.decode(cost, d, p + (d - 1) / 2) == cost.decode_s(d, p + (d - 1) / 2)  # type: ignore[union-attr, attr-defined]
         missed, held = rng.choice([0, 1, 300, 9000]), rng.choice([0, 16, 4000])
         assert _e2_select_c.prefill(cost, missed, held) == cost.prefill_s(missed, held)  # type: ignore[union-attr, attr-defined]
     assert _e2_select_c.co_residency([], 5, 5, models[0]) == (0.0, 0.0)  # type: ignore[union-attr]
