@@ -242,6 +242,7 @@ class AnticipationTracker:
 
     @staticmethod
     def _advance(st: _Worker, now: float) -> None:
-        """The clock integrated up to now, and the map moved with it (before any change to the batch)."""
-        if st.anticipator is not None and st.clock is not None:
+        """The clock integrated up to now, and the map moved with it (before any change to the batch); nothing
+        before the map exists (`_create` makes both)."""
+        if st.clock is not None:
             st.clock.advance(st.anticipator, now)

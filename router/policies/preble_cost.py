@@ -86,8 +86,9 @@ class ProfileCost:
         """GPU time n decode tokens add to iterations that run anyway (continuous batching): the increment of one
         more decoding sequence, iteration(D=2, C=2c) − iteration(D=1, C=c), without the per-iteration step.
 
-        NOTE: the default policy prices it ~5 times per worker it prices: both `decode_iteration_s` calls are
-        written out, operation for operation (the same floats; a test compares them)."""
+        NOTE: E2's L prices it per history piece, and the default policy's O/W clock (`iteration_s`): both
+        `decode_iteration_s` calls are written out, operation for operation (the same floats; a test compares
+        them). The default policy's per-worker terms price it in C (`ext/_profile_cost.pxi`)."""
         if num_tokens <= 0:
             return 0.0
         c = int(context_tokens)

@@ -679,7 +679,8 @@ class LruIndex:
     def touch_all(self, worker: Any, nodes: Sequence[Any]) -> None:
         """`touch` each node, pruning the heap's stale top once at the end (stale entries only gather at the top
         meanwhile): an eviction event touches every node of its run, ~23 per event while a preloaded cache of
-        small prompts drains, and `_prune` was a third of each touch."""
+        small prompts drains, and `_prune` was a third of each touch. (A node still resident under the same
+        parent goes through `touch_unmoved`, which prunes as it always did.)"""
         for node in nodes:
             self.touch(worker, node, prune=False)
         if nodes:
