@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,10 @@ def test_an_unknown_revision_is_a_clear_error() -> None:
         policy_at("e2", "no-such-revision")
 
 
+@pytest.mark.c_extension
+@pytest.mark.skip_in_ci_ok  # skipping is right when the opt-out is set on purpose
+@pytest.mark.skipif(bool(os.environ.get("SWITCHYARD_NO_EXTENSIONS")),
+                    reason="SWITCHYARD_NO_EXTENSIONS is set: a revision's selectors load its Python references")
 def test_a_revision_with_another_ext_gets_that_revision_s_build(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     # 6c2da1b's E2 imports `ordered_bounds` from ext/e2_select, which the next commit folded into `cheapest`:
     # its ext/ is copied, the .pyx that differ from the working tree's compiled, the others stay today's build
