@@ -7,6 +7,7 @@ of (last_access, seq, position), the index's tables are read with the dict C API
 (`id()` is `PyLong_FromVoidPtr`).
 """
 
+cimport cython
 from cpython.dict cimport PyDict_Contains, PyDict_GetItem, PyDict_Next, PyDict_SetItem
 from cpython.list cimport PyList_GET_ITEM
 from cpython.long cimport PyLong_FromVoidPtr
@@ -15,11 +16,14 @@ from cpython.ref cimport PyObject
 from cpython.set cimport PySet_Add, PySet_Contains
 from cpython.tuple cimport PyTuple_GET_ITEM
 
-from libc.math cimport INFINITY
+from libc.math cimport INFINITY, floor
 
 include "_profile_cost.pxi"  # _prefill_s
 
 import heapq
+from heapq import heapify as _heapify, heappop as _heappop, heappush as _heappush
+
+from switchyard.ext.lru_order_py import COLD_BUCKETS_PER_S, cold_bucket as _py_cold_bucket
 
 
 cdef enum:
@@ -37,6 +41,7 @@ cdef inline bint _before(double la, long long seq, Py_ssize_t pos,
     return pos < pos2
 
 
+@cython.final  # its cpdef methods are called from `LruIndexCore` without an override check
 cdef class EvictionOrder:
     cdef readonly object idx, worker, stats_type
     cdef readonly list steps, cum, hot, array, extra
@@ -102,12 +107,12 @@ cdef class EvictionOrder:
     def max_key(self):
         return (self._mk_la, self._mk_seq) if self._mk_set else None
 
-    def reached(self, k):
+    cpdef bint reached(self, k) except -1:
         """As the reference's: node k taken, unlocked, or a child of it counted."""
         return (PySet_Contains(self.done, k) or PyDict_GetItem(self.unlocked, k) != NULL
                 or PyDict_GetItem(self.local_held, k) != NULL)
 
-    def pushed(self, tuple entry):
+    cpdef bint pushed(self, tuple entry) except -1:
         """As the reference's: the steps hold after the index pushed `entry` (joined to the walk), or False."""
         cdef list array = self.array
         cdef Py_ssize_t p = len(array) - 1, q
@@ -133,7 +138,7 @@ cdef class EvictionOrder:
                 self._push(p)  # its parent's children are in already
         return True
 
-    def rebased(self, list array):
+    cpdef rebased(self, list array):
         """As the reference's: the frontier is rebuilt from `array` before the next step."""
         self.array = array
         self.stale = True
@@ -179,7 +184,7 @@ cdef class EvictionOrder:
         self.stale = False
         return 0
 
-    def first_resized(self, k, long long blocks):
+    cpdef bint first_resized(self, k, long long blocks) except -1:
         """As the reference's: the first step's node now holds `blocks` (0: it left); False when k is not it."""
         cdef list steps = self.steps
         cdef tuple first
@@ -509,19 +514,310 @@ cdef class EvictionOrder:
             return True
 
 
+cdef double _COLD_BUCKETS_PER_S = COLD_BUCKETS_PER_S
+
+
+cdef inline object _cold_bucket(object t):
+    """`lru_order_py.cold_bucket`: floor(t × COLD_BUCKETS_PER_S), a power of two, so the product is exact; a
+    time that is not finite goes to the reference (which raises as `math.floor` does)."""
+    cdef double x = <double>t * _COLD_BUCKETS_PER_S
+    if not (-9.0e18 < x < 9.0e18):  # not finite, or past a long long
+        return _py_cold_bucket(t)
+    return <long long>floor(x)
+
+
+cdef class LruIndexCore:
+    """Cython build of `lru_order_py.LruIndexCore`: the same tables (Python dicts, lists and sets, read by the
+    eviction orders, `touch_holders` and E2's bound kernel), changed by the same rules in the same order, so the
+    heap's array, and every order that walks it, is the reference's. The heap moves by `heapq`'s own functions.
+
+    Why: the KV-event hooks reconcile ~20 nodes per event through `touch` and `_consider`, and on video QA those
+    calls were half of E2's hooks (a Python frame, a dozen dict calls and a tuple per node); here they are C calls
+    on the dict C API.
+    """
+
+    cdef public dict entries, held, keyed, cand, bucket_blocks
+    cdef public list heap, ahead
+    cdef public set ahead_set
+    cdef public object _order, worker
+    cdef public long long below
+    cdef long long _fb
+    cdef bint _fb_set
+
+    def __init__(self):
+        self.entries = {}
+        self.held = {}
+        self.heap = []
+        self.keyed = {}
+        self._order = None
+        self.worker = None
+        self.cand = {}
+        self.bucket_blocks = {}
+        self._fb_set = False
+        self._fb = 0
+        self.below = 0
+        self.ahead = []
+        self.ahead_set = set()
+
+    @property
+    def floor_b(self):
+        return self._fb if self._fb_set else None
+
+    @floor_b.setter
+    def floor_b(self, v):
+        if v is None:
+            self._fb_set = False
+        else:
+            self._fb, self._fb_set = v, True
+
+    # ------------------------------------------------------------------------------------------ the reference's
+    def _consider(self, node):
+        self._c_consider(node)
+
+    def _add_mass(self, long long bucket, long long blocks):
+        self._c_add_mass(bucket, blocks)
+
+    def advance(self, long long floor_b):
+        """As the reference's."""
+        if self._fb_set and floor_b <= self._fb:
+            return
+        cdef long long below = self.below if self._fb_set else 0
+        cdef list ahead = self.ahead
+        cdef set ahead_set = self.ahead_set
+        cdef dict mass = self.bucket_blocks
+        cdef PyObject* p
+        while ahead and <long long>ahead[0] < floor_b:
+            b = _heappop(ahead)
+            ahead_set.discard(b)
+            p = PyDict_GetItem(mass, b)
+            if p != NULL:
+                below += <long long>(<object>p)
+        self.below = below
+        self._fb, self._fb_set = floor_b, True
+
+    def cold_blocks(self, set protected):
+        """As the reference's."""
+        if not self._fb_set:
+            return 0
+        cdef long long n = self.below
+        cdef PyObject* p
+        cdef tuple c
+        for k in protected:
+            p = PyDict_GetItem(self.cand, k)
+            if p != NULL:
+                c = <tuple>(<object>p)
+                if <long long>c[0] < self._fb:
+                    n -= <long long>c[1]
+        return n
+
+    def touch(self, worker, node, resident=None, bint prune=True):
+        """As the reference's."""
+        self._c_touch(worker, node, resident, prune)
+
+    def touch_all(self, worker, nodes):
+        """As the reference's: `touch` each node, the heap's stale top pruned once at the end."""
+        for node in nodes:
+            self._c_touch(worker, node, None, False)
+        if nodes:
+            self._c_prune()
+
+    def touch_unmoved(self, node, k, parent):
+        """As the reference's."""
+        return self._c_touch_unmoved(node, k, parent)
+
+    def _prune(self):
+        self._c_prune()
+
+    # ------------------------------------------------------------------------------------------ in C
+    cdef int _c_consider(self, object node) except -1:
+        cdef object k = PyLong_FromVoidPtr(<void*>node)
+        cdef PyObject* p = PyDict_GetItem(self.entries, k)
+        cdef PyObject* h
+        cdef object la, order, new = None, old
+        cdef tuple entry, o, nw
+        if p != NULL:
+            h = PyDict_GetItem(self.held, k)
+            if h != NULL and <object>h:
+                p = NULL  # has resident children: not a candidate
+        if p != NULL:
+            la = node.last_access
+            h = PyDict_GetItem(self.keyed, k)
+            if h == NULL or <object>h != la:
+                PyDict_SetItem(self.keyed, k, la)
+                entry = (la, node.seq, node)
+                _heappush(self.heap, entry)
+                order = self._order
+                if order is not None and not _pushed(order, entry):  # it walks this heap's array in place
+                    self._order = None
+            new = (_cold_bucket(la), node.resident_on(self.worker))
+        elif PyDict_GetItem(self.keyed, k) != NULL:
+            del self.keyed[k]
+        h = PyDict_GetItem(self.cand, k)
+        old = <object>h if h != NULL else None
+        if old is None and new is None:
+            return 0
+        if old is not None and new is not None:
+            o, nw = <tuple>old, <tuple>new
+            if o[0] == nw[0] and o[1] == nw[1]:
+                return 0
+        if old is not None:
+            o = <tuple>old
+            self._c_add_mass(o[0], -<long long>o[1])
+            del self.cand[k]
+        if new is not None:
+            nw = <tuple>new
+            self._c_add_mass(nw[0], nw[1])
+            PyDict_SetItem(self.cand, k, new)
+        return 0
+
+    cdef int _c_add_mass(self, long long bucket, long long blocks) except -1:
+        cdef object kb = bucket
+        cdef PyObject* p = PyDict_GetItem(self.bucket_blocks, kb)
+        cdef long long v = (<long long>(<object>p) if p != NULL else 0) + blocks
+        if v:
+            PyDict_SetItem(self.bucket_blocks, kb, v)
+        elif p != NULL:
+            del self.bucket_blocks[kb]
+        if self._fb_set and bucket < self._fb:
+            self.below += blocks
+        elif not PySet_Contains(self.ahead_set, kb):
+            PySet_Add(self.ahead_set, kb)
+            _heappush(self.ahead, kb)
+            if len(self.ahead) > 2 * len(self.bucket_blocks) + 64:  # emptied buckets dominate: drop them
+                self.ahead = [b for b in self.ahead if b in self.bucket_blocks]
+                _heapify(self.ahead)
+                self.ahead_set = set(self.ahead)
+        return 0
+
+    cdef int _c_touch(self, object worker, object node, object resident, bint prune) except -1:
+        self.worker = worker
+        cdef object k = PyLong_FromVoidPtr(<void*>node)
+        cdef dict res_d = <dict?>(node.resident if resident is None else resident)
+        cdef PyObject* p = PyDict_GetItem(res_d, worker)
+        cdef bint res = p != NULL and <object>p > 0 and node.is_attached
+        cdef object old, parent, order, op, kop, kp
+        cdef long long c
+        if res and self._c_touch_unmoved(node, k, node.parent):
+            return 0
+        p = PyDict_GetItem(self.entries, k)
+        old = <object>p if p != NULL else None
+        if old is None and not res:
+            return 0
+        parent = node.parent if res else None
+        order = self._order
+        if order is not None and not (not res and _first_resized(order, k, 0)) and (
+                _reached(order, k)
+                or (old is not None and (<tuple>old)[1] is not None
+                    and _reached(order, PyLong_FromVoidPtr(<void*>(<tuple>old)[1])))
+                or (parent is not None and _reached(order, PyLong_FromVoidPtr(<void*>parent)))):
+            self._order = None  # the steps read this node or a parent whose resident children change
+        if old is not None:
+            op = (<tuple>old)[1]
+            if op is not None:
+                kop = PyLong_FromVoidPtr(<void*>op)
+                c = <long long>self.held[kop] - 1
+                if c:
+                    PyDict_SetItem(self.held, kop, c)
+                else:
+                    del self.held[kop]
+                self._c_consider(op)
+        if res:
+            PyDict_SetItem(self.entries, k, (node, parent))
+            if parent is not None:
+                kp = PyLong_FromVoidPtr(<void*>parent)
+                p = PyDict_GetItem(self.held, kp)
+                PyDict_SetItem(self.held, kp, (<long long>(<object>p) if p != NULL else 0) + 1)
+                self._c_consider(parent)
+        else:
+            del self.entries[k]
+        self._c_consider(node)
+        if prune:
+            self._c_prune()
+        return 0
+
+    cdef bint _c_touch_unmoved(self, object node, object k, object parent) except -1:
+        cdef PyObject* p = PyDict_GetItem(self.entries, k)
+        cdef PyObject* h
+        cdef object order
+        if p == NULL or (<tuple>(<object>p))[1] is not parent:
+            return False
+        order = self._order
+        if order is not None and _order_reached(order, k):
+            h = PyDict_GetItem(self.keyed, k)
+            if not (h != NULL and <object>h == node.last_access
+                    and _first_resized(order, k, node.resident_on(self.worker))):
+                self._order = None  # a step read its key or resident blocks (a new key is `pushed`'s to judge)
+        h = PyDict_GetItem(self.held, k)
+        if h != NULL and <object>h and not PyDict_Contains(self.keyed, k):
+            return True  # not a candidate before or after (resident children): heap and keys unchanged
+        self._c_consider(node)
+        self._c_prune()
+        return True
+
+    cdef int _c_prune(self) except -1:
+        cdef list heap = self.heap
+        cdef dict keyed = self.keyed
+        cdef object order = self._order
+        cdef bint popped = False
+        cdef tuple e
+        if len(heap) > 2 * len(keyed) + 64:
+            self.heap = [e for e in heap if _live(keyed, <tuple>e)]
+            _heapify(self.heap)
+            if order is not None:
+                _rebased(order, self.heap)
+            return 0
+        while heap and not _live(keyed, <tuple>heap[0]):
+            _heappop(heap)
+            popped = True
+        if popped and order is not None:
+            _rebased(order, heap)
+        return 0
+
+
+cdef inline bint _live(dict keyed, tuple e) except -1:
+    """`keyed.get(id(e[2])) == e[0]`: a heap entry whose node is still keyed at its key."""
+    cdef PyObject* p = PyDict_GetItem(keyed, PyLong_FromVoidPtr(<void*>e[2]))
+    return p != NULL and <object>p == e[0]
+
+
+# an index's order is this module's EvictionOrder or (in tests) the reference's: C calls for the first
+cdef inline bint _pushed(object order, tuple entry) except -1:
+    if type(order) is EvictionOrder:
+        return (<EvictionOrder>order).pushed(entry)
+    return order.pushed(entry)
+
+
+cdef inline bint _reached(object order, object k) except -1:
+    if type(order) is EvictionOrder:
+        return (<EvictionOrder>order).reached(k)
+    return order.reached(k)
+
+
+cdef inline bint _first_resized(object order, object k, long long blocks) except -1:
+    if type(order) is EvictionOrder:
+        return (<EvictionOrder>order).first_resized(k, blocks)
+    return order.first_resized(k, blocks)
+
+
+cdef inline int _rebased(object order, list array) except -1:
+    if type(order) is EvictionOrder:
+        (<EvictionOrder>order).rebased(array)
+    else:
+        order.rebased(array)
+    return 0
+
+
 def touch_holders(dict lru, list nodes):
-    """As `lru_order_py.touch_holders`, with `LruIndex.touch_unmoved` inlined: it returns True, having done
-    nothing but drop a stale eviction order, for nearly every (node, holder) of a dispatch (a shared prefix's
-    node, with resident children there); that exit reads the index's `entries`, `keyed`, `_order` and `held` in
-    C. Anything else is the index's own `touch_unmoved` path (`_consider`, `_prune`) or `touch`."""
+    """As `lru_order_py.touch_holders`, over the holders' indexes: an index of this module (`LruIndexCore`) takes
+    its `touch_unmoved` and `touch` as C calls; for nearly every (node, holder) of a dispatch (a shared prefix's
+    node, with resident children there) that exit does nothing but maybe drop a stale eviction order. Any other
+    index (the reference's, in tests) is called as the reference calls it."""
     cdef Py_ssize_t pos
     cdef PyObject* pw
     cdef PyObject* prun
     cdef PyObject* p
     cdef dict res
-    cdef object idx, k, parent, order
-    cdef dict keyed
-    cdef bint attached
+    cdef object idx, k, parent, attached
     for node in nodes:
         res = node.resident
         if not res:
@@ -533,20 +829,12 @@ def touch_holders(dict lru, list nodes):
             if p is NULL:
                 continue
             idx = <object>p
-            if <object>prun > 0 and attached:
-                p = PyDict_GetItem(<dict?>idx.entries, k)
-                if p is not NULL and (<tuple?>(<object>p))[1] is parent:
-                    keyed = <dict?>idx.keyed
-                    order = idx._order
-                    if order is not None and _order_reached(order, k):
-                        idx._order = None  # a step read its key or resident blocks (a new key: `pushed`)
-                    p = PyDict_GetItem(<dict?>idx.held, k)
-                    if p is not NULL and <object>p and not PyDict_Contains(keyed, k):
-                        continue  # not a candidate before or after: heap and keys unchanged
-                    idx._consider(node)
-                    idx._prune()
-                    continue
-            idx.touch(<object>pw, node, res)
+            if isinstance(idx, LruIndexCore):
+                if not (<object>prun > 0 and attached
+                        and (<LruIndexCore>idx)._c_touch_unmoved(node, k, parent)):
+                    (<LruIndexCore>idx)._c_touch(<object>pw, node, res, True)
+            elif not (<object>prun > 0 and attached and idx.touch_unmoved(node, k, parent)):
+                idx.touch(<object>pw, node, res)
 
 
 cdef bint _order_reached(object order, object k) except -1:

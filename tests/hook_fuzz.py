@@ -10,9 +10,18 @@ from collections.abc import Iterator
 
 from factories import make_requests
 
+from switchyard.ext import lru_order_py
 from switchyard.router.policies.base import Decision, WorkerId
 from switchyard.router.policies.preble_e2 import PrebleE2
+from switchyard.router.policies.preble_load import LruPricing
 from switchyard.workers.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
+
+
+class ReferenceLruIndex(LruPricing, lru_order_py.LruIndexCore):
+    """E2's LRU index on the reference core (`lru_order_py.LruIndexCore`): what a test patches in as
+    `preble_e2.LruIndex` to run E2 on the reference build of every ext/ structure."""
+
+    __slots__ = ()
 
 
 def chained(labels: list[int]) -> tuple[int, ...]:

@@ -84,6 +84,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from switchyard.ext.e2_select import BoundsEnv, Priced, cheapest, exploit_set, raw_bounds
 from switchyard.ext.lru_order import touch_holders
+from switchyard.ext.lru_order_py import cold_bucket
 from switchyard.ext.radix import RadixTree
 from switchyard.router.policies.base import (
     Decision,
@@ -103,7 +104,6 @@ from switchyard.router.policies.preble_load import (
     NodeStats,
     Outstanding,
     WorkerHistory,
-    cold_bucket,
     merged_stats,
 )
 from switchyard.router.policies.preble_rebalance import maybe_replicate, rebalance

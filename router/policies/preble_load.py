@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from switchyard.ext.lru_order import EvictionOrder
+from switchyard.ext.lru_order import EvictionOrder, LruIndexCore
 from switchyard.ext.lru_order_py import victim_term
 from switchyard.router.policies.preble_cost import CostModel, ProfileCost
 
@@ -504,26 +504,8 @@ class Outstanding:
 
 
 # ---------------------------------------------------------------------------------------------- incremental LRU
-COLD_BUCKETS_PER_S = 1024  # a power of two: t * 1024 is exact, so bucket b < cold_bucket(T) means t < T
-
-
-def cold_bucket(t: float) -> int:
-    """The cold-mass bucket of a time (`LruIndex.cold_blocks`): 1/1024 s wide, so the cold floor stays close to
-    the earliest request it must precede (a whole-second bucket lost every candidate keyed in the floor's second,
-    the common case when the first dispatches and the preloaded cache share one)."""
-    return math.floor(t * COLD_BUCKETS_PER_S)
-
-
-class LruIndex:
-    """`lru_victims` without the per-call scan (§4.2: "a per-GPU LRU heap ... so the cost is O(k log N)").
-
-    Per worker it keeps, from the hooks, every node resident on it with the parent it was recorded under, the
-    number of its resident children (`held`), and a heap of the current eviction candidates (resident, no
-    resident child) keyed by (last_access, node.seq: creation order, so ties do not follow memory addresses);
-    entries are lazy: one whose node left the candidates or whose last_access moved is skipped (and the heap is
-    compacted in the hooks once stale entries dominate).
-    `touch(nodes)` reconciles the given nodes for every tracked worker after any tree change that can alter
-    their residency, parent or last_access; the hooks pass every node such a change can reach.
+class LruPricing:
+    """What M reads from an LRU index (`LruIndexCore`): `victims` and `eviction_cost`.
 
     `victims` is read-only: it reads the eviction order (`switchyard.ext.lru_order`), which walks the heap's array in key
     order without copying it (a small frontier heap of array positions; a full copy was O(N), ~100 µs at the
@@ -539,200 +521,7 @@ class LruIndex:
     precede the victims.
     """
 
-    __slots__ = ("entries", "held", "heap", "keyed", "_order", "worker", "cand", "bucket_blocks", "floor_b",
-                 "below", "ahead", "ahead_set")
-
-    def __init__(self) -> None:
-        self.entries: dict[int, tuple[Any, Any]] = {}  # id(node) -> (node, recorded parent or None)
-        self.held: dict[int, int] = {}  # id(node) -> resident children recorded under it
-        self.heap: list[tuple[float, int, Any]] = []  # (last_access, node.seq, node), lazy
-        self.keyed: dict[int, float] = {}  # id -> last_access of its live heap entry
-        self._order: EvictionOrder | None = None  # the eviction order, simulated lazily; None after a change
-        # The cold mass (`cold_blocks`): per live candidate (`cold_bucket` of its key, resident blocks);
-        # per bucket the candidates' blocks; `below` = their sum over the buckets under `floor_b` (`advance`).
-        self.worker: Any = None  # the worker this index is for (set by `touch`)
-        self.cand: dict[int, tuple[int, int]] = {}
-        self.bucket_blocks: dict[int, int] = {}
-        self.floor_b: int | None = None
-        self.below = 0
-        # the buckets at or past the floor that have held mass since it last passed them, each once (a heap and
-        # its set): `advance` pops the ones it passes instead of scanning every bucket
-        self.ahead: list[int] = []
-        self.ahead_set: set[int] = set()
-
-    def _consider(self, node: Any) -> None:
-        k = id(node)
-        if k in self.entries and not self.held.get(k):
-            la = node.last_access
-            if self.keyed.get(k) != la:
-                self.keyed[k] = la
-                entry = (la, node.seq, node)
-                heapq.heappush(self.heap, entry)
-                order = self._order
-                if order is not None and not order.pushed(entry):  # it walks this heap's array in place
-                    self._order = None
-            new: tuple[int, int] | None = (cold_bucket(la), node.resident_on(self.worker))
-        else:
-            self.keyed.pop(k, None)
-            new = None
-        old = self.cand.get(k)
-        if old != new:  # a candidate came, went, or its key or resident blocks moved: keep the cold mass
-            if old is not None:
-                self._add_mass(old[0], -old[1])
-                del self.cand[k]
-            if new is not None:
-                self._add_mass(new[0], new[1])
-                self.cand[k] = new
-
-    def _add_mass(self, bucket: int, blocks: int) -> None:
-        v = self.bucket_blocks.get(bucket, 0) + blocks
-        if v:
-            self.bucket_blocks[bucket] = v
-        else:
-            self.bucket_blocks.pop(bucket, None)
-        if self.floor_b is not None and bucket < self.floor_b:
-            self.below += blocks
-        elif bucket not in self.ahead_set:
-            self.ahead_set.add(bucket)
-            heapq.heappush(self.ahead, bucket)
-            if len(self.ahead) > 2 * len(self.bucket_blocks) + 64:  # emptied buckets dominate (few ticks): drop
-                self.ahead = [b for b in self.ahead if b in self.bucket_blocks]  # them; one that fills again
-                heapq.heapify(self.ahead)  # is pushed again, so `advance` still passes every bucket with mass
-                self.ahead_set = set(self.ahead)
-
-    def advance(self, floor_b: int) -> None:
-        """Count the candidates of the buckets before `floor_b` (a `cold_bucket`) in `cold_blocks`; never moves
-        back.
-
-        The caller (E2's `on_tick`) passes the floor of a time at or before every request through any node on this
-        worker within the node window: a candidate keyed under it is evicted before every node that M prices.
-        O(log n) per bucket it passes (`ahead`), not a scan of the buckets per tick (which was half of on_tick).
-        """
-        fb = self.floor_b
-        if fb is not None and floor_b <= fb:
-            return
-        below = 0 if fb is None else self.below
-        ahead, ahead_set, mass = self.ahead, self.ahead_set, self.bucket_blocks
-        while ahead and ahead[0] < floor_b:  # every bucket under the new floor with mass is here, once
-            b = heapq.heappop(ahead)
-            ahead_set.discard(b)
-            below += mass.get(b, 0)
-        self.below = below
-        self.floor_b = floor_b
-
-    def cold_blocks(self, protected: set[int]) -> int:
-        """Resident blocks of the live candidates keyed before `floor_b`, protected ones left out: the eviction
-        order takes all of them before any node with a request through it on this worker in the window (a
-        candidate stays one until taken, and such a node's key, its last_access, is at least that request's
-        time), so when they cover a prompt's need its M is 0 without simulating the order.
-
-        NOTE: E2's bound kernel (`ext/e2_select.m_is_zero`) takes this exit in C, reading `heap`, `floor_b`,
-        `below` and `cand` by this rule: a change to the rule or to those fields goes there too."""
-        fb = self.floor_b
-        if fb is None:
-            return 0
-        n = self.below
-        cand = self.cand
-        for k in protected:
-            c = cand.get(k)
-            if c is not None and c[0] < fb:
-                n -= c[1]
-        return n
-
-    def touch(self, worker: Any, node: Any, resident: dict[Any, int] | None = None, prune: bool = True) -> None:
-        """Reconcile one node for `worker` (`resident` = node.resident when the caller already has it); `prune`
-        False leaves the heap's stale top to the caller (`touch_all`)."""
-        self.worker = worker
-        k = id(node)
-        res = (node.resident if resident is None else resident).get(worker, 0) > 0 and node.is_attached
-        if res and self.touch_unmoved(node, k, node.parent):
-            return
-        old = self.entries.get(k)
-        if old is None and not res:
-            return
-        parent = node.parent if res else None
-        order = self._order
-        if order is not None and not (not res and order.first_resized(k, 0)) and (
-                order.reached(k) or (old is not None and old[1] is not None and order.reached(id(old[1])))
-                or (parent is not None and order.reached(id(parent)))):
-            self._order = None  # the steps read this node or a parent whose resident children change
-        if old is not None:
-            op = old[1]
-            if op is not None:
-                c = self.held[id(op)] - 1
-                if c:
-                    self.held[id(op)] = c
-                else:
-                    del self.held[id(op)]
-                self._consider(op)
-        if res:
-            self.entries[k] = (node, parent)
-            if parent is not None:
-                self.held[id(parent)] = self.held.get(id(parent), 0) + 1
-                self._consider(parent)
-        else:
-            del self.entries[k]
-        self._consider(node)
-        if prune:
-            self._prune()
-
-    def touch_all(self, worker: Any, nodes: Sequence[Any]) -> None:
-        """`touch` each node, pruning the heap's stale top once at the end (stale entries only gather at the top
-        meanwhile): an eviction event touches every node of its run, ~23 per event while a preloaded cache of
-        small prompts drains, and `_prune` was a third of each touch. (A node still resident under the same
-        parent goes through `touch_unmoved`, which prunes as it always did.)"""
-        for node in nodes:
-            self.touch(worker, node, prune=False)
-        if nodes:
-            self._prune()
-
-    def touch_unmoved(self, node: Any, k: int, parent: Any) -> bool:
-        """`touch` of a node resident and attached here (k = id(node), parent = node.parent) when it is recorded
-        under that same parent: True, done; False when `touch` has more to reconcile.
-
-        Only last_access (or the resident count) can have moved then: the eviction order depends on the node only
-        once it is a candidate or the simulation has reached it (a shared prefix, touched by every request, is
-        neither while its children are resident).
-        NOTE: a dispatch touches every holder's index for each node of the prompt's matched path, and this case is
-        nearly all of them: `ext/lru_order.touch_holders` (`PrebleE2._touch_holders`) takes it in C, reading
-        `entries`, `keyed`, `_order` and `held` by this rule; a change here goes there too.
-        """
-        old = self.entries.get(k)
-        if old is None or old[1] is not parent:
-            return False
-        keyed = self.keyed
-        order = self._order
-        if order is not None and (k in order.done or k in order.unlocked) and not (
-                keyed.get(k) == node.last_access and order.first_resized(k, node.resident_on(self.worker))):
-            self._order = None  # a step read its key or resident blocks (a new key is `pushed`'s to judge)
-        if self.held.get(k) and k not in keyed:
-            return True  # not a candidate before or after (resident children): heap and keys unchanged
-        self._consider(node)
-        self._prune()
-        return True
-
-    def _prune(self) -> None:
-        """Drop stale heap entries: all of them once they dominate, else those on top.
-
-        NOTE: a stale entry keeps its node's earlier (smaller) last_access, so stale entries gather at the top,
-        and `victims`, which is read-only and walks the array in key order, would step over every one of them
-        on each call. Popping them here keeps the top live. Exact: `victims` skips stale entries anyway, and a
-        kept order rebuilds its frontier over the moved array (`rebased`) before its next step.
-        """
-        heap, keyed = self.heap, self.keyed
-        order = self._order
-        if len(heap) > 2 * len(keyed) + 64:
-            self.heap = [e for e in heap if keyed.get(id(e[2])) == e[0]]
-            heapq.heapify(self.heap)
-            if order is not None:
-                order.rebased(self.heap)
-            return
-        popped = False
-        while heap and keyed.get(id(heap[0][2])) != heap[0][0]:
-            heapq.heappop(heap)
-            popped = True
-        if popped and order is not None:
-            order.rebased(heap)
+    __slots__ = ()
 
     def victims(self, worker: Any, need_blocks: int, protected: set[int]) -> list[tuple[Any, int]]:
         out: list[tuple[Any, int]] = []
@@ -780,3 +569,10 @@ class LruIndex:
         # C in its Cython build).
         return order.price(need_blocks, protected, now - window_s, block_size, cost, isinstance(cost, ProfileCost),
                            _alg2_term if mode == "alg2" else None)
+
+
+class LruIndex(LruPricing, LruIndexCore):
+    """One worker's LRU index: `LruIndexCore` (its Cython build where present), kept by E2's hooks, and what M
+    reads from it (`LruPricing`)."""
+
+    __slots__ = ()

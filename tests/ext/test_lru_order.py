@@ -31,6 +31,7 @@ def test_c_extension_loaded() -> None:
     assert _lru_order_c is not None, "switchyard.ext._lru_order_c did not build or import"
     assert lru_order.IMPLEMENTATION == "c"
     assert lru_order.EvictionOrder is _lru_order_c.EvictionOrder
+    assert lru_order.LruIndexCore is _lru_order_c.LruIndexCore
 
 
 def _walk(order: object, limit: int = 10_000) -> list[tuple[int, int]]:
@@ -272,3 +273,65 @@ def test_cython_touch_holders_equals_reference(seed: int, monkeypatch: pytest.Mo
         assert state == _index_state(policies["py"])
         dropped += sum(1 for s in state.values() if s[4])
     assert calls["c"] == calls["py"] > 20 and dropped > 0
+
+
+def _core_state(policy: PrebleE2) -> dict:  # type: ignore[type-arg]
+    """`_index_state` with the rest of each index's tables, the heap in array order (an order walks the array, so
+    the two builds must lay it out alike) and the cold mass's bucket heap as it is."""
+    seq = {id(n): n.seq for n in policy.tree.nodes()}
+    out = _index_state(policy)
+    for w, idx in policy.lru.items():
+        out[w] += (
+            [(la, s) for la, s, _ in idx.heap],
+            sorted((seq.get(k, -1), c) for k, c in idx.cand.items()),
+            dict(idx.bucket_blocks), idx.floor_b, idx.below, list(idx.ahead), set(idx.ahead_set),
+        )
+    return out
+
+
+@pytest.mark.c_extension
+@pytest.mark.skipif(_lru_order_c is None, reason="Cython extension not built")
+@pytest.mark.parametrize("seed", range(6))
+def test_cython_index_core_equals_reference(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """E2's LRU index on the Cython core (`_lru_order_c.LruIndexCore`) and on the reference core, driven by the
+    same hooks and ticks in lockstep: every table, the heap's array, the cold mass and which kept orders are
+    dropped stay equal, and M priced on both is the same float."""
+    from hook_fuzz import ReferenceLruIndex
+
+    from switchyard.router.policies import preble_e2
+    from switchyard.router.policies.preble_load import LruPricing
+
+    class CythonLruIndex(LruPricing, _lru_order_c.LruIndexCore):  # preble_load.LruIndex, whichever build loaded
+        __slots__ = ()
+
+    classes = {"c": CythonLruIndex, "py": ReferenceLruIndex}
+    policies = {impl: PrebleE2(E2Config.paper(node_window_s=5.0)) for impl in classes}
+    clocks = {impl: [0.0] for impl in classes}
+    drives = {impl: drive(p, random.Random(seed), random_prompts(random.Random(seed), 40, labels=50), WORKERS, 300,
+                          tied_times=True, clock=clocks[impl])
+              for impl, p in policies.items()}
+    pick = random.Random(seed + 100)
+    cost = profile_cost(DEFAULT_PROFILE)
+    dropped = ticks = priced = 0
+    for _ in range(300):
+        need = pick.choice([1, 4, 20])
+        tick = pick.random() < 0.3
+        for impl, p in policies.items():
+            for w, idx in sorted(p.lru.items()):  # an order read part of the way, as a select's M leaves it
+                idx._order = lru_order.EvictionOrder(idx, w, NodeStats)
+                idx._order.reach(need)
+            monkeypatch.setattr(preble_e2, "LruIndex", classes[impl])
+            next(drives[impl])
+            if tick:
+                p.on_tick(clocks[impl][0])  # the cold floor moves (`advance`)
+        assert all(type(idx) is classes[impl] for impl, p in policies.items() for idx in p.lru.values())
+        state = _core_state(policies["c"])
+        assert state == _core_state(policies["py"])
+        dropped += sum(1 for s in state.values() if s[4])
+        ticks += tick
+        now = clocks["c"][0]
+        for w in sorted(policies["c"].lru):
+            ms = [p.lru[w].eviction_cost(w, need * 5, set(), now, 5.0, 16, cost, "text") for p in policies.values()]
+            assert ms[0] == ms[1]
+            priced += ms[0] > 0
+    assert dropped > 0 and ticks > 50 and priced > 20

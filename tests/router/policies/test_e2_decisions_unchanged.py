@@ -16,6 +16,7 @@ from collections import deque
 from typing import Any
 
 import pytest
+from hook_fuzz import ReferenceLruIndex
 
 import switchyard.bench.micro.decisions as bench
 from switchyard.bench.sim import SimConfig, Simulator
@@ -29,6 +30,7 @@ from switchyard.router.policies.preble_e2 import Cost, E2Config, PrebleE2
 from switchyard.router.policies.preble_load import (
     HistoryEntry,
     LruIndex,
+    LruPricing,
     MovedLoad,
     NodeStats,
     eviction_cost_s,
@@ -173,6 +175,7 @@ def test_select_shortcuts_equal_plain_code(
     every select's match, exploit set, LOADCOSTs, eviction victims and argmin equal the plain versions."""
     monkeypatch.setattr(preble_e2, "RadixTree", radix_py.RadixTree if impl == "py" else radix.RadixTree)
     monkeypatch.setattr(preble_load, "EvictionOrder", lru_order_py.EvictionOrder if impl == "py" else lru_order.EvictionOrder)
+    monkeypatch.setattr(preble_e2, "LruIndex", ReferenceLruIndex if impl == "py" else LruIndex)
     # every other ext/ structure E2 calls, the reference builds too ("py"): the kernel's M exits, R and the
     # L memo's pieces, and the dispatch's holder touches
     monkeypatch.setattr(preble_e2, "touch_holders", lru_order_py.touch_holders if impl == "py" else lru_order.touch_holders)
@@ -204,8 +207,8 @@ def test_select_shortcuts_equal_plain_code(
         num_victims += len(victims)
         return got
 
-    fast_victims, fast_cost = LruIndex.victims, LruIndex.eviction_cost
-    monkeypatch.setattr(LruIndex, "eviction_cost", checked_cost)
+    fast_victims, fast_cost = LruPricing.victims, LruPricing.eviction_cost
+    monkeypatch.setattr(LruPricing, "eviction_cost", checked_cost)
 
     def make(name: str) -> CheckedE2:
         made.append(CheckedE2(E2Config(**CONFIGS[config])))
@@ -352,6 +355,7 @@ def test_decisions_do_not_depend_on_memory_addresses(monkeypatch: pytest.MonkeyP
             # the reference eviction order, whose id() can be replaced (the Cython build's ids are pointers; the
             # twin test in tests/ext/test_lru_order.py holds it to the reference step for step)
             m.setattr(preble_load, "EvictionOrder", lru_order_py.EvictionOrder)
+            m.setattr(preble_e2, "LruIndex", ReferenceLruIndex)  # and the reference index (its ids are id())
             if flip:  # every id() of the policy and its eviction bookkeeping reversed in order (still unique)
                 for module in (preble_e2, preble_load, lru_order_py):
                     m.setattr(module, "id", lambda o: -builtins.id(o), raising=False)

@@ -18,7 +18,7 @@ import zlib
 
 import pytest
 from factories import make_fleet, make_requests
-from hook_fuzz import drive, random_prompts
+from hook_fuzz import ReferenceLruIndex, drive, random_prompts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -47,6 +47,7 @@ def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     monkeypatch.setattr(preble_e2, "RadixTree", tree_cls)
     order_cls = lru_order_py.EvictionOrder if request.param == "py" else lru_order.EvictionOrder
     monkeypatch.setattr(preble_load, "EvictionOrder", order_cls)
+    monkeypatch.setattr(preble_e2, "LruIndex", ReferenceLruIndex if request.param == "py" else preble_load.LruIndex)
     return str(request.param)
 W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
 
@@ -705,8 +706,8 @@ def test_m_is_zero_without_simulating_when_the_cold_candidates_cover_the_need(se
         now = clock[0]
         policy.advance_cold(now)
         for v, idx in policy.lru.items():
-            assert idx.floor_b is not None and idx.floor_b == preble_load.cold_bucket(policy.cold_floor(v, now))
-            live = {k: (preble_load.cold_bucket(la), idx.entries[k][0].resident_on(v)) for k, la in idx.keyed.items()}
+            assert idx.floor_b is not None and idx.floor_b == lru_order_py.cold_bucket(policy.cold_floor(v, now))
+            live = {k: (lru_order_py.cold_bucket(la), idx.entries[k][0].resident_on(v)) for k, la in idx.keyed.items()}
             assert idx.cand == live, step
             assert idx.below == sum(d for b, d in live.values() if b < idx.floor_b), step
             for _ in range(3):
