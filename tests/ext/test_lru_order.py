@@ -293,9 +293,9 @@ def _core_state(policy: PrebleE2) -> dict:  # type: ignore[type-arg]
 @pytest.mark.skipif(_lru_order_c is None, reason="Cython extension not built")
 @pytest.mark.parametrize("seed", range(6))
 def test_cython_index_core_equals_reference(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """E2's LRU index on the Cython core (`_lru_order_c.LruIndexCore`) and on the reference core, driven by the
-    same hooks and ticks in lockstep: every table, the heap's array, the cold mass and which kept orders are
-    dropped stay equal, and M priced on both is the same float."""
+    """E2's LRU index on the Cython core (`_lru_order_c.LruIndexCore`, with that module's `touch_holders`) and on
+    the reference build of both, driven by the same hooks and ticks in lockstep: every table, the heap's array,
+    the cold mass and which kept orders are dropped stay equal, and M priced on both is the same float."""
     from hook_fuzz import ReferenceLruIndex
 
     from switchyard.router.policies import preble_e2
@@ -321,6 +321,8 @@ def test_cython_index_core_equals_reference(seed: int, monkeypatch: pytest.Monke
                 idx._order = lru_order.EvictionOrder(idx, w, NodeStats)
                 idx._order.reach(need)
             monkeypatch.setattr(preble_e2, "LruIndex", classes[impl])
+            monkeypatch.setattr(preble_e2, "touch_holders",  # the dispatch's reconcile, of the same build
+                                (_lru_order_c if impl == "c" else lru_order_py).touch_holders)
             next(drives[impl])
             if tick:
                 p.on_tick(clocks[impl][0])  # the cold floor moves (`advance`)

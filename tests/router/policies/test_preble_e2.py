@@ -42,12 +42,14 @@ IMPLS = ["py", pytest.param("c", marks=pytest.mark.c_extension)] if radix.IMPLEM
 
 @pytest.fixture(params=IMPLS)
 def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run the test on the reference radix tree and eviction order, and on the Cython builds (when they loaded)."""
+    """Run the test on the reference radix tree, LRU index and eviction order, and on the Cython builds (when they
+    loaded)."""
     tree_cls = radix_py.RadixTree if request.param == "py" else radix.RadixTree
     monkeypatch.setattr(preble_e2, "RadixTree", tree_cls)
     order_cls = lru_order_py.EvictionOrder if request.param == "py" else lru_order.EvictionOrder
     monkeypatch.setattr(preble_load, "EvictionOrder", order_cls)
     monkeypatch.setattr(preble_e2, "LruIndex", ReferenceLruIndex if request.param == "py" else preble_load.LruIndex)
+    monkeypatch.setattr(preble_e2, "touch_holders", (lru_order_py if request.param == "py" else lru_order).touch_holders)
     return str(request.param)
 W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
 
