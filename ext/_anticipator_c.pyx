@@ -13,7 +13,7 @@ Layout, chosen for the per-decision queries (peak, virtual_peak over 100 slots) 
 All loops over the ring and the records run in C without the GIL.
 """
 
-from cpython.dict cimport PyDict_GetItem
+from cpython.dict cimport PyDict_GetItem, PyDict_Next
 from cpython.float cimport PyFloat_Check
 from cpython.long cimport PyLong_Check
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
@@ -270,6 +270,26 @@ cdef class Anticipator:
     def record(self, rid):
         cdef Rec* r = self._get(rid)
         return (r.prompt, r.start, r.predicted, r.end)
+
+    def batch(self, dict reqs):
+        """As the reference's: the records read with the dict C API, each running one's Rec in C."""
+        cdef list running = [], queued = []
+        cdef Py_ssize_t pos = 0
+        cdef PyObject* k
+        cdef PyObject* v
+        cdef PyObject* got
+        cdef Rec* r
+        cdef object rq
+        while PyDict_Next(reqs, &pos, &k, &v):
+            rq = <object>v
+            got = PyDict_GetItem(self._index, <object>k) if rq.running else NULL
+            if got != NULL:
+                r = &self._recs[<Py_ssize_t>(<object>got)]
+                if r.end > self._it:
+                    running.append((r.end - self._it, rq.prompt_tokens + (self._it - r.start)))
+            else:
+                queued.append((rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens))
+        return running, queued
 
     def load_tokens(self, horizon):
         cdef int64_t h = self._horizon(horizon)

@@ -220,6 +220,24 @@ class Anticipator:
         r = self._records[rid]
         return (r.prompt, r.start, r.predicted, r.end)
 
+    def batch(self, reqs: dict[Hashable, Any]) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
+        """A router's anticipated batch on this worker, from its records `reqs` ({rid: request with `running`,
+        `prompt_tokens`, `kv_prompt_tokens`, `predicted_tokens`}), in `reqs`' order: running [(remaining
+        predicted tokens, prompt_tokens + generated)] for each running one in this map with decode left, queued
+        [(prompt_tokens, kv_prompt_tokens, predicted_tokens)] for every one not running or not in the map (the
+        default policy's `Switchyard.batch`, priced per worker per select)."""
+        running: list[tuple[int, int]] = []
+        queued: list[tuple[int, int, int]] = []
+        it = self._it
+        for rid, rq in reqs.items():
+            if rq.running and rid in self._records:
+                r = self._records[rid]
+                if r.end > it:
+                    running.append((r.end - it, rq.prompt_tokens + it - r.start))
+            else:
+                queued.append((rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens))
+        return running, queued
+
     def load_tokens(self, horizon: int) -> list[int]:
         return self._window(horizon)
 

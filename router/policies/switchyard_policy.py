@@ -355,21 +355,8 @@ class Switchyard(PrebleE2):
         first token yet (not in the map, PreServe §5.5), assumed to start decoding before r, its prompt as context.
         Contexts are whole prompts (decode attention reads shared blocks too); the map's are private ones.
         """
-        running: list[tuple[int, int]] = []
-        queued: list[tuple[int, int, int]] = []
         reqs = self.by_worker.get(w)
-        if not reqs:
-            return running, queued
-        it = ant.iteration
-        record = ant.record
-        for rid, rq in reqs.items():
-            if rq.running and rid in ant:
-                _, start, _, end = record(rid)
-                if end > it:
-                    running.append((end - it, rq.prompt_tokens + it - start))
-            else:
-                queued.append((rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens))
-        return running, queued
+        return ant.batch(reqs) if reqs else ([], [])  # `ext/anticipator`: the records' loop in C
 
     @staticmethod
     def co_residency_s(

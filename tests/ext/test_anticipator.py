@@ -242,6 +242,36 @@ def test_drains_to_zero_over_random_ops(impl) -> None:  # type: ignore[no-untype
     assert a.peak(4096) == 0.0 and a.remaining_decode_tokens() == 0 and a.resident_tokens() == 0
 
 
+def test_batch_is_the_records_split_by_the_map(impl) -> None:  # type: ignore[no-untyped-def]
+    """`batch` (the default policy's view of a worker's batch): a running record in the map with decode left is
+    (remaining, whole prompt + generated); one running but finished or overrun-free past its end is left out;
+    anything not running or not in the map is queued as (prompt, private prompt, D); `reqs`' order is kept."""
+    from types import SimpleNamespace as Req
+
+    rng = random.Random(3)
+    for _ in range(40):
+        a = impl.Anticipator(100_000, max_len=512)
+        reqs = {}
+        for k in range(rng.randint(0, 30)):
+            rid = f"r{k}"
+            prompt, private, d = rng.randint(1, 2000), rng.randint(0, 2000), rng.randint(1, 300)
+            running = rng.random() < 0.7
+            if running and rng.random() < 0.85:
+                a.add(rid, private, d)
+            reqs[rid] = Req(running=running, prompt_tokens=prompt, kv_prompt_tokens=private, predicted_tokens=d)
+            if rng.random() < 0.3:
+                a.advance_to(a.iteration + rng.randint(1, 120))
+        want_run, want_queued = [], []
+        for rid, rq in reqs.items():  # the definition, from the public records
+            if rq.running and rid in a:
+                _, start, _, end = a.record(rid)
+                if end > a.iteration:
+                    want_run.append((end - a.iteration, rq.prompt_tokens + a.iteration - start))
+            else:
+                want_queued.append((rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens))
+        assert a.batch(reqs) == (want_run, want_queued)
+
+
 # ---- claim 6: time advance ----------------------------------------------------------------------------------
 
 
