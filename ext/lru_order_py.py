@@ -533,8 +533,8 @@ class LruIndexCore:
         once it is a candidate or the simulation has reached it (a shared prefix, touched by every request, is
         neither while its children are resident).
         NOTE: a dispatch touches every holder's index for each node of the prompt's matched path, and this case is
-        nearly all of them: `ext/lru_order.touch_holders` (`PrebleE2._touch_holders`) takes it in C, reading
-        `entries`, `keyed`, `_order` and `held` by this rule; a change here goes there too.
+        nearly all of them (`touch_holders`, `PrebleE2._touch_holders`). Every method of this class has its twin
+        in `_lru_order_c.LruIndexCore`: a change here goes there too.
         """
         old = self.entries.get(k)
         if old is None or old[1] is not parent:
