@@ -519,7 +519,8 @@ cdef double _COLD_BUCKETS_PER_S = COLD_BUCKETS_PER_S
 
 cdef inline object _cold_bucket(object t):
     """`lru_order_py.cold_bucket`: floor(t × COLD_BUCKETS_PER_S), a power of two, so the product is exact; a
-    time that is not finite goes to the reference (which raises as `math.floor` does)."""
+    time past a long long's range, or not finite, goes to the reference (the same int, or its `math.floor`
+    error)."""
     cdef double x = <double>t * _COLD_BUCKETS_PER_S
     if not (-9.0e18 < x < 9.0e18):  # not finite, or past a long long
         return _py_cold_bucket(t)
