@@ -572,9 +572,6 @@ cdef class LruIndexCore:
             self._fb, self._fb_set = v, True
 
     # ------------------------------------------------------------------------------------------ the reference's
-    def _consider(self, node):
-        self._c_consider(node)
-
     def _add_mass(self, long long bucket, long long blocks):
         self._c_add_mass(bucket, blocks)
 
@@ -625,9 +622,6 @@ cdef class LruIndexCore:
     def touch_unmoved(self, node, k, parent):
         """As the reference's."""
         return self._c_touch_unmoved(node, k, parent)
-
-    def _prune(self):
-        self._c_prune()
 
     # ------------------------------------------------------------------------------------------ in C
     cdef int _c_consider(self, object node) except -1:

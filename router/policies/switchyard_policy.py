@@ -148,7 +148,7 @@ from switchyard.router.policies.base import (
     WorkerView,
 )
 from switchyard.router.policies.preble_cost import CostModel
-from switchyard.router.policies.preble_e2 import Cost, E2Config, PrebleE2
+from switchyard.router.policies.preble_e2 import E2Config, PrebleE2
 from switchyard.router.predictor.fallback import LengthFallback
 
 log = logging.getLogger(__name__)
@@ -526,7 +526,7 @@ class Switchyard(PrebleE2):
         load, r, q, evict = raw_bounds(self._bounds_env, (w,), {wid: cached_blocks}, p, now)[0]
         m = 0.0
         if evict > 0 and beat is None:
-            m = self._with_evict(Cost(load, 0.0, r, q), w, evict, now, {id(n) for n in path}).evict_s
+            m = self._evict_s(w, evict, now, {id(n) for n in path})
         if ant is None:
             ant = self.tracker.sync(w, now)
         running, queued = self.batch(wid, ant)
@@ -554,7 +554,7 @@ class Switchyard(PrebleE2):
         if evict > 0 and beat is not None:
             if head + ew * 0.0 + dec + inter + ow * over + kw * wait > beat:
                 return None
-            m = self._with_evict(Cost(load, 0.0, r, q), w, evict, now, {id(n) for n in path}).evict_s
+            m = self._evict_s(w, evict, now, {id(n) for n in path})
         total = head + ew * m + dec + inter + ow * over + kw * wait
         return Terms(
             queue,

@@ -590,7 +590,7 @@ def test_pruned_select_picks_what_pricing_every_worker_picks(
         pol = Switchyard(SwitchyardConfig(prune=prune))
         calls = 0
         terms_fn = pol.terms
-        with_evict = pol._with_evict
+        evict_s = pol._evict_s
         m_priced = m_skipped = 0
 
         def counting(*a, _f=terms_fn, **k):  # noqa: ANN002, ANN003, ANN202
@@ -600,13 +600,13 @@ def test_pruned_select_picks_what_pricing_every_worker_picks(
             m_skipped += t is None
             return t
 
-        def counting_m(*a, _f=with_evict, **k):  # noqa: ANN002, ANN003, ANN202
+        def counting_m(*a, _f=evict_s, **k):  # noqa: ANN002, ANN003, ANN202
             nonlocal m_priced
             m_priced += 1
             return _f(*a, **k)
 
         pol.terms = counting  # type: ignore[method-assign]
-        pol._with_evict = counting_m  # type: ignore[method-assign]
+        pol._evict_s = counting_m  # type: ignore[method-assign]
         overrides = {"num_kv_blocks": kv_blocks} if kv_blocks else {}
         cfg = SimConfig(policy="switchyard", num_workers=6, predictor=predictor, engine_overrides=overrides)
         res = Simulator(trace, cfg, policy=pol).run()
