@@ -12,6 +12,8 @@ The Python-level calls left are `prefill_s` of other cost models, the view's `kv
 memo miss, and M per priced worker whose LRU simulation cannot be skipped.
 """
 
+from functools import partial
+
 from cpython.dict cimport PyDict_GetItem, PyDict_Next
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.object cimport PyObject
@@ -21,10 +23,16 @@ include "_profile_cost.pxi"  # _prefill_s, PyFloat_AsDouble
 
 cdef enum:
     _MEMO = 16
+    _DEBUG = 10  # logging.DEBUG
 
 
 def exploit_set(dict cached, Py_ssize_t key_end, dict by_id, redirect, replicas, double now):
     """As `e2_select_py.exploit_set`."""
+    return _exploit_set(cached, key_end, by_id, redirect, replicas, now)
+
+
+cdef list _exploit_set(dict cached, Py_ssize_t key_end, dict by_id, object redirect, object replicas, double now):
+    """`exploit_set`, callable in C."""
     cdef Py_ssize_t pos = 0, i, j, n
     cdef PyObject* k
     cdef PyObject* v
@@ -74,6 +82,40 @@ cdef class BoundsEnv:
         self.lru, self.resident_count, self.outstanding = lru, resident_count, outstanding
         self.load_memo, self.load_s, self.window_s = load_memo, load_s, window_s
         self.evict_on, self.assume_full, self.with_l, self.with_q = evict_on, assume_full, with_l, with_q
+
+
+cdef class SelectEnv:
+    """As `e2_select_py.SelectEnv`: the policy's tables, bound methods and configuration read once, by reference
+    (its `BoundsEnv`'s rule: the tables stay current, the configuration is fixed at construction); the tree is
+    read per select (`policy.tree`: a test wraps it)."""
+
+    cdef readonly object policy, decision, node_stats, debug_on, evict_s, protected
+    cdef readonly object pool_index, remember, costs, decide, overflow_of, ratios_of, candidates
+    cdef readonly frozenset fixed_reasons
+    cdef readonly BoundsEnv bounds
+    cdef readonly dict evicted, outstanding, decisions, remembered
+    cdef readonly bint study, overflow, pd_on, pd_argmax, decode_tokens
+    cdef readonly double imbalance
+    cdef readonly str pd_suffix
+
+    def __init__(self, policy, *, decision, node_stats, frozenset fixed_reasons, logger):
+        cfg = policy.cfg
+        self.policy, self.decision, self.node_stats, self.fixed_reasons = policy, decision, node_stats, fixed_reasons
+        self.debug_on = logger.isEnabledFor
+        self.evict_s, self.protected = policy._evict_s, policy._protected
+        self.pool_index, self.remember, self.candidates = policy._pool_index, policy._remember, policy.pool
+        self.costs, self.decide = policy._costs, policy._decide
+        self.overflow_of, self.ratios_of = policy._overflow, policy._ratios
+        self.bounds = policy._bounds_env
+        self.evicted, self.outstanding = policy.evicted, policy.outstanding
+        self.decisions, self.remembered = policy._decisions, policy._remembered
+        self.study = cfg.key_portion == "study"
+        self.overflow = cfg.exploit_overflow
+        self.pd_on = cfg.enable_pd_balancing
+        self.pd_argmax = cfg.pd_pick == "argmax"
+        self.decode_tokens = cfg.decode_ratio == "decode_tokens"
+        self.imbalance = cfg.imbalance_ratio
+        self.pd_suffix = f">{cfg.imbalance_ratio}"
 
 
 def m_is_zero(lru, path, Py_ssize_t need):
@@ -237,10 +279,18 @@ def cheapest(BoundsEnv env, ws, dict cached, Py_ssize_t n, double now, Py_ssize_
     """As `e2_select_py.cheapest`: the bounds in C structs, ordered by an insertion sort of their indices (a
     candidate set is at most the fleet), the branch and bound over them in C; Python only for M past its early
     exits."""
+    return _cheapest(env, ws, cached, n, now, turn, price_m, None, path)
+
+
+cdef tuple _cheapest(BoundsEnv env, object ws, dict cached, Py_ssize_t n, double now, Py_ssize_t turn,
+                     object price_m, SelectEnv senv, object path):
+    """`cheapest`, with M from `price_m(i, evict)`, or where `senv` is given from the policy's
+    `_evict_s(ws[i], evict, now, protected)`, `protected` (`_protected(path)`) built once, at the first M."""
     cdef Py_ssize_t m = len(ws), i, j, t, best = -1
     cdef double mm, total, best_total = 0.0
     cdef Py_ssize_t best_rot = 0
     cdef list priced = []
+    cdef object protected = None
     cdef Bound* b
     cdef Py_ssize_t* order
     if m == 0:
@@ -264,7 +314,12 @@ def cheapest(BoundsEnv env, ws, dict cached, Py_ssize_t n, double now, Py_ssize_
                 break  # this bound and every later one exceed the best total
             mm = 0.0
             if b[i].evict > 0 and not _m_is_zero(env.lru[ws[i].worker_id], path, b[i].evict):
-                mm = PyFloat_AsDouble(price_m(i, b[i].evict))
+                if senv is None:
+                    mm = PyFloat_AsDouble(price_m(i, b[i].evict))
+                else:
+                    if protected is None:
+                        protected = senv.protected(path)
+                    mm = PyFloat_AsDouble(senv.evict_s(ws[i], b[i].evict, now, protected))
             priced.append((i, b[i].load, mm, b[i].r, b[i].q))
             total = b[i].load + mm + b[i].r + b[i].q
             if best < 0 or total < best_total or (total == best_total and b[i].rot < best_rot):
@@ -272,6 +327,139 @@ def cheapest(BoundsEnv env, ws, dict cached, Py_ssize_t n, double now, Py_ssize_
     finally:
         PyMem_Free(b)
     return best, priced
+
+
+cdef object _decide(SelectEnv env, object ctx, object w, str why, object cached_len, object missed_len, object ws,
+                    list priced):
+    """`PrebleE2._decide` of w with `_costs(ws, priced)` for its DEBUG line (the policy's own, when DEBUG is on)."""
+    cdef object wid, key, got
+    cdef PyObject* p
+    if env.debug_on(_DEBUG):
+        return env.decide(ctx, w, why, cached_len, missed_len, partial(env.costs, ws, priced))
+    wid = w.worker_id
+    key = (wid, why)
+    p = PyDict_GetItem(env.decisions, key)
+    if p is not NULL:
+        return <object>p
+    got = env.decision(worker_id=wid, reason=why)
+    if why in env.fixed_reasons:
+        env.decisions[key] = got
+    return got
+
+
+cdef double _decode_fraction(object o) except? -1.0:
+    """`Outstanding.decode_fraction()`: decoding / (decoding + queued tokens), 0 when idle (in C for int tokens:
+    both counts are exact doubles, so the quotient is Python's correctly rounded int division)."""
+    cdef object qt = o.queued_tokens
+    cdef long long d, total
+    if type(qt) is not int:
+        return PyFloat_AsDouble(o.decode_fraction())
+    d = len(o.decoding)
+    total = d + <long long>qt
+    return <double>d / <double>total if total > 0 else 0.0
+
+
+def select_e2(SelectEnv env, ctx, fleet, double now):
+    """As `e2_select_py.select_e2`: `PrebleE2.select_steps` in C, step for step, the policy's step methods
+    called only off the default path (excluded workers, a new pool, exploit overflow, hit-ratio DECODERATIO, the
+    DEBUG line) and for M."""
+    cdef object policy = env.policy, tree = policy.tree, pool, memo, hashes, path, got, key, st, pick, w
+    cdef object model = ctx.model
+    cdef dict zero, by_id, cached
+    cdef list ks, priced, heavy, over_i, over_r
+    cdef Py_ssize_t best, bs, n, cached_len, missed_len, m, i, bi, turn, rot, best_rot
+    cdef double r, best_r
+    cdef str why
+    if ctx.excluded_workers:
+        pool = env.candidates(ctx, fleet)
+    else:
+        pool = fleet.routable(model)
+    if not pool:
+        return None
+    if policy._fleet is not fleet or env.remembered.get(model) is not pool:
+        env.remember(fleet, pool, model)
+    memo = policy._pool_memo
+    if memo is not None and (<tuple>memo)[0] is pool:
+        zero, by_id = (<tuple>memo)[1], (<tuple>memo)[2]
+    else:
+        zero, by_id = env.pool_index(pool)
+    # prefix
+    hashes = ctx.block_hashes
+    if hashes:
+        got = tree.match_cached(hashes, zero, env.evicted)
+        cached, best, path = (<tuple>got)[0], (<tuple>got)[1], (<tuple>got)[2]
+        policy._prefix_memo = (ctx.request_id, hashes, policy._tree_gen, cached, path)
+    else:
+        cached, best, path = zero.copy(), 0, []
+    bs = pool[0].block_size
+    n = len(ctx.prompt_token_ids)
+    cached_len = best * bs
+    if cached_len > n:
+        cached_len = n
+    missed_len = n - cached_len
+    turn = policy._turn
+    if cached_len > missed_len:
+        got = tree.key_portion(path, best, env.study)
+        key = (<tuple>got)[0]
+        if key is not None:
+            st = key.stats
+            if isinstance(st, env.node_stats):
+                ks = _exploit_set(cached, (<tuple>got)[1], by_id, st.redirect, st.replicas, now)
+            else:
+                ks = _exploit_set(cached, (<tuple>got)[1], by_id, None, None, now)
+            if ks:
+                if len(ks) == 1:
+                    pick, why, priced = ks[0], "exploit only holder", []
+                else:
+                    got = _cheapest(env.bounds, ks, cached, n, now, turn, None, env, path)
+                    pick, priced, why = ks[<Py_ssize_t>(<tuple>got)[0]], (<tuple>got)[1], "exploit"
+                if env.overflow:
+                    got = env.overflow_of(ctx, pick, ks, pool, cached, path, now)
+                    if got is not None:
+                        return env.decide(ctx, (<tuple>got)[0], "explore overflow", cached_len, missed_len,
+                                          (<tuple>got)[1].copy)
+                return _decide(env, ctx, pick, why, cached_len, missed_len, ks, priced)
+    if env.pd_on:
+        m = len(pool)
+        over_i, over_r = [], []
+        if env.decode_tokens:
+            i = 0
+            for w in pool:
+                got = env.outstanding.get(w.worker_id)
+                r = _decode_fraction(got) if got is not None else 0.0
+                if r > env.imbalance:
+                    over_i.append(i)
+                    over_r.append(r)
+                i += 1
+        else:
+            i = 0
+            for got in env.ratios_of(pool, now):
+                if got > env.imbalance:
+                    over_i.append(i)
+                    over_r.append(got)
+                i += 1
+        if over_i:
+            heavy = [pool[i] for i in over_i]
+            if env.pd_argmax:  # the highest ratio; ties: the lowest rotated index (unique), as everywhere
+                bi, best_r, best_rot = -1, 0.0, 0
+                for j in range(len(over_i)):
+                    i = over_i[j]
+                    r = over_r[j]
+                    rot = _pymod(i - turn, m)
+                    if bi < 0 or r > best_r or (r == best_r and rot < best_rot):
+                        bi, best_r, best_rot = j, r, rot
+                w, priced = pool[over_i[bi]], []
+            else:  # the lightest of the decode-heavy workers
+                got = _cheapest(env.bounds, heavy, cached, n, now, turn, None, env, path)
+                w, priced = heavy[<Py_ssize_t>(<tuple>got)[0]], (<tuple>got)[1]
+                for bi in range(len(over_i)):
+                    if pool[over_i[bi]] is w:
+                        break
+            why = "explore P/D ratio=" + format(over_r[bi], ".2f") + env.pd_suffix
+            return _decide(env, ctx, w, why, cached_len, missed_len, heavy, priced)
+    got = _cheapest(env.bounds, pool, cached, n, now, turn, None, env, path)
+    return _decide(env, ctx, pool[<Py_ssize_t>(<tuple>got)[0]], "explore", cached_len, missed_len, pool,
+                   (<tuple>got)[1])
 
 
 cdef class ArgminEnv:

@@ -13,6 +13,7 @@ from switchyard.ext.e2_select_py import (
     ArgminEnv,
     BoundsEnv,
     Priced,
+    SelectEnv,
     argmin_bounds,
     argmin_order,
     cheapest,
@@ -23,6 +24,7 @@ from switchyard.ext.e2_select_py import (
     m_is_zero,
     prefill,
     raw_bounds,
+    select_e2,
 )
 
 IMPLEMENTATION = "py"
@@ -32,6 +34,7 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
         from switchyard.ext._e2_select_c import (  # type: ignore[no-redef]  # noqa: F811
             ArgminEnv,
             BoundsEnv,
+            SelectEnv,
             argmin_bounds,
             argmin_order,
             cheapest,
@@ -42,6 +45,7 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
             m_is_zero,
             prefill,
             raw_bounds,
+            select_e2,
         )
 
         IMPLEMENTATION = "c"
@@ -49,6 +53,6 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
         pass
 
 __all__ = [
-    "IMPLEMENTATION", "ArgminEnv", "BoundsEnv", "Priced", "argmin_bounds", "argmin_order", "cheapest", "co_residency",
-    "decode", "decode_marginal", "exploit_set", "m_is_zero", "prefill", "raw_bounds",
+    "IMPLEMENTATION", "ArgminEnv", "BoundsEnv", "Priced", "SelectEnv", "argmin_bounds", "argmin_order", "cheapest",
+    "co_residency", "decode", "decode_marginal", "exploit_set", "m_is_zero", "prefill", "raw_bounds", "select_e2",
 ]

@@ -9,6 +9,10 @@ Reference build (obviously correct); `_e2_select_c.pyx` is the Cython build, `e2
   `BoundsEnv` that holds its dicts by reference, never written here except through `load_s` on a memo miss.
 - `cheapest`: the branch and bound of every explore and every exploit with several holders over those bounds,
   asking the caller for M only where it can still change the answer and `m_is_zero` cannot tell it is 0.
+- `select_e2`: E2's whole select (`PrebleE2.select_steps`, whose steps call the functions above) as one call; a
+  `SelectEnv` holds the policy. Here it is those steps themselves; the Cython build runs them in C, calling back
+  into the policy only for what is not the default path (exploit overflow, hit-ratio DECODERATIO, the DEBUG line)
+  and for M.
 - `argmin_bounds` / `argmin_order`: the default policy's (`switchyard`, placement "argmin") lower bound of each
   pool worker's cost, and the order its branch and bound prices them in (an `ArgminEnv` holds what they read);
   `co_residency`, `decode`, `decode_marginal` and `prefill`, terms it prices per worker.
@@ -157,6 +161,26 @@ def cheapest(
         if best < 0 or key < best_key:
             best, best_key = i, key
     return best, priced
+
+
+class SelectEnv:
+    """What `select_e2` reads: the policy (its tables, configuration and step methods), the `Decision` and
+    `NodeStats` classes, the reasons whose `Decision`s are memoised per (worker, reason) and the policy's logger,
+    whose DEBUG line the policy's `_decide` writes (nothing here imports from `router/`)."""
+
+    __slots__ = ("policy", "decision", "node_stats", "fixed_reasons", "logger")
+
+    def __init__(
+        self, policy: Any, *, decision: type, node_stats: type, fixed_reasons: frozenset[str], logger: Any
+    ) -> None:
+        self.policy, self.decision, self.node_stats, self.fixed_reasons = policy, decision, node_stats, fixed_reasons
+        self.logger = logger
+
+
+def select_e2(env: SelectEnv, ctx: Any, fleet: Any, now: float) -> Any:
+    """E2's decision for `ctx` over `fleet` at `now` (a `Decision`, or None without a routable worker): the
+    policy's `select_steps`."""
+    return env.policy.select_steps(ctx, fleet, now)
 
 
 class ArgminEnv:

@@ -1,8 +1,9 @@
 """Micro-benchmark of E2's per-select loops (`switchyard bench e2-select`): `exploit_set` and `cheapest` (the
 bounds and the branch and bound; `ext/e2_select`), Cython build vs Python reference, on the calls E2 makes while
-`switchyard bench decisions` streams a workload through it (16 workers, a preloaded tree). Every call is made by
-both builds on the same arguments, in an order that alternates by call, and timed; the two answers must agree
-(the run stops otherwise).
+`switchyard bench decisions` streams a workload through it (16 workers, a preloaded tree), the select run step by
+step (the Cython build's fused select, `select_e2`, makes these calls in C: `bench decisions --paired` against an
+earlier revision times it whole). Every call is made by both builds on the same arguments, in an order that
+alternates by call, and timed; the two answers must agree (the run stops otherwise).
 The ratio is the median over calls of Cython's time over the reference's.
 
 Quick: `switchyard bench e2-select --num-requests 2000 --preload-nodes 0`. Default: toolbench-200 with 50,000
@@ -91,12 +92,15 @@ def paired_calls(times: dict[str, dict[str, list[int]]], sizes: list[int]) -> It
             raise AssertionError(f"cheapest: the builds disagree: {py} != {cy}")
         return cy
 
-    saved = preble_e2.exploit_set, preble_e2.cheapest
+    saved = preble_e2.exploit_set, preble_e2.cheapest, preble_e2.select_e2
+    # the select runs step by step (the reference `select_e2`: the policy's `select_steps`), so it calls the loops
+    # through these names; the Cython build's fused select calls them in C
     preble_e2.exploit_set, preble_e2.cheapest = exploit_set, cheapest  # type: ignore[assignment]
+    preble_e2.select_e2 = e2_select_py.select_e2  # type: ignore[assignment]
     try:
         yield
     finally:
-        preble_e2.exploit_set, preble_e2.cheapest = saved
+        preble_e2.exploit_set, preble_e2.cheapest, preble_e2.select_e2 = saved
 
 
 def measure(workload: str, num_requests: int, workers: int, preload_nodes: int, seed: int) -> list[dict[str, Any]]:

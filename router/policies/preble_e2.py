@@ -82,7 +82,15 @@ from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from switchyard.ext.e2_select import BoundsEnv, Priced, cheapest, exploit_set, raw_bounds
+from switchyard.ext.e2_select import (
+    BoundsEnv,
+    Priced,
+    SelectEnv,
+    cheapest,
+    exploit_set,
+    raw_bounds,
+    select_e2,
+)
 from switchyard.ext.lru_order import touch_holders
 from switchyard.ext.lru_order_py import cold_bucket
 from switchyard.ext.radix import RadixTree
@@ -258,6 +266,10 @@ class PrebleE2(Policy):
         self._replicate_on = cfg.enable_replication and steer
         self._price_l = cfg.load_signal != "outstanding" or self._rebalance_on or self._replicate_on
         self._keep_hit_ratio = cfg.enable_pd_balancing and cfg.decode_ratio == "hit_ratio"  # DECODERATIO's window
+        # what the fused select reads (`select`): the tables and flags above, by reference
+        self._select_env = SelectEnv(
+            self, decision=Decision, node_stats=NodeStats, fixed_reasons=_FIXED_REASONS, logger=log
+        )
 
     def _skew_rules_steer(self) -> bool:
         """Whether rebalancing's redirects and replication's replicas reach a decision (here: the exploit set)."""
@@ -464,7 +476,7 @@ class PrebleE2(Policy):
         def price_m(i: int, evict: int) -> float:
             nonlocal protected
             if protected is None:
-                protected = {id(x) for x in path}
+                protected = self._protected(path)
             return self._evict_s(ws[i], evict, now, protected)
 
         best, priced = cheapest(
@@ -514,7 +526,18 @@ class PrebleE2(Policy):
         `_remember` and `_pool_index` key on its identity)."""
         return candidates(ctx, fleet) if ctx.excluded_workers else fleet.routable(ctx.model)
 
+    @staticmethod
+    def _protected(path: list[Any]) -> set[int]:
+        """The ids of a prompt's matched nodes: M never evicts them (its own prefix)."""
+        return {id(n) for n in path}
+
     def select(self, ctx: RoutingContext, fleet: FleetView, now: float) -> Decision | None:
+        """`select_steps`, as one Cython call where the build loaded (`ext/e2_select.select_e2`: the same steps,
+        objects and floats, without the bytecode between them)."""
+        return select_e2(self._select_env, ctx, fleet, now)
+
+    def select_steps(self, ctx: RoutingContext, fleet: FleetView, now: float) -> Decision | None:
+        """E2's select, step by step (the module docstring): the reference the Cython build follows."""
         pool = self.pool(ctx, fleet)
         if not pool:
             return None

@@ -288,11 +288,11 @@ def test_bench_smoke(tmp_path) -> None:  # type: ignore[no-untyped-def]
     if e2_select.IMPLEMENTATION != "c":
         assert bench.main(["--out", str(tmp_path)]) == 2
         return
-    before = preble_e2.exploit_set, preble_e2.cheapest
+    before = preble_e2.exploit_set, preble_e2.cheapest, preble_e2.select_e2
     args = ["--runs", "toolbench-200:400,videoqa-1500:200", "--preload-nodes", "0", "--out", str(tmp_path),
             "--no-plot"]
     assert bench.main(args) == 0
-    assert (preble_e2.exploit_set, preble_e2.cheapest) == before
+    assert (preble_e2.exploit_set, preble_e2.cheapest, preble_e2.select_e2) == before
     rows = json.loads((tmp_path / "e2_select.json").read_text())["rows"]
     assert {(r["workload"], r["op"]) for r in rows} == {
         (w, op) for w in ("toolbench-200", "videoqa-1500") for op in ("exploit_set", "cheapest")}

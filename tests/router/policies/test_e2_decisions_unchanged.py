@@ -10,6 +10,8 @@ Unit tests cover the per-worker moved-load table and the cost model's memo.
 from __future__ import annotations
 
 import builtins
+import dataclasses
+import logging
 import math
 import random
 from collections import deque
@@ -24,7 +26,7 @@ from switchyard.bench.workloads import WorkloadSpec, make_workload
 from switchyard.ext import e2_select, e2_select_py, lru_order, lru_order_py, radix, radix_py
 from switchyard.ext.e2_select import Priced
 from switchyard.router.policies import preble_e2, preble_load, registry
-from switchyard.router.policies.base import RoutingContext, WorkerId, WorkerView
+from switchyard.router.policies.base import Decision, FleetView, RoutingContext, WorkerId, WorkerView
 from switchyard.router.policies.preble_cost import ProfileCost
 from switchyard.router.policies.preble_e2 import Cost, E2Config, PrebleE2
 from switchyard.router.policies.preble_load import (
@@ -51,7 +53,25 @@ class CheckedE2(PrebleE2):
 
     def __init__(self, config: E2Config | None = None) -> None:
         super().__init__(config)
-        self.checks = {"match": 0, "exploit_set": 0, "argmin": 0, "loadcosts": 0, "pruned": 0}
+        self.checks = {"select": 0, "fused": 0, "off_path": 0, "match": 0, "exploit_set": 0, "argmin": 0,
+                       "loadcosts": 0, "pruned": 0}
+
+    def select(self, ctx: RoutingContext, fleet: FleetView, now: float) -> Decision | None:
+        """The build's select (the Cython build's fused `select_e2`) equals the steps below, each checked against
+        the plain code; every 10th select also with a worker excluded and the DEBUG line on (the fused select's
+        calls back into the policy), where the lines logged must be the same too."""
+        self.checks["select"] += 1
+        got = super().select(ctx, fleet, now)
+        if preble_e2.select_e2 is e2_select_py.select_e2:  # the reference: the steps themselves
+            return got
+        assert got == self.select_steps(ctx, fleet, now)
+        self.checks["fused"] += 1
+        if self.checks["fused"] % 10 == 0:
+            alt = dataclasses.replace(ctx, excluded_workers=frozenset({fleet.routable(ctx.model)[0].worker_id}))
+            assert _logged(lambda: super(CheckedE2, self).select(alt, fleet, now)) == _logged(
+                lambda: self.select_steps(alt, fleet, now))
+            self.checks["off_path"] += 1
+        return got
 
     def prefix(self, ctx: RoutingContext, pool: list[WorkerView]) -> tuple[dict[WorkerId, int], int, list[Any]]:
         cached, best, path = super().prefix(ctx, pool)
@@ -139,6 +159,27 @@ class CheckedE2(PrebleE2):
         return got
 
 
+def _logged(call: Any) -> tuple[Any, list[str]]:
+    """(call(), the lines E2 logged during it) with E2's logger at DEBUG."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger, handler = preble_e2.log, Keep(logging.DEBUG)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        got = call()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert lines  # every select logs its decision at DEBUG
+    return got, lines
+
+
 def _plain_prefill_s(cost: Any, missed: int, cached: int) -> float:
     if not isinstance(cost, ProfileCost):
         return float(cost.prefill_s(missed, cached))
@@ -172,7 +213,8 @@ def test_select_shortcuts_equal_plain_code(
     workload: str, config: str, impl: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """300 requests over 6 workers with caches of 1500 (videoqa, ~620-block prompts) or 300 (toolbench) blocks:
-    every select's match, exploit set, LOADCOSTs, eviction victims and argmin equal the plain versions."""
+    every select's match, exploit set, LOADCOSTs, eviction victims and argmin equal the plain versions, and the
+    Cython build's fused select equals those steps."""
     monkeypatch.setattr(preble_e2, "RadixTree", radix_py.RadixTree if impl == "py" else radix.RadixTree)
     monkeypatch.setattr(preble_load, "EvictionOrder", lru_order_py.EvictionOrder if impl == "py" else lru_order.EvictionOrder)
     monkeypatch.setattr(preble_e2, "LruIndex", ReferenceLruIndex if impl == "py" else LruIndex)
@@ -180,7 +222,7 @@ def test_select_shortcuts_equal_plain_code(
     # L memo's pieces, and the dispatch's holder touches
     monkeypatch.setattr(preble_e2, "touch_holders", lru_order_py.touch_holders if impl == "py" else lru_order.touch_holders)
     kernel = e2_select_py if impl == "py" else e2_select
-    for name in ("BoundsEnv", "cheapest", "exploit_set", "raw_bounds"):
+    for name in ("BoundsEnv", "SelectEnv", "cheapest", "exploit_set", "raw_bounds", "select_e2"):
         monkeypatch.setattr(preble_e2, name, getattr(kernel, name))
     made: list[CheckedE2] = []
     num_victims = 0
@@ -219,7 +261,12 @@ def test_select_shortcuts_equal_plain_code(
     small = bench.WorkloadDef(wl.name, wl.make, wl.profile, 1500 if workload.startswith("videoqa") else 300)
     bench.run_one(bench.prepare(small, 300, seed=1), small, "checked", 6)
     policy = made[0]
-    assert policy.checks["match"] == 300
+    assert policy.checks["select"] == 300
+    if impl == "c":  # the fused select, against the steps; and off its default path
+        assert (policy.checks["fused"], policy.checks["off_path"]) == (300, 30)
+        assert policy.checks["match"] == 300 + 30  # the steps (the fused select walks the prompt in C)
+    else:
+        assert policy.checks["match"] == 300
     assert policy.checks["loadcosts"] > 0 and policy.checks["argmin"] > 0  # the cost paths ran
     assert policy.checks["pruned"] > 0  # and the bound skipped some workers
     assert num_victims > 0  # eviction pricing ran
