@@ -117,6 +117,9 @@ class WorkerHistory:
         expire)."""
         n, pre, prompt, dec = len(self.entries), self.sum_prefill_s, self.sum_prompt_tokens, self.sum_decode_tokens
         cutoff = now - self.window_s
+        if k == 1 and not cuts and (not n or self.entries[0].t >= cutoff):
+            # every dispatch asks this right after `add` expired the head: nothing to walk, the same piece
+            return [(self.entries[0].t if n else math.inf, load_from_sums(n, pre, prompt, dec, cost, marginal))]
         it = iter(self.entries)
         e = next(it, None)
         while e is not None and e.t < cutoff:  # as live_sums

@@ -319,6 +319,7 @@ def test_incremental_load_equals_recomputation(ops: list[tuple], window_s: float
             first = min((e[0] for e in kept if e[0] >= at - window_s), default=math.inf)
             pieces = hist.load_pieces(at, COST, k=4)
             assert pieces[0] == (first, hist.load_s(at, COST))
+            assert hist.load_pieces(at, COST) == pieces[:1]  # one piece (a dispatch's: no head to walk at `now`)
             assert len(pieces) == 4 or pieces[-1][0] == math.inf
             # each later piece is what load_s gives while the window's start is inside it
             for (prev, _), (t, load) in zip(pieces, pieces[1:], strict=False):
