@@ -367,7 +367,7 @@ def select_e2(SelectEnv env, ctx, fleet, double now):
     cdef object model = ctx.model
     cdef dict zero, by_id, cached
     cdef list ks, priced, heavy, over_i, over_r
-    cdef Py_ssize_t best, bs, n, cached_len, missed_len, m, i, bi, turn, rot, best_rot
+    cdef Py_ssize_t best, bs, n, cached_len, missed_len, m, i, j, bi, turn, rot, best_rot
     cdef double r, best_r
     cdef str why
     if ctx.excluded_workers:

@@ -11,8 +11,8 @@ Reference build (obviously correct); `_e2_select_c.pyx` is the Cython build, `e2
   asking the caller for M only where it can still change the answer and `m_is_zero` cannot tell it is 0.
 - `select_e2`: E2's whole select (`PrebleE2.select_steps`, whose steps call the functions above) as one call; a
   `SelectEnv` holds the policy. Here it is those steps themselves; the Cython build runs them in C, calling back
-  into the policy only for what is not the default path (exploit overflow, hit-ratio DECODERATIO, the DEBUG line)
-  and for M.
+  into the policy only off the default path (excluded workers, a new pool, exploit overflow, hit-ratio
+  DECODERATIO, the DEBUG line) and for M.
 - `argmin_bounds` / `argmin_order`: the default policy's (`switchyard`, placement "argmin") lower bound of each
   pool worker's cost, and the order its branch and bound prices them in (an `ArgminEnv` holds what they read);
   `co_residency`, `decode`, `decode_marginal` and `prefill`, terms it prices per worker.
@@ -164,9 +164,10 @@ def cheapest(
 
 
 class SelectEnv:
-    """What `select_e2` reads: the policy (its tables, configuration and step methods), the `Decision` and
-    `NodeStats` classes, the reasons whose `Decision`s are memoised per (worker, reason) and the policy's logger,
-    whose DEBUG line the policy's `_decide` writes (nothing here imports from `router/`)."""
+    """What `select_e2` reads: the policy (its tables, configuration and step methods); for the Cython build also
+    the `Decision` and `NodeStats` classes, the reasons whose `Decision`s are memoised per (worker, reason) and the
+    policy's logger, whose DEBUG line the policy's `_decide` writes (nothing here imports from `router/`). This
+    reference reads only the policy."""
 
     __slots__ = ("policy", "decision", "node_stats", "fixed_reasons", "logger")
 
