@@ -185,6 +185,7 @@ class _InFlight:
     prompt_tokens: int
     decode_tokens: int = 0  # predicted at dispatch
     first_token_s: float = -1.0
+    key_memo: Any = None  # `PrebleE2.key_of_record`'s: the key node and the path it was found on
 
 
 # `_decide`'s reasons that carry no per-request figure (its Decisions are reused)
@@ -373,6 +374,33 @@ class PrebleE2(Policy):
             return None
         path, matched = self.tree.walk(block_hashes)  # no per-worker runs: ~1/3 of a `match`
         return self._key_end(path, matched)[0]
+
+    def key_of_record(self, rec: HistoryEntry | _InFlight) -> Any:
+        """`key_of(rec.block_hashes)`, memoised on the record while the path it was found on keeps its shape.
+
+        NOTE: exact. A prompt the tree matched to its last block walks the same path until a node of that path is
+        split (its context and length change) or removed by gc (detached): a leaf added elsewhere is not on it,
+        and a block hash is in one node only, so the walk from the root takes the same children. The key portion
+        reads only the path's nodes' context and length. Rebalancing resolves every history entry's key node at
+        each pass, and the first-token and finish hooks their request's: a ~600-block walk each on video QA,
+        against a check of the path's 2-4 nodes here.
+        """
+        memo = rec.key_memo
+        if memo is not None:
+            for node, context, length in memo[1]:
+                if not node.is_attached or node.context_blocks != context or node.num_blocks != length:
+                    break
+            else:
+                return memo[0]
+        hashes = rec.block_hashes
+        if not hashes:
+            return None
+        path, matched = self.tree.walk(hashes)
+        key = self._key_end(path, matched)[0]
+        rec.key_memo = (
+            (key, tuple((n, n.context_blocks, n.num_blocks) for n in path)) if matched == len(hashes) else None
+        )
+        return key
 
     def loadcost(self, w: WorkerView, ctx: RoutingContext, cached_blocks: int, path: list[Any], now: float) -> Cost:
         """LOADCOST(w) = L + M + R (+ Q) of R_k (see the module docstring)."""
@@ -745,7 +773,7 @@ class PrebleE2(Policy):
             fit.add_prefill(rec.missed_tokens, ttft)
         if not self._replicate_on:
             return  # the TTFT samples below feed replication's detector alone
-        key = self.key_of(rec.block_hashes)
+        key = self.key_of_record(rec)
         if key is not None and isinstance(key.stats, NodeStats):
             dq = key.stats.ttft.setdefault(worker_id, deque())
             dq.append((now, ttft))
@@ -765,7 +793,7 @@ class PrebleE2(Policy):
         if hist is not None:
             hist.set_decode(request_id, num_output_tokens)
             self.load_s(worker_id, now, LOAD_PIECES_AHEAD)  # as on_dispatch (a history is kept only where L is)
-        key = self.key_of(rec.block_hashes)
+        key = self.key_of_record(rec)
         if key is not None and isinstance(key.stats, NodeStats):
             key.stats.add_decode(num_output_tokens)
         fit = self.fits.get(worker_id)

@@ -28,6 +28,7 @@ class HistoryEntry:
     prompt_tokens: int
     decode_tokens: int  # predicted at dispatch, replaced by the observed output length on finish
     block_hashes: tuple[int, ...] = ()  # r's prompt (its key node is resolved when needed: splits move it)
+    key_memo: Any = None  # `PrebleE2.key_of_record`'s: the key node and the path it was found on
 
 
 class WorkerHistory:

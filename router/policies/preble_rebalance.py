@@ -22,7 +22,7 @@ log = logging.getLogger("switchyard.router.policies.preble_e2")  # one logger fo
 def node_loads(p: PrebleE2, worker: str, now: float, only: Any = None) -> dict[int, list[Any]]:
     """id(key node) -> [node, requests in H, Σ (PT_r + DT_worker) s] over the worker's history: each key node's
     share of L. Key nodes are resolved in the current tree (a split since dispatch may have moved them). `only`:
-    that key node's slot alone (replication splits one node's cost), with `key_of` asked only of the entries
+    that key node's slot alone (replication splits one node's cost), with `key_of_record` asked only of the entries
     whose prompt has its first block at its place (a necessary condition), not of the whole history; the same
     entries in the same order, so the same float."""
     hist = p.history.get(worker)  # type: ignore[call-overload]
@@ -36,7 +36,7 @@ def node_loads(p: PrebleE2, worker: str, now: float, only: Any = None) -> dict[i
         h = e.block_hashes
         if e.t < cutoff or (only is not None and (len(h) <= at or h[at] != first)):
             continue
-        key = p.key_of(h)
+        key = p.key_of_record(e)
         if key is None or (only is not None and key is not only):
             continue
         slot = acc.get(id(key))

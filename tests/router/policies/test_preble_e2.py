@@ -143,10 +143,15 @@ def test_select_is_side_effect_free() -> None:
 
 
 class _CountingTree:
-    """A policy's radix tree that counts the prompt walks (`match`, `match_cached`); the rest passes through."""
+    """A policy's radix tree that counts the prompt walks (`match`, `match_cached`; `walk` apart, in `walk_calls`);
+    the rest passes through."""
 
     def __init__(self, tree: object) -> None:
-        self._tree, self.walks = tree, 0
+        self._tree, self.walks, self.walk_calls = tree, 0, 0
+
+    def walk(self, *args: object) -> object:
+        self.walk_calls += 1
+        return self._tree.walk(*args)  # type: ignore[attr-defined]
 
     def match(self, *args: object) -> object:
         self.walks += 1
@@ -373,6 +378,31 @@ def test_one_node_s_load_equals_its_share_of_all_node_loads(seed: int) -> None:
                 if id(node) not in loads:
                     assert node_loads(policy, w, now, only=node) == {}
     assert checked > 20
+
+
+@pytest.mark.usefixtures("impl")
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_records_memoised_key_node_is_the_walks(seed: int) -> None:
+    """`key_of_record` (rebalancing's and the first-token and finish hooks' key node of a request) is `key_of` of
+    its prompt after every random hook: dispatches that split nodes, KV events, gc that removes them. Its memo
+    answers most asks, and is refreshed once a node of its path is split or removed."""
+    rng = random.Random(seed)
+    policy = PrebleE2(E2Config(history_window_s=30.0, node_window_s=3.0))
+    workers = [WorkerId(f"w{i}") for i in range(3)]
+    tree = policy.tree = _CountingTree(policy.tree)  # type: ignore[assignment]
+    asked = walked = stale = 0
+    for _ in drive(policy, rng, random_prompts(rng, 40, labels=12), workers, 400):
+        records = [*policy.in_flight.values(), *(e for h in policy.history.values() for e in h.entries)]
+        for rec in records:
+            was, before = rec.key_memo, tree.walk_calls
+            got = policy.key_of_record(rec)
+            asked += 1
+            walked += tree.walk_calls > before
+            stale += was is not None and tree.walk_calls > before  # a memo the tree's changes made stale
+            assert got is policy.key_of(rec.block_hashes)
+    assert asked > 1000
+    assert walked < asked / 2  # most asks read the memo
+    assert stale > 0  # and splits or gc did invalidate some
 
 
 def test_rebalancing_redirects_the_cheapest_key_node() -> None:
