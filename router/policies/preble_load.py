@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from switchyard.ext.e2_select import decode_marginal
 from switchyard.ext.lru_order import EvictionOrder, LruIndexCore
 from switchyard.ext.lru_order_py import victim_term
 from switchyard.router.policies.preble_cost import CostModel, ProfileCost
@@ -152,11 +153,13 @@ class WorkerHistory:
 def load_from_sums(
     n: int, sum_prefill_s: float, sum_prompt: int, sum_decode: int, cost: CostModel, marginal: bool = False
 ) -> float:
-    """Σ PT + n × DT; DT single-request (Alg 2) or, with `marginal`, the batched increment (`decode_marginal_s`)."""
+    """Σ PT + n × DT; DT single-request (Alg 2) or, with `marginal`, the batched increment (`decode_marginal_s`,
+    priced in C for `ProfileCost`: every dispatch, finish and tick reprices its worker's L)."""
     if n <= 0:
         return 0.0
-    f = cost.decode_marginal_s if marginal else cost.decode_s
-    return max(0.0, sum_prefill_s) + n * f(sum_decode / n, sum_prompt / n + sum_decode / (2 * n))
+    tokens, context = sum_decode / n, sum_prompt / n + sum_decode / (2 * n)
+    dt = decode_marginal(cost, tokens, context) if marginal else cost.decode_s(tokens, context)
+    return max(0.0, sum_prefill_s) + n * dt
 
 
 class MovedLoad:
