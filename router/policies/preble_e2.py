@@ -211,8 +211,20 @@ class Cost(NamedTuple):
         return self.queue_s + self.evict_s + self.prefill_s
 
 
+# the methods of `select_steps` that `select_e2` runs in C, or calls only off its default path
+_FUSED_STEPS = ("pool", "_remember", "_pool_index", "prefix", "_key_end", "_exploit_set", "_cheapest", "_costs",
+                "_ratios", "_overflow", "_decide")
+
+
 class PrebleE2(Policy):
     name = "e2"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass that inherits the fused select and overrides one of its steps selects step by step: the
+        fused select would not call the override."""
+        super().__init_subclass__(**kwargs)
+        if cls.select is PrebleE2.select and any(n in vars(cls) for n in _FUSED_STEPS):
+            cls.select = cls.select_steps  # type: ignore[method-assign]
 
     def __init__(self, config: E2Config | None = None) -> None:
         self.cfg = config or E2Config()

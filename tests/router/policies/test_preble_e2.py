@@ -15,6 +15,7 @@ import math
 import random
 import statistics
 import zlib
+from typing import Any
 
 import pytest
 from factories import make_fleet, make_requests
@@ -33,6 +34,7 @@ from switchyard.router.policies.preble_cost import OnlineFit, profile_cost
 from switchyard.router.policies.preble_e2 import E2Config, PrebleE2
 from switchyard.router.policies.preble_load import HistoryEntry, WorkerHistory, lru_victims
 from switchyard.router.policies.registry import POLICIES, make_policy
+from switchyard.router.policies.switchyard_policy import Switchyard
 from switchyard.workers.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
 from switchyard.workers.engine.profiles import DEFAULT_PROFILE
 
@@ -110,6 +112,32 @@ def test_exploit_rule(shared: int, holders: list[str], expected: str, why: str) 
     d = policy.select(req("new", shared=shared), fleet, now=10.0)
     assert d is not None and d.worker_id == expected
     assert d.reason.startswith(why) and (why != "explore" or not d.reason.startswith("explore P/D"))
+
+
+@pytest.mark.usefixtures("impl")
+def test_a_subclass_overriding_a_select_step_gets_its_override() -> None:
+    """The fused select (`ext/e2_select.select_e2`) runs the steps in C: a subclass that overrides one of them
+    (here the exploit set, never exploiting), and not `select`, selects step by step, so the override decides."""
+
+    class NeverExploit(PrebleE2):
+        def _exploit_set(self, *args: object) -> list[Any]:
+            return []
+
+    class OwnSelect(NeverExploit):  # a subclass with its own select keeps it
+        def select(self, ctx: RoutingContext, fleet: Fleet, now: float) -> Decision | None:  # type: ignore[override]
+            return Decision(worker_id=W0, reason="own")
+
+    class OwnSteps(Switchyard):  # another select (the default policy's) is never replaced
+        def prefix(self, *args: object) -> Any:
+            return super().prefix(*args)  # type: ignore[arg-type]
+
+    assert PrebleE2.select is not PrebleE2.select_steps and NeverExploit.select is NeverExploit.select_steps
+    assert OwnSteps.select is Switchyard.select
+    for cls, why in ((PrebleE2, "exploit only holder"), (NeverExploit, "explore"), (OwnSelect, "own")):
+        fleet, policy = make_fleet(3), cls(E2Config.paper())
+        place(policy, fleet, req("old", shared=512), "w1", now=0.0)
+        d = policy.select(req("new", shared=320), fleet, now=10.0)  # 320 cached > 192 missed: E2 exploits w1
+        assert d is not None and d.reason == why
 
 
 @pytest.mark.usefixtures("impl")
