@@ -395,7 +395,8 @@ class PrebleE2(Policy):
         and a block hash is in one node only, so the walk from the root takes the same children. The key portion
         reads only the path's nodes' context and length. Rebalancing resolves every history entry's key node at
         each pass, and the first-token and finish hooks their request's: a ~600-block walk each on video QA,
-        against a check of the path's 2-4 nodes here.
+        against a check of the path's 2-4 nodes here. The memo keeps those nodes alive while its record lives
+        (the in-flight record until the finish, the history entry for H at most), detached ones included.
         """
         memo = rec.key_memo
         if memo is not None:
