@@ -417,13 +417,13 @@ class PrebleE2(Policy):
 
     def loadcost(self, w: WorkerView, ctx: RoutingContext, cached_blocks: int, path: list[Any], now: float) -> Cost:
         """LOADCOST(w) = L + M + R (+ Q) of R_k (see the module docstring)."""
-        return self._loadcost(w, ctx, cached_blocks, now, {id(n) for n in path})
+        return self._loadcost(w, ctx, cached_blocks, now, self._protected(path))
 
     def loadcosts(
         self, ws: list[WorkerView], ctx: RoutingContext, cached: dict[WorkerId, int], path: list[Any], now: float
     ) -> dict[WorkerId, Cost]:
         """`loadcost` of every worker in `ws`, in order (the path's node ids, never victims, are collected once)."""
-        protected = {id(n) for n in path}
+        protected = self._protected(path)
         out: dict[WorkerId, Cost] = {}
         for w in ws:
             wid = w.worker_id

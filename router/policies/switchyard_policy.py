@@ -526,7 +526,7 @@ class Switchyard(PrebleE2):
         load, r, q, evict = raw_bounds(self._bounds_env, (w,), {wid: cached_blocks}, p, now)[0]
         m = 0.0
         if evict > 0 and beat is None:
-            m = self._evict_s(w, evict, now, {id(n) for n in path})
+            m = self._evict_s(w, evict, now, self._protected(path))
         if ant is None:
             ant = self.tracker.sync(w, now)
         running, queued = self.batch(wid, ant)
@@ -554,7 +554,7 @@ class Switchyard(PrebleE2):
         if evict > 0 and beat is not None:
             if head + ew * 0.0 + dec + inter + ow * over + kw * wait > beat:
                 return None
-            m = self._evict_s(w, evict, now, {id(n) for n in path})
+            m = self._evict_s(w, evict, now, self._protected(path))
         total = head + ew * m + dec + inter + ow * over + kw * wait
         return Terms(
             queue,
