@@ -85,12 +85,12 @@ cdef class BoundsEnv:
 
 
 cdef class SelectEnv:
-    """As `e2_select_py.SelectEnv`: the policy's tables, bound methods and configuration read once, by reference
-    (its `BoundsEnv`'s rule: the tables stay current, the configuration is fixed at construction); the tree is
-    read per select (`policy.tree`: a test wraps it)."""
+    """As `e2_select_py.SelectEnv`: the tables a select reads, and the configuration, taken from the policy once,
+    by reference (its `BoundsEnv`'s rule: the tables stay current, the configuration is fixed at construction).
+    The tree and the policy's methods (called off the default path and for M) are looked up per use, so a
+    wrapped tree or a patched method is the one called."""
 
-    cdef readonly object policy, decision, node_stats, debug_on, evict_s, protected
-    cdef readonly object pool_index, remember, costs, decide, overflow_of, ratios_of, candidates
+    cdef readonly object policy, decision, node_stats, debug_on
     cdef readonly frozenset fixed_reasons
     cdef readonly BoundsEnv bounds
     cdef readonly dict evicted, outstanding, decisions, remembered
@@ -102,10 +102,6 @@ cdef class SelectEnv:
         cfg = policy.cfg
         self.policy, self.decision, self.node_stats, self.fixed_reasons = policy, decision, node_stats, fixed_reasons
         self.debug_on = logger.isEnabledFor
-        self.evict_s, self.protected = policy._evict_s, policy._protected
-        self.pool_index, self.remember, self.candidates = policy._pool_index, policy._remember, policy.pool
-        self.costs, self.decide = policy._costs, policy._decide
-        self.overflow_of, self.ratios_of = policy._overflow, policy._ratios
         self.bounds = policy._bounds_env
         self.evicted, self.outstanding = policy.evicted, policy.outstanding
         self.decisions, self.remembered = policy._decisions, policy._remembered
@@ -318,8 +314,8 @@ cdef tuple _cheapest(BoundsEnv env, object ws, dict cached, Py_ssize_t n, double
                     mm = PyFloat_AsDouble(price_m(i, b[i].evict))
                 else:
                     if protected is None:
-                        protected = senv.protected(path)
-                    mm = PyFloat_AsDouble(senv.evict_s(ws[i], b[i].evict, now, protected))
+                        protected = senv.policy._protected(path)
+                    mm = PyFloat_AsDouble(senv.policy._evict_s(ws[i], b[i].evict, now, protected))
             priced.append((i, b[i].load, mm, b[i].r, b[i].q))
             total = b[i].load + mm + b[i].r + b[i].q
             if best < 0 or total < best_total or (total == best_total and b[i].rot < best_rot):
@@ -335,7 +331,7 @@ cdef object _decide(SelectEnv env, object ctx, object w, str why, object cached_
     cdef object wid, key, got
     cdef PyObject* p
     if env.debug_on(_DEBUG):
-        return env.decide(ctx, w, why, cached_len, missed_len, partial(env.costs, ws, priced))
+        return env.policy._decide(ctx, w, why, cached_len, missed_len, partial(env.policy._costs, ws, priced))
     wid = w.worker_id
     key = (wid, why)
     p = PyDict_GetItem(env.decisions, key)
@@ -371,18 +367,18 @@ def select_e2(SelectEnv env, ctx, fleet, double now):
     cdef double r, best_r
     cdef str why
     if ctx.excluded_workers:
-        pool = env.candidates(ctx, fleet)
+        pool = policy.pool(ctx, fleet)
     else:
         pool = fleet.routable(model)
     if not pool:
         return None
     if policy._fleet is not fleet or env.remembered.get(model) is not pool:
-        env.remember(fleet, pool, model)
+        policy._remember(fleet, pool, model)
     memo = policy._pool_memo
     if memo is not None and (<tuple>memo)[0] is pool:
         zero, by_id = (<tuple>memo)[1], (<tuple>memo)[2]
     else:
-        zero, by_id = env.pool_index(pool)
+        zero, by_id = policy._pool_index(pool)
     # prefix
     hashes = ctx.block_hashes
     if hashes:
@@ -414,9 +410,9 @@ def select_e2(SelectEnv env, ctx, fleet, double now):
                     got = _cheapest(env.bounds, ks, cached, n, now, turn, None, env, path)
                     pick, priced, why = ks[<Py_ssize_t>(<tuple>got)[0]], (<tuple>got)[1], "exploit"
                 if env.overflow:
-                    got = env.overflow_of(ctx, pick, ks, pool, cached, path, now)
+                    got = policy._overflow(ctx, pick, ks, pool, cached, path, now)
                     if got is not None:
-                        return env.decide(ctx, (<tuple>got)[0], "explore overflow", cached_len, missed_len,
+                        return policy._decide(ctx, (<tuple>got)[0], "explore overflow", cached_len, missed_len,
                                           (<tuple>got)[1].copy)
                 return _decide(env, ctx, pick, why, cached_len, missed_len, ks, priced)
     if env.pd_on:
@@ -433,7 +429,7 @@ def select_e2(SelectEnv env, ctx, fleet, double now):
                 i += 1
         else:
             i = 0
-            for got in env.ratios_of(pool, now):
+            for got in policy._ratios(pool, now):
                 if got > env.imbalance:
                     over_i.append(i)
                     over_r.append(got)
