@@ -129,6 +129,9 @@ cdef class EvictionOrder:
         if <object>PyList_GET_ITEM(array, p) is not entry:  # sifted toward the top: positions moved
             self.stale = True
             return True
+        if self._lp_set and _before(la, seq, p, self._lp_la, self._lp_seq, self._lp_pos):
+            self.stale = True  # popped now it would come after larger keys (the reference says why)
+            return True
         q = (p - 1) // 2
         if p == 0:
             self._push(p)

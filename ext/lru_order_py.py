@@ -49,7 +49,8 @@ class EvictionOrder:
     Anything else drops the order (the index's `touch` and `touch_unmoved` decide).
     NOTE: frontier positions are popped in increasing (key, seq, position) order, each after its parent (the
     heap property), so a position at or before the last popped one has been popped: that is how `pushed` tells
-    whether the new position's parent already put its children in the frontier. Every live candidate keyed at or
+    whether the new position's parent already put its children in the frontier. A push that would break the
+    increasing order (its key past every step's, before a stale entry already popped) rebuilds the frontier. Every live candidate keyed at or
     before the largest step's key (`max_key`) has been taken or is an unlocked parent, so a rebuilt frontier
     starts past it.
     """
@@ -107,6 +108,12 @@ class EvictionOrder:
         if self.stale:
             return True
         if array[p] is not entry:  # sifted toward the top: positions moved
+            self.stale = True
+            return True
+        if self.last_popped is not None and (la, seq, p) < self.last_popped:
+            # past every step's key but not past every popped one's (the walk passed a stale entry keyed after
+            # it): popped now it would come after larger keys, and a child of a position popped before it would
+            # be taken for unpopped and never joined. The frontier is rebuilt around it (`_rebase`).
             self.stale = True
             return True
         q = (p - 1) // 2

@@ -877,6 +877,44 @@ def test_an_eviction_order_kept_across_hooks_equals_a_fresh_one(seed: int) -> No
     assert kept > 300 and resized > 30 and stored >= 5
 
 
+@pytest.mark.usefixtures("impl")
+def test_a_kept_order_joins_a_node_stored_under_a_stale_entry_it_passed() -> None:
+    """A kept order walked past a stale entry (a node w0 evicted) keyed after a node stored later (dispatched
+    before it, stored after): the late node joins the walk, and a node then pushed under the stale entry's
+    position is walked too. Before the fix the first push was popped after the stale entry, the order's "last
+    popped" went back, and the second node was taken for a child of an unpopped position: never walked, so M
+    missed it (found by the seeded fuzz at seeds 135 and 136)."""
+    policy = PrebleE2(E2Config.paper(node_window_s=5.0))
+    base = make_requests(1, prompt_len=16, shared_prefix=0, max_tokens=4)[0]
+    prompts = {name: (h,) for name, h in (("a", 11), ("b", 22), ("c", 33), ("d", 44))}
+
+    def dispatch(name: str, now: float) -> None:
+        ctx = dataclasses.replace(base, request_id=name, block_hashes=prompts[name])
+        policy.on_dispatch(ctx, Decision(worker_id=W0), now)
+
+    def kv(now: float, *events: object) -> None:
+        policy.on_kv_events(W0, KvEventBatch(int(now * 10), now, events))  # type: ignore[arg-type]
+
+    def walk() -> list[tuple[int, ...]]:
+        return [tuple(n.blocks) for n, _ in policy.lru[W0].victims(W0, 1000, set())]
+
+    dispatch("a", 1.0)
+    kv(1.1, BlockStored(prompts["a"], None, (), 16))
+    dispatch("c", 2.0)  # assigned now, stored on w0 only later: its key (last access 2.0) is older than b's
+    dispatch("b", 3.0)
+    kv(3.1, BlockStored(prompts["b"], None, (), 16))
+    kv(3.2, BlockRemoved(prompts["b"]))  # b's heap entry is stale now, behind a's
+    assert walk() == [(11,)]  # a fresh order: a, then b's stale entry passed
+    order = policy.lru[W0]._order
+    kv(3.3, BlockStored(prompts["c"], None, (), 16))  # pushed past every step's key, before the stale one's
+    assert walk() == [(11,), (33,)]
+    dispatch("d", 4.0)
+    kv(4.1, BlockStored(prompts["d"], None, (), 16))  # its array position's parent is b's stale entry
+    assert policy.lru[W0]._order is order  # kept through both stores (what this test is about)
+    assert walk() == [(11,), (33,), (44,)]
+    assert walk() == [tuple(n.blocks) for n, _ in lru_victims(W0, policy.tree.nodes(), 1000, set())]
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_a_kept_eviction_order_past_its_caps_equals_a_fresh_one(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same, with the reference order's caps tiny: past RETIRED_CAP taken-out steps the order is dropped
