@@ -789,11 +789,12 @@ def test_m_is_zero_without_simulating_when_the_cold_candidates_cover_the_need(se
 
 # ---------------------------------------------------------------------------------------------- M's LRU index
 @pytest.mark.usefixtures("impl")
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(40))
 def test_lru_index_matches_lru_victims(seed: int) -> None:
     """The incremental per-worker LRU index gives exactly `lru_victims` (the straightforward scan) on random
     trees built through the hooks (`hook_fuzz.drive`): dispatches (inserts, splits, last_access), stores with
-    parents, tail evictions, clears and gc."""
+    parents, tail evictions, clears and gc. (40 seeds, ~0.1 s each per build: 12 missed a kept order's lost
+    node that 2 of 60 further seeds hit; a test of that case follows below.)"""
     import random
 
     rng = random.Random(seed)
