@@ -607,6 +607,37 @@ def _sim(policy: str, prefix_groups: int, prefix_len: int, rate: float, n: int =
 
 
 @pytest.mark.usefixtures("impl")
+@pytest.mark.parametrize("policy_name", ["e2", "switchyard"])
+def test_the_tree_holds_what_each_engine_caches(policy_name: str) -> None:
+    """Workers are the source of truth: after a run whose small caches evict, split shared prefixes and cache
+    decode-filled blocks, the blocks the tree says are resident on each worker (every node's leading resident run)
+    are exactly the blocks that worker's engine caches, both ways."""
+    spec = WorkloadSpec(rate=40.0, num_requests=240, prompt_len="lognormal:700:0.4", output_len="lognormal:48:0.5",
+                        prefix_groups=6, prefix_len=320)
+    sim = Simulator(make_workload(spec, seed=4), SimConfig(policy=policy_name, num_workers=3,
+                                                            engine_overrides={"num_kv_blocks": 400}))
+    removed = 0
+    on_kv_events = sim.policy.on_kv_events
+
+    def counting(w: WorkerId, batch: KvEventBatch) -> None:
+        nonlocal removed
+        removed += sum(isinstance(ev, BlockRemoved) for ev in batch.events)
+        on_kv_events(w, batch)
+
+    sim.policy.on_kv_events = counting  # type: ignore[method-assign]
+    assert len(sim.run().records) == 240
+    assert removed > 50  # the caches evicted
+    tree = sim.policy.tree  # type: ignore[attr-defined]
+    for wid, core in zip(sim.worker_ids, sim.cores, strict=True):
+        engine = {b.event_hash for b in core.kv_cache_manager.block_pool.iter_cached_blocks()}
+        routed = set()
+        for node in tree.nodes():
+            routed.update(node.blocks[: node.resident_on(wid)])
+        assert len(engine) > 300
+        assert routed == engine, (wid, len(routed - engine), len(engine - routed))
+
+
+@pytest.mark.usefixtures("impl")
 def test_degenerates_to_a_load_balancer_without_sharing() -> None:
     # claim 3: no sharing -> every request explores; mean TTFT within noise of the stateless balancers
     ttft = {p: _sim(p, 0, 0, rate=12.0)["ttft_s"]["mean"] for p in ("round_robin", "least_request", "e2")}  # type: ignore[index]
