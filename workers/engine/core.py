@@ -148,6 +148,12 @@ class EngineCore:
         if not sched.has_unfinished():
             return None
         plan = sched.schedule()
+        while not plan.scheduled and plan.preempted_req_ids:
+            # Under priority scheduling the request that could not grow may be its own victim, and the running
+            # loop then stops (as vLLM's does) before the requests behind it, with nothing scheduled. vLLM's busy
+            # loop schedules again at once; returning None here told the drivers "idle until an arrival", and
+            # the rest hung. Each pass preempts a running request and admits none, so this ends.
+            plan = sched.schedule()
         if not plan.scheduled:
             return None
         duration = self._profile.iteration_time_s(
