@@ -84,9 +84,16 @@ class EngineCore:
             num_kv_blocks=config.num_kv_blocks or profile.num_kv_blocks(config.block_size),
             max_model_len=config.max_model_len or profile.max_model_len,
         )
+        assert config.num_kv_blocks is not None and config.max_model_len is not None
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < config.max_model_len:
+            # a prompt longer than one iteration's budget could never be admitted, and would wait forever (vLLM's
+            # SchedulerConfig refuses this configuration too)
+            raise ValueError(
+                f"max_num_batched_tokens {config.max_num_batched_tokens} < max_model_len {config.max_model_len}"
+                " without chunked prefill"
+            )
         self._config = config
         self._profile = profile
-        assert config.num_kv_blocks is not None and config.max_model_len is not None
         self.kv_cache_manager = KVCacheManager(
             config.num_kv_blocks,
             config.block_size,

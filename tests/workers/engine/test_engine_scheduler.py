@@ -3,6 +3,7 @@ budget, recompute preemption (victim, front of waiting), priorities, aborts, det
 
 from __future__ import annotations
 
+import pytest
 from engine_testlib import make_engine, make_request
 
 from switchyard.workers.engine.request import Request, output_tokens, token_base
@@ -129,3 +130,12 @@ def test_tokens_deterministic_and_stop_points() -> None:
         Request(EngineRequest(f"q{i}", (1,), 100, 0.0), vocab_size=32000).stop_len or 100 for i in range(2000)
     ]
     assert min(stops) == 1 and max(stops) == 100 and 45 < sum(stops) / len(stops) < 56
+
+
+def test_a_budget_below_max_model_len_needs_chunked_prefill() -> None:
+    """Without chunked prefill a prompt longer than one iteration's budget could never start (it would wait
+    forever): the engine refuses the configuration, as vLLM does; with chunked prefill it is fine."""
+    with pytest.raises(ValueError, match="without chunked prefill"):
+        make_engine(enable_chunked_prefill=False, max_num_batched_tokens=512, max_model_len=1024)
+    make_engine(enable_chunked_prefill=False, max_num_batched_tokens=1024, max_model_len=1024)
+    make_engine(enable_chunked_prefill=True, max_num_batched_tokens=512, max_model_len=1024)
