@@ -50,9 +50,9 @@ class EvictionOrder:
     NOTE: frontier positions are popped in increasing (key, seq, position) order, each after its parent (the
     heap property), so a position at or before the last popped one has been popped: that is how `pushed` tells
     whether the new position's parent already put its children in the frontier. A push that would break the
-    increasing order (its key past every step's, before a stale entry already popped) rebuilds the frontier. Every live candidate keyed at or
-    before the largest step's key (`max_key`) has been taken or is an unlocked parent, so a rebuilt frontier
-    starts past it.
+    increasing order (its key past every step's, before a stale entry already popped) rebuilds the frontier.
+    Every live candidate keyed at or before the largest step's key (`max_key`) has been taken or is an unlocked
+    parent, so a rebuilt frontier starts past it.
     """
 
     __slots__ = ("idx", "worker", "stats_type", "steps", "array", "frontier", "extra", "unlocked", "done",

@@ -7,7 +7,8 @@ CONTRACT (fixed; other modules code against it):
     core.abort_request(request_id) -> bool               # frees its blocks; True if it was known
     core.has_unfinished() -> bool
     core.step(now_s, horizon_s=None) -> StepResult | None
-        Schedules and executes one iteration starting at now_s (None when there is nothing to run).
+        Schedules and executes one iteration starting at now_s (None when there is nothing to run: the drivers
+        then wait for an arrival or an abort, so None never leaves a runnable request behind).
         The result's outputs become visible at now_s + result.duration_s; the caller delivers them then and
         must not call step() again before that time. With horizon_s set, the engine may fast-forward several
         decode-only iterations exactly (same state and outputs as stepping one by one), stopping before any
