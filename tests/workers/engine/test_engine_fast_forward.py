@@ -25,6 +25,23 @@ def _workload(rng: random.Random) -> list[tuple[float, object]]:
     return reqs
 
 
+def _config(rng: random.Random, schedulings: list[str]) -> dict:
+    """A small engine: block pressure, preemptions and blocked admissions (the draws' order is the seeds')."""
+    cfg = {
+        "block_size": rng.choice([1, 2, 4, 16]),
+        "max_num_seqs": rng.choice([2, 4, 256]),
+        "max_num_batched_tokens": rng.choice([16, 64, 8192]),
+        "scheduling": rng.choice(schedulings),
+        "lpm_max_queue": rng.choice([1, 128]),  # lpm: sorted admissions, or the queue's order past the limit
+        "enable_chunked_prefill": rng.random() < 0.8,
+        "max_model_len": 128,
+    }
+    cfg["num_kv_blocks"] = 1 + max(-(-128 // cfg["block_size"]), rng.choice([8, 20, 60]) * 16 // cfg["block_size"])
+    if not cfg["enable_chunked_prefill"]:
+        cfg["max_num_batched_tokens"] = 128
+    return cfg
+
+
 def _run(cfg: dict, reqs, fast: bool):
     eng = make_engine(**cfg)
     pending = list(reqs)
@@ -66,20 +83,7 @@ def _run(cfg: dict, reqs, fast: bool):
 @pytest.mark.parametrize("seed", [*range(40), 128, 274, 372])
 def test_fast_forward_matches_single_steps(seed: int) -> None:
     rng = random.Random(seed)
-    cfg = {
-        "block_size": rng.choice([1, 2, 4, 16]),
-        "max_num_seqs": rng.choice([2, 4, 256]),
-        "max_num_batched_tokens": rng.choice([16, 64, 8192]),
-        "scheduling": rng.choice(["fcfs", "priority", "lpm"]),
-        "lpm_max_queue": rng.choice([1, 128]),  # lpm: sorted admissions, or the queue's order past the limit
-        "enable_chunked_prefill": rng.random() < 0.8,
-        "max_model_len": 128,
-    }
-    cfg["num_kv_blocks"] = 1 + max(
-        -(-128 // cfg["block_size"]), rng.choice([8, 20, 60]) * 16 // cfg["block_size"]
-    )
-    if not cfg["enable_chunked_prefill"]:
-        cfg["max_num_batched_tokens"] = 128
+    cfg = _config(rng, ["fcfs", "priority", "lpm"])
     reqs = _workload(rng)
     slow = _run(cfg, reqs, fast=False)
     fast = _run(cfg, reqs, fast=True)
@@ -100,17 +104,7 @@ def test_every_request_ends_once_and_frees_its_blocks(seed: int) -> None:
     iteration at a time or fast-forwarded: the engine never idles with work left, every request ends exactly
     once (finished or aborted), and at the end no block is in use."""
     rng = random.Random(seed)
-    cfg = {
-        "block_size": rng.choice([1, 2, 4, 16]),
-        "max_num_seqs": rng.choice([2, 4, 256]),
-        "max_num_batched_tokens": rng.choice([16, 64, 8192]),
-        "scheduling": rng.choice(["fcfs", "priority", "lpm", "preble_groups"]),
-        "enable_chunked_prefill": rng.random() < 0.8,
-        "max_model_len": 128,
-    }
-    cfg["num_kv_blocks"] = 1 + max(-(-128 // cfg["block_size"]), rng.choice([8, 20, 60]) * 16 // cfg["block_size"])
-    if not cfg["enable_chunked_prefill"]:
-        cfg["max_num_batched_tokens"] = 128
+    cfg = _config(rng, ["fcfs", "priority", "lpm", "preble_groups"])
     reqs = _workload(rng)
     aborts = sorted((rng.uniform(0.0, 1.0), r.request_id) for _, r in reqs if rng.random() < 0.3)
     fast = rng.random() < 0.5
