@@ -183,7 +183,10 @@ class Dispatcher:
         log.debug("request %s queued for %s (depth %d)", fl.req.request_id, model, self.queue.size(model))
         timeout = fl.remaining_s(self._clock.now())
         try:
-            return await (fut if timeout is None else asyncio.wait_for(fut, max(timeout, 0.0)))
+            # asyncio.timeout, not wait_for: 3.11's wait_for returns a decision that the pump made in the same loop
+            # iteration as the client's cancel and swallows the cancel, so the cancelled request would be sent
+            async with asyncio.timeout(None if timeout is None else max(timeout, 0.0)):
+                return await fut
         except TimeoutError:
             raise ApiError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while queued in the router") from None
 

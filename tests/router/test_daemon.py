@@ -13,9 +13,11 @@ from contextlib import asynccontextmanager
 
 import grpc
 import pytest
+from factories import make_stats
 from fake_worker import FakeWorker, Script
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from switchyard.router.admission import AdmittedRequest, Sampling
 from switchyard.router.client import AsyncRouterClient
 from switchyard.router.config import load_config
 from switchyard.router.policies.base import WorkerId
@@ -234,6 +236,34 @@ async def test_cancel_and_deadline_remove_from_the_queue() -> None:
         w.gate.set()
         await first
         assert [r.request_id for r in w.received] == ["q1"]  # neither q2 nor q3 ever reached the worker
+
+
+async def test_a_cancel_that_meets_the_release_in_one_loop_iteration_is_not_sent() -> None:
+    """The pump binds a queued request with a deadline, and its client cancels before the request's task runs
+    again: the cancel wins, the slot is freed, and nothing reaches the worker (3.11's asyncio.wait_for returned the
+    decision and swallowed the cancel, so the cancelled request was sent)."""
+    w = FakeWorker("w0")
+    w.num_waiting = 1  # the worker reports a queue: the router holds
+    async with stack([w]) as (daemon, _):
+        rec = daemon.fleet.get(WorkerId("w0"))
+        assert rec is not None
+        await until(lambda: rec.num_waiting == 1)
+        req = AdmittedRequest(
+            request_id="x1", model="m", prompt_token_ids=(5, 6, 7), block_hashes=(), sampling=Sampling(max_tokens=2),
+            arrival_s=daemon.clock.now(),
+        )
+        chunks = daemon.dispatcher.generate(req, time_remaining_s=30.0)
+        task = asyncio.create_task(anext(chunks))  # type: ignore[arg-type]
+        await until(lambda: len(daemon.queue) == 1)
+        daemon.fleet.apply_stats(rec.worker_id, make_stats(), daemon.clock.now())  # room, as a Stats poll reports
+        daemon.dispatcher.pump()  # binds x1 (in_flight 1) and resolves its waiter ...
+        assert rec.in_flight == 1
+        task.cancel()  # ... and the client's cancel arrives before the task resumes
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert rec.in_flight == 0 and daemon.dispatcher.num_active == 0
+        assert sample(daemon, "switchyard_cancelled_total", model="m", stage="dispatched") == 1
+        assert w.received == []
 
 
 async def test_stats_waiting_holds_until_the_worker_reports_room() -> None:
