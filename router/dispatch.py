@@ -148,9 +148,9 @@ class Dispatcher:
             fl.queue_s = now - fl.enqueued_at
             self._metrics.queue_time.labels(ctx.model).observe(fl.queue_s)
         self._fleet.note_dispatch(decision.worker_id)
+        fl.decision = decision  # from here the attempt holds a slot, which `_end_attempt` frees on any exit
         self._policy.on_dispatch(ctx, decision, now)
         self._metrics.worker_in_flight.labels(decision.worker_id).set(rec.in_flight)
-        fl.decision = decision
         log.debug(
             "route %s attempt=%d -> %s (%s) policy=%s predicted=%s in %.1f us",
             ctx.request_id, fl.attempt, decision.worker_id, decision.reason, self._policy_name,
@@ -204,6 +204,9 @@ class Dispatcher:
                     fl.future.set_result(self._bind(fl))
                 except ApiError as e:
                     fl.future.set_exception(e)
+                except Exception:  # a policy bug: this request fails, the others are still released
+                    log.exception("binding request %s failed inside the router", fl.req.request_id)
+                    fl.future.set_exception(ApiError(grpc.StatusCode.INTERNAL, "internal router error"))
             self._metrics.queue_depth.labels(model).set(self.queue.size(model))
 
     def schedule_pump(self) -> None:
@@ -405,8 +408,11 @@ class Dispatcher:
             await asyncio.sleep(interval_s)
             now = self._clock.now()
             self._fleet.set_time(now)
-            self._policy.on_tick(now)
-            self._metrics.observe_policy_counters(self._policy_name, self._policy.counters())
+            try:
+                self._policy.on_tick(now)
+                self._metrics.observe_policy_counters(self._policy_name, self._policy.counters())
+            except Exception:  # a policy bug must not stop the ticks, nor the pump below
+                log.exception("policy %s failed in on_tick", self._policy_name)
             self.pump()
 
     async def close(self) -> None:

@@ -266,6 +266,52 @@ async def test_a_cancel_that_meets_the_release_in_one_loop_iteration_is_not_sent
         assert w.received == []
 
 
+async def test_a_policy_that_raises_fails_its_own_request_with_internal_and_nothing_else() -> None:
+    """A policy bug (here: scripted raises) ends the request it hit with INTERNAL and frees its slot; the requests
+    queued behind it are still released, and the periodic ticks go on. Before, a raise in the pump left its request
+    waiting forever, a raise in on_dispatch kept the worker's slot, and a raise in on_tick stopped the ticks (and
+    with them the pump's safety net)."""
+    w = FakeWorker("w0", max_num_seqs=8)
+    w.num_waiting = 1  # the router holds until the worker reports room
+    async with stack([w], routing={"policy": "round_robin", "tick_interval_ms": 10}) as (daemon, client):
+        policy, rec = daemon.policy, daemon.fleet.get(WorkerId("w0"))
+        assert rec is not None
+        select, on_dispatch, ticks = policy.select, policy.on_dispatch, [0]
+
+        def failing_select(ctx, fleet, now):  # type: ignore[no-untyped-def]
+            if ctx.request_id == "bad-select":
+                raise RuntimeError("scripted select failure")
+            return select(ctx, fleet, now)
+
+        def failing_on_dispatch(ctx, decision, now):  # type: ignore[no-untyped-def]
+            if ctx.request_id == "bad-dispatch":
+                raise RuntimeError("scripted on_dispatch failure")
+            on_dispatch(ctx, decision, now)
+
+        def failing_tick(now: float) -> None:
+            ticks[0] += 1
+            raise RuntimeError("scripted on_tick failure")
+
+        policy.select, policy.on_dispatch, policy.on_tick = failing_select, failing_on_dispatch, failing_tick  # type: ignore[method-assign]
+        await until(lambda: rec.num_waiting == 1)
+        bad = asyncio.create_task(client.complete("m", prompt="a", max_tokens=1, request_id="bad-select"))
+        await until(lambda: len(daemon.queue) == 1)
+        good = asyncio.create_task(client.complete("m", prompt="b", max_tokens=1, request_id="good"))
+        await until(lambda: len(daemon.queue) == 2)
+        w.num_waiting = 0  # the next Stats poll releases both, the failing one first
+        async with asyncio.timeout(5):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await bad
+            assert (await good).timings.worker_id == "w0"
+        assert e.value.code() is grpc.StatusCode.INTERNAL
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.complete("m", prompt="c", max_tokens=1, request_id="bad-dispatch")  # the fast path
+        assert e.value.code() is grpc.StatusCode.INTERNAL
+        await until(lambda: daemon.dispatcher.num_active == 0)
+        assert rec.in_flight == 0
+        await until(lambda: ticks[0] >= 3)
+
+
 async def test_stats_waiting_holds_until_the_worker_reports_room() -> None:
     w = FakeWorker("w0", max_num_seqs=8)
     w.num_waiting = 2
