@@ -238,6 +238,12 @@ class WorkerRegistry:
 
     # ------------------------------------------------------------------ connect + health
     def _check_joinable(self, info: WorkerInfo) -> None:
+        if not info.model:
+            raise RejectedWorker("rejected: the worker reports no model")
+        unset = [f"{k}={v}" for k, v in (("block_size", info.block_size), ("max_model_len", info.max_model_len),
+                                         ("kv_capacity_blocks", info.kv_capacity_blocks)) if v <= 0]
+        if unset:  # a field its Info left at the proto default: hashing and every cost would divide by it
+            raise RejectedWorker(f"rejected: the worker reports {', '.join(unset)}; each must be > 0")
         try:
             tokenizer = self._tokenizer_for(info.model)
         except (OSError, RuntimeError) as e:

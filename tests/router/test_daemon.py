@@ -386,6 +386,28 @@ async def test_admin_list_drain_deregister_register() -> None:
     await w2.stop()
 
 
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"model": ""}, "reports no model"),
+        ({"block_size": 0}, "block_size=0"),
+        ({"max_model_len": 0}, "max_model_len=0"),
+        ({"kv_blocks_total": 0}, "kv_capacity_blocks=0"),
+    ],
+)
+async def test_register_rejects_a_worker_whose_info_cannot_be_served(fields: dict, message: str) -> None:
+    """A worker that leaves a field of its Info unset (proto zero) is refused at join with the field named; before,
+    a block_size of 0 joined, and every request to its model then failed inside admission's hashing."""
+    bad = FakeWorker("wx", **fields)
+    await bad.start()
+    async with stack([FakeWorker("w0")], workers={"connect_timeout_s": 0.3}) as (_daemon, client):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.register_worker(bad.address)
+        assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION and message in e.value.details()
+        assert [s.worker_id for s in await client.list_workers()] == ["w0"]
+    await bad.stop()
+
+
 async def test_register_rejects_mismatched_tokenizer_and_unreachable_address() -> None:
     bad = FakeWorker("wx", tokenizer_id="sentencepiece:other.model:000")
     await bad.start()
