@@ -69,6 +69,10 @@ def _error(status: int, message: str, kind: str = "BadRequestError") -> web.Resp
     return web.json_response(body, status=status, dumps=_dumps)
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _as_text(content: Any) -> str:
     """OpenAI message content: a string, None, or a list of parts (only text parts are kept)."""
     if content is None:
@@ -382,19 +386,35 @@ class HttpFacade:
         if (body.get("n") or 1) != 1:
             raise BadRequest("only n=1 is supported")
         temperature = body.get("temperature")
-        if temperature is not None and temperature < 0:
-            raise BadRequest("temperature must be >= 0")
+        if temperature is not None and (not _is_number(temperature) or temperature < 0):
+            raise BadRequest(f"temperature must be a number >= 0 (got {temperature!r})")
         stop = body.get("stop") or []
         if isinstance(stop, str):
             stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise BadRequest(f"stop must be a string or a list of strings (got {stop!r})")
         seed = body.get("seed")
         return {
             "max_tokens": max_tokens,
             "ignore_eos": bool(body.get("ignore_eos", False)),
-            "stop": [s for s in stop if isinstance(s, str)],
+            "stop": stop,
             "seed": seed if isinstance(seed, int) else None,
             "temperature": temperature,
         }
+
+    def _options(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The request's fields besides the prompt and sampling: priority, adapter, cache salt, stream options."""
+        priority = body.get("priority") or 0
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise BadRequest(f"priority must be an integer (got {priority!r})")
+        names = {k: body.get(k) or None for k in ("lora_name", "cache_salt")}
+        for k, v in names.items():
+            if v is not None and not isinstance(v, str):
+                raise BadRequest(f"{k} must be a string (got {v!r})")
+        opts = body.get("stream_options") or {}
+        if not isinstance(opts, dict):
+            raise BadRequest(f"stream_options must be an object (got {opts!r})")
+        return {"priority": priority, **names, "include_usage": bool(opts.get("include_usage"))}
 
     def _validate_prompt(self, ids: list[int]) -> None:
         cfg = self.w.core.config
@@ -406,7 +426,7 @@ class HttpFacade:
             raise BadRequest(f"prompt token ids must be in [0, {self.w.tokenizer.vocab_size})")
 
     async def _generate(
-        self, rid: str, ids: list[int], sp: dict[str, Any], body: dict[str, Any], received_at: float
+        self, rid: str, ids: list[int], sp: dict[str, Any], opts: dict[str, Any], received_at: float
     ) -> AsyncIterator[worker_pb2.WorkerGenerateChunk]:
         """Run one request on the engine; yields the same chunks the gRPC Generate stream does."""
         w = self.w
@@ -417,9 +437,9 @@ class HttpFacade:
             arrival_s=w.engine_now(),
             ignore_eos=sp["ignore_eos"],
             seed=sp["seed"] if sp["seed"] is not None else w.request_seed(rid),
-            priority=int(body.get("priority") or 0),
-            lora_name=body.get("lora_name") or None,
-            cache_salt=body.get("cache_salt") or None,
+            priority=opts["priority"],
+            lora_name=opts["lora_name"],
+            cache_salt=opts["cache_salt"],
         )
         try:
             stream = w.add(engine_request, sp["stop"], received_at)
@@ -458,17 +478,16 @@ class HttpFacade:
                 ids, prompt_text = self._prompt_ids(body.get("prompt"))
             self._validate_prompt(ids)
             sp = self._sampling(body, len(ids), chat)
+            opts = self._options(body)
         except BadRequest as e:
             return _error(400, str(e))
         echo = "" if chat or not body.get("echo") else (prompt_text or self.w.tokenizer.decode(ids))
         want_ids = bool(body.get("return_token_ids"))
         model = body.get("model") or self.w.model
         created = int(received_at)
-        gen = self._generate(rid, ids, sp, body, received_at)
+        gen = self._generate(rid, ids, sp, opts, received_at)
         if body.get("stream"):
-            opts = body.get("stream_options") or {}
-            return await self._stream(request, gen, rid, model, created, chat, echo, want_ids,
-                                      bool(opts.get("include_usage")))  # fmt: skip
+            return await self._stream(request, gen, rid, model, created, chat, echo, want_ids, opts["include_usage"])
         text_parts = [echo]
         token_ids: list[int] = []
         last = None

@@ -205,7 +205,13 @@ async def test_render_tokenize_detokenize(worker: Worker) -> None:
 async def test_bad_requests_are_400(worker: Worker) -> None:
     async with aiohttp.ClientSession() as s:
         for body in ({"prompt": []}, {"prompt": [1, 99999]}, {"prompt": "x", "max_tokens": 0},
-                     {"prompt": "x", "n": 2}, {"prompt": [[1, 2], [3, 4]]}):  # fmt: skip
+                     {"prompt": "x", "n": 2}, {"prompt": [[1, 2], [3, 4]]},
+                     # fields of the wrong type are the client's error too (these were 500s, found by a fuzz)
+                     {"prompt": "x", "temperature": "hot"}, {"prompt": "x", "temperature": [1]},
+                     {"prompt": "x", "priority": [1]}, {"prompt": "x", "priority": "high"},
+                     {"prompt": "x", "stop": 5}, {"prompt": "x", "stop": ["a", 5]},
+                     {"prompt": "x", "stream": True, "stream_options": [1]}, {"prompt": "x", "lora_name": 5},
+                     {"prompt": "x", "cache_salt": {"a": 1}}):  # fmt: skip
             status, out, _ = await post(s, f"{worker.url}/v1/completions", body)
             assert status == 400, body
             assert out["object"] == "error"
