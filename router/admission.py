@@ -196,6 +196,8 @@ def admit(
     if not params.model:
         raise _invalid("model is required")
     validate_sampling(params.sampling, max_tokens_cap)
+    if params.predicted_output_tokens_hint < 0:
+        raise _invalid(f"predicted_output_tokens_hint must be >= 0 (0 = none), got {params.predicted_output_tokens_hint}")
     spec = catalog.spec(params.model)
     if spec is None:
         raise ApiError(grpc.StatusCode.NOT_FOUND, f"model {params.model!r} is not served by any registered worker")
@@ -230,7 +232,8 @@ def admit(
         cache_salt=params.cache_salt,
         session_id=params.session_id,
         app_id=params.app_id,
-        predicted_output_tokens=params.predicted_output_tokens_hint or None,
+        # a hint past max_tokens cannot come true: the engine stops there (the predictor clamps its answers alike)
+        predicted_output_tokens=min(params.predicted_output_tokens_hint, params.sampling.max_tokens) or None,
         tokenize_s=tokenize_s,
         prediction=prediction,
     )

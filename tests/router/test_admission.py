@@ -50,6 +50,7 @@ def run(catalog: Catalog = CATALOG, **kw) -> object:  # type: ignore[no-untyped-
         ({"chat": (ChatMessage("assistant", "hi"),)}, grpc.StatusCode.INVALID_ARGUMENT, "last chat message must be from the user"),
         ({"prompt": "hi", "model": "other"}, grpc.StatusCode.NOT_FOUND, "model 'other' is not served"),
         ({"prompt": "hi", "model": ""}, grpc.StatusCode.INVALID_ARGUMENT, "model is required"),
+        ({"prompt": "hi", "predicted_output_tokens_hint": -1}, grpc.StatusCode.INVALID_ARGUMENT, "hint must be >= 0"),
     ],
 )
 def test_rejections(kw: dict, code: grpc.StatusCode, message: str) -> None:
@@ -92,3 +93,11 @@ def test_salt_changes_hashes() -> None:
     salted = run(token_ids=ids, cache_salt="tenant-a").block_hashes  # type: ignore[attr-defined]
     assert len(plain) == len(salted) == 4
     assert set(plain).isdisjoint(salted)  # the salt is in block 0's key, and the chain carries it on
+
+
+def test_the_output_length_hint_is_capped_at_max_tokens() -> None:
+    """Policies price a request's decode by the hint; one past max_tokens cannot come true (the engine stops at
+    max_tokens), and 0 means none."""
+    assert run(prompt="hi", predicted_output_tokens_hint=50).predicted_output_tokens == 8  # type: ignore[attr-defined]
+    assert run(prompt="hi", predicted_output_tokens_hint=5).predicted_output_tokens == 5  # type: ignore[attr-defined]
+    assert run(prompt="hi").predicted_output_tokens is None  # type: ignore[attr-defined]
