@@ -126,6 +126,7 @@ def info_from_proto(info: worker_pb2.WorkerInfo, address: str) -> WorkerInfo:
         perf_profile=info.perf_profile,
         engine=info.engine,
         address=address,
+        incarnation=info.incarnation,
     )
 
 

@@ -40,6 +40,7 @@ class WorkerInfo:
     perf_profile: str = ""
     engine: str = "sim"
     address: str = ""
+    incarnation: str = ""  # random per worker process start ("" = not reported): a new one is a restart
 
 
 @dataclass(frozen=True, slots=True)

@@ -330,6 +330,12 @@ class WorkerRegistry:
         wid = conn.worker_id
         if wid is None or self._fleet.get(wid) is None:
             return False
+        known = conn.info.incarnation if conn.info else ""
+        if raw.incarnation and known and raw.incarnation != known:
+            # restarted between polls, too quickly for failed polls to show it: its cache, counters and KV
+            # sequence numbers began again, so reconnect (Info) and rebuild its view from a fresh snapshot
+            self._mark_unhealthy(conn, f"restarted (incarnation {known} -> {raw.incarnation})")
+            return False
         now = self._clock.now()
         sample = api.stats_from_proto(raw)
         self._fleet.apply_stats(wid, sample, now)
@@ -385,7 +391,9 @@ class WorkerRegistry:
             if wid is None or rec is None:
                 conn.kv_ready.clear()
                 continue
-            call = conn.stub.KvEvents(worker_pb2.KvEventsRequest(start_after_seq=rec.last_kv_seq))
+            call = conn.stub.KvEvents(
+                worker_pb2.KvEventsRequest(start_after_seq=rec.last_kv_seq, incarnation=rec.info.incarnation)
+            )
             try:
                 async for raw in call:
                     batch = api.kv_batch_from_proto(raw)

@@ -276,6 +276,8 @@ class KvEventHub:
     def __init__(self, snapshot: Callable[[], list[kv.KvEvent]]) -> None:
         self._snapshot = snapshot
         self._seq = 0
+        # this process's numbering: a router resuming with another incarnation's seq gets the snapshot
+        self.incarnation = uuid.uuid4().hex[:16]
         # deque, not list: O(1) eviction of the oldest batch
         self._buffer: collections.deque[worker_pb2.KvEventBatch] = collections.deque(maxlen=REPLAY_BATCHES)
         self._subscribers: set[_Subscriber] = set()
@@ -298,10 +300,14 @@ class KvEventHub:
                     "KvEvents subscriber fell %d batches behind; dropping it", SUBSCRIBER_QUEUE_BATCHES
                 )
 
-    def subscribe(self, start_after_seq: int, ts: float) -> tuple[_Subscriber, list[worker_pb2.KvEventBatch]]:
-        """Register a subscriber; returns it with the batches to send first (a replay, or a snapshot)."""
+    def subscribe(
+        self, start_after_seq: int, ts: float, incarnation: str = ""
+    ) -> tuple[_Subscriber, list[worker_pb2.KvEventBatch]]:
+        """Register a subscriber; returns it with the batches to send first (a replay, or a snapshot).
+        `incarnation`: the one `start_after_seq` was read from ("" = unknown: the seq alone decides)."""
         oldest = self._buffer[0].seq if self._buffer else self._seq + 1
-        if 0 < start_after_seq <= self._seq and start_after_seq >= oldest - 1:
+        ours = incarnation in ("", self.incarnation)
+        if ours and 0 < start_after_seq <= self._seq and start_after_seq >= oldest - 1:
             first = [b for b in self._buffer if b.seq > start_after_seq]
         else:  # a fresh subscriber, one older than the buffer, or one from another incarnation of this worker
             events = [kv.AllBlocksCleared(), *self._snapshot()]
@@ -514,6 +520,7 @@ class SimWorker:
             engine="sim",
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
+            incarnation=self.hub.incarnation,
         )
 
     def stats(self) -> worker_pb2.WorkerStats:
@@ -535,6 +542,7 @@ class SimWorker:
             timestamp=t,
             state=self.state,
             num_requests_received=s.num_requests_received,
+            incarnation=self.hub.incarnation,
         )
 
 
@@ -626,7 +634,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.KvEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.KvEventBatch]:
         hub = self.w.hub
-        sub, first = hub.subscribe(request.start_after_seq, time.time())
+        sub, first = hub.subscribe(request.start_after_seq, time.time(), request.incarnation)
         try:
             for batch in first:
                 yield batch

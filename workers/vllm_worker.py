@@ -372,6 +372,7 @@ class VllmWorker:
             engine="vllm",
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            incarnation=self.hub.incarnation,
         )
 
     def stats(self) -> worker_pb2.WorkerStats:
@@ -398,6 +399,7 @@ class VllmWorker:
             timestamp=t,
             state=self.state,
             num_requests_received=self.num_requests_received,
+            incarnation=self.hub.incarnation,
         )
 
 

@@ -197,6 +197,34 @@ def test_worker_killed_before_first_token_is_retried(own_workers, router_factory
     assert metric(router, "switchyard_retries_total") == 1
 
 
+def test_a_worker_restarted_between_polls_is_rebuilt_from_its_new_incarnation(own_workers, router_factory) -> None:  # type: ignore[no-untyped-def]
+    """A worker that restarts before failed polls reveal it (here the router tolerates 1,000 failures) comes back
+    with an empty cache and its KV sequence numbers from 1, and serves a request from another router replica
+    before this router's KV stream resubscribes. The router sees the new incarnation in Stats, re-reads Info and
+    rebuilds the worker's view from its snapshot. Before, it kept the dead process's blocks and skipped the new
+    one's events as replays: their seq were below the last it had applied."""
+    w = own_workers("phoenix", *FAST)
+    # polls (and the KV stream's retries) once a second: the other replica's request lands between two of them
+    router = router_factory([w], "--set", "workers.unhealthy_after_failures=1000", "--set", "workers.stats_interval_s=1")
+    with client_for(router) as c:
+        def resident() -> int:
+            return c.list_workers()[0].num_resident_blocks
+
+        for i in range(4):  # ~19 blocks and several KV batches in the first process
+            c.complete(MODEL, prompt=f"the old cache {i} " * 100, max_tokens=2, timeout=20)
+        until(lambda: resident() >= 15, what="the first process's blocks in the router's view")
+        w.stop(signal.SIGKILL)
+        again = own_workers("phoenix", *FAST, "--port", w.address.rsplit(":", 1)[1])  # same address, new process
+        with grpc.insecure_channel(again.address) as ch:  # another router replica's request: 80 tokens, 5 blocks
+            request = worker_pb2.WorkerGenerateRequest(
+                request_id="other-replica", prompt_token_ids=list(range(1000, 1080)),
+                sampling=common_pb2.SamplingParams(max_tokens=2),
+            )
+            assert len(list(worker_pb2_grpc.WorkerStub(ch).Generate(request, timeout=20))) >= 1
+        until(lambda: 4 <= resident() <= 6 and c.list_workers()[0].healthy, timeout_s=15,
+              what="the view rebuilt from the new process")
+
+
 def test_worker_killed_mid_stream_ends_with_unavailable(own_workers, router_factory) -> None:  # type: ignore[no-untyped-def]
     w = own_workers("doomed", *SLOW)
     router = router_factory([w])

@@ -359,6 +359,12 @@ def test_kv_event_hub_replays_snapshots_and_drops_slow_subscribers() -> None:
         assert [e.WhichOneof("event") for e in first[0].events] == ["cleared", "stored"]
         assert list(first[0].events[1].stored.block_hashes) == [11, 12]
         assert not first[0].events[1].stored.HasField("parent_block_hash")
+    # seq 1 read from another incarnation of the worker (a restart) means nothing here: the snapshot, not a replay;
+    # with this incarnation (or none given) it resumes
+    _, first = hub.subscribe(1, ts=9.0, incarnation="an-earlier-process")
+    assert [e.WhichOneof("event") for e in first[0].events] == ["cleared", "stored"]
+    assert [b.seq for b in hub.subscribe(1, ts=9.0, incarnation=hub.incarnation)[1]] == [2, 3]
+    assert KvEventHub(lambda: snapshot).incarnation != hub.incarnation  # one per process start
     # a subscriber that never reads overflows, is marked and dropped; publishing never blocks
     slow, _ = hub.subscribe(3, ts=9.0)
     for _ in range(SUBSCRIBER_QUEUE_BATCHES + 1):
