@@ -174,6 +174,8 @@ class WorkerRegistry:
             return self.status(conn)
         conn = self._add(address)
         await conn.first_attempt.wait()
+        if conn.removed:
+            raise ApiError(grpc.StatusCode.ABORTED, f"worker at {address} was deregistered while it registered")
         if conn.info is None or conn.worker_id is None or self._fleet.get(conn.worker_id) is None:
             error = conn.last_error or "no answer"
             await self._remove(conn)
@@ -198,10 +200,12 @@ class WorkerRegistry:
 
     async def _remove(self, conn: WorkerConn) -> None:
         conn.removed = True
-        self._conns.pop(conn.address, None)
+        if self._conns.get(conn.address) is conn:
+            del self._conns[conn.address]
         for t in conn.tasks:
             t.cancel()
         await asyncio.gather(*conn.tasks, return_exceptions=True)
+        conn.first_attempt.set()  # a RegisterWorker waiting on the cancelled first attempt ends (ABORTED)
         wid = conn.worker_id
         if wid and self._fleet.get(wid) is not None and self._fleet.get(wid).info.address == conn.address:  # type: ignore[union-attr]
             self._fleet.remove_worker(wid)

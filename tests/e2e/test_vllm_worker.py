@@ -298,6 +298,7 @@ def test_info_matches_the_router_recipe(vllm_workers: list[VllmProc]) -> None:
         assert (info.block_hash_algo, info.block_hash_seed) == ("sha256", "")
         assert info.tokenizer_id == tok.tokenizer_id
         assert info.state == worker_pb2.LIFECYCLE_STATE_READY
+        assert info.incarnation and w.stats().incarnation == info.incarnation  # a restart shows as a new one
 
 
 def test_streaming_generation_through_the_router(vllm_workers: list[VllmProc], router_factory) -> None:  # type: ignore[no-untyped-def]

@@ -408,6 +408,21 @@ async def test_register_rejects_a_worker_whose_info_cannot_be_served(fields: dic
     await bad.stop()
 
 
+async def test_deregistering_a_worker_while_it_registers_ends_the_register_call() -> None:
+    """RegisterWorker waits for the first connect attempt; a DeregisterWorker of that address meanwhile ends it with
+    ABORTED. Before, the deregistration cancelled the attempt that would have woken it, and the call hung."""
+    async with stack([FakeWorker("w0")], workers={"connect_timeout_s": 30.0}) as (daemon, client):
+        address = "127.0.0.1:1"  # nothing listens: Info waits for a connection up to connect_timeout_s
+        register = asyncio.create_task(client.register_worker(address))
+        await until(lambda: any(s.address == address for s in daemon.registry.statuses()))
+        assert (await client.deregister_worker(address)).state == "removed"
+        async with asyncio.timeout(5):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await register
+        assert e.value.code() is grpc.StatusCode.ABORTED and "deregistered" in e.value.details()
+        assert [s.worker_id for s in await client.list_workers()] == ["w0"]
+
+
 async def test_register_rejects_mismatched_tokenizer_and_unreachable_address() -> None:
     bad = FakeWorker("wx", tokenizer_id="sentencepiece:other.model:000")
     await bad.start()
