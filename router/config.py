@@ -58,6 +58,9 @@ class WorkersConfig(_Section):
     connect_timeout_s: float = Field(default=5.0, gt=0)  # Info on connect; startup waits this long for each
     rpc_timeout_s: float = Field(default=2.0, gt=0)  # one Stats / Abort call
     unhealthy_after_failures: int = Field(default=2, ge=1)  # consecutive failed Stats polls
+    # a Generate stream with no chunk for this long has stalled (a hung engine whose server still answers):
+    # the attempt fails, and is retried elsewhere if no token was sent yet; 0 = wait forever
+    stream_idle_timeout_s: float = Field(default=120.0, ge=0)
 
 
 class RoutingConfig(_Section):

@@ -71,6 +71,9 @@ class _Flight:
     entry: QueueEntry | None = None
     future: asyncio.Future[Decision] | None = None  # resolved by the pump when released from the queue
     call: grpc.aio.UnaryStreamCall | None = None  # the current attempt's worker stream
+    last_chunk_at: float = 0.0  # router clock: the current attempt's start or its last chunk
+    watchdog: asyncio.TimerHandle | None = None  # the current attempt's stall check
+    stalled: bool = False  # the watchdog cancelled the current attempt's stream
     queue_s: float = 0.0
     route_s: float = 0.0  # summed over attempts
     predicted_output_tokens: int | None = None  # settled at the first bind; None = no predictor (client hint)
@@ -97,6 +100,7 @@ class Dispatcher:
         max_attempts: int = 3,
         retry_after_ms: int = 500,
         rpc_timeout_s: float = 2.0,
+        stream_idle_timeout_s: float = 0.0,
         predictor: PredictorService | None = None,
     ) -> None:
         self._fleet = fleet
@@ -111,6 +115,7 @@ class Dispatcher:
         self._max_attempts = max_attempts
         self._retry_after_ms = retry_after_ms
         self._rpc_timeout_s = rpc_timeout_s
+        self._idle_s = stream_idle_timeout_s  # 0: no stall watchdog
         self._flights: dict[str, _Flight] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._pump_scheduled = False
@@ -279,7 +284,9 @@ class Dispatcher:
         if timeout is not None and timeout <= 0:
             raise ApiError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before dispatch")
         call = stub.Generate(api.worker_request(fl.req, decision, fl.predicted_output_tokens), timeout=timeout)
-        fl.call = call
+        fl.call, fl.last_chunk_at, fl.stalled = call, self._clock.now(), False
+        if self._idle_s:
+            fl.watchdog = asyncio.get_running_loop().call_later(self._idle_s, self._check_stall, fl, call)
         try:
             async for wc in call:
                 chunk = self._relay(fl, wid, wc)
@@ -287,6 +294,12 @@ class Dispatcher:
                     yield chunk
                 if fl.finished:
                     return
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if fl.stalled and task is not None and not task.cancelling():  # our watchdog's cancel, not the client's
+                self._registry.report_failure(wid, "Generate stalled")
+                raise WorkerFailed(wid, "STALLED", f"no chunk for {self._idle_s:g} s") from None
+            raise
         except grpc.aio.AioRpcError as e:
             code = e.code()
             if code is grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -295,10 +308,26 @@ class Dispatcher:
                 self._registry.report_failure(wid, f"Generate {code.name}")
                 raise WorkerFailed(wid, code.name, e.details() or "") from None
             raise ApiError(code, f"worker {wid}: {e.details()}") from None
+        finally:
+            if fl.watchdog is not None:
+                fl.watchdog.cancel()
+                fl.watchdog = None
         raise WorkerFailed(wid, "UNAVAILABLE", "stream ended without a final chunk")
 
+    def _check_stall(self, fl: _Flight, call: grpc.aio.UnaryStreamCall) -> None:
+        """The stall watchdog of the attempt streaming `call`: a timer, re-armed from the last chunk, so a stream
+        costs one timer per idle period rather than one per chunk (asyncio.timeout around each read costs ~8 µs)."""
+        if fl.call is not call:
+            return  # that attempt is over
+        quiet = self._clock.now() - fl.last_chunk_at
+        if quiet >= self._idle_s:
+            fl.stalled = True
+            call.cancel()  # the stream's reader gets CancelledError: `_attempt` turns it into WorkerFailed
+        else:
+            fl.watchdog = asyncio.get_running_loop().call_later(self._idle_s - quiet, self._check_stall, fl, call)
+
     def _relay(self, fl: _Flight, wid: WorkerId, wc: worker_pb2.WorkerGenerateChunk) -> router_pb2.GenerateChunk | None:
-        now = self._clock.now()
+        now = fl.last_chunk_at = self._clock.now()
         if wc.token_ids and fl.first_token_at is None:
             fl.first_token_at = now
             self._policy.on_first_token(fl.req.request_id, wid, now)

@@ -183,6 +183,7 @@ class RouterDaemon:
             max_attempts=config.retries.max_attempts,
             retry_after_ms=config.queue.retry_after_ms,
             rpc_timeout_s=config.workers.rpc_timeout_s,
+            stream_idle_timeout_s=config.workers.stream_idle_timeout_s,
             predictor=self.predictor,
         )
         self.registry.add_listener(self.dispatcher.schedule_pump)

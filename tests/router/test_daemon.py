@@ -163,6 +163,28 @@ async def test_worker_errors_that_are_the_requests_fault_pass_through() -> None:
         assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "scripted failure" in e.value.details()
 
 
+async def test_a_stalled_worker_stream_fails_its_attempt() -> None:
+    """A worker whose server answers but whose stream goes silent (a hung engine): after
+    `stream_idle_timeout_s` without a chunk the attempt fails. Before the first token it is retried on another
+    worker; after one, the request ends UNAVAILABLE. Before, such a request waited forever."""
+    stuck, fine = FakeWorker("w0", script=Script(hold_after=0)), FakeWorker("w1")
+    workers = {"stream_idle_timeout_s": 0.3}
+    async with stack([stuck, fine], routing={"policy": "round_robin"}, workers=workers) as (daemon, client):
+        resps = [await client.complete("m", prompt="x", max_tokens=3, request_id=f"s{i}") for i in range(2)]
+        assert [r.timings.worker_id for r in resps] == ["w1", "w1"]
+        retried = sum(r.timings.attempts == 2 for r in resps)  # round robin sent it to w0 first
+        assert retried >= 1 and all(r.timings.attempts <= 2 for r in resps)
+        await stuck.wait_for(lambda: len(stuck.cancelled) == retried)
+        assert sample(daemon, "switchyard_retries_total", model="m", reason="stalled") == retried
+    mute = FakeWorker("w0", script=Script(hold_after=1))
+    async with stack([mute], workers=workers) as (daemon, client):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.complete("m", prompt="x", max_tokens=5, request_id="s3")
+        assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert "after 1 tokens were delivered" in e.value.details() and "no chunk for 0.3 s" in e.value.details()
+        await until(lambda: daemon.dispatcher.num_active == 0 and daemon.fleet.get(WorkerId("w0")).in_flight == 0)  # type: ignore[union-attr]
+
+
 async def test_client_cancel_aborts_on_the_worker() -> None:
     w = FakeWorker("w0", script=Script(hold_after=2))
     async with stack([w]) as (daemon, client):
