@@ -6,14 +6,26 @@ Every accepted request ends in a final chunk or an explicit status (`ApiError` -
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import grpc
 
-from switchyard.router.admission import AdmittedRequest, ApiError, GenerateParams, Sampling, admit
+from switchyard.router.admission import (
+    LONG_INPUT,
+    AdmittedRequest,
+    ApiError,
+    GenerateParams,
+    Sampling,
+    admit,
+    check,
+    input_size,
+    tokenize,
+)
 from switchyard.router.fleet import StatsSample, WorkerInfo, WorkerState
 from switchyard.router.policies.base import Decision, WorkerId
 from switchyard.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
@@ -195,11 +207,19 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._clock = clock
         self._metrics = metrics
 
-    def _admit(self, request: router_pb2.GenerateRequest):  # type: ignore[no-untyped-def]
+    async def _admit(self, request: router_pb2.GenerateRequest) -> AdmittedRequest:
         params = params_from_proto(request)
+        arrival_s = self._clock.now()
+        token_ids, tokenize_s = None, 0.0
         try:
+            if input_size(params) > LONG_INPUT:  # tokenized in a thread, after the checks that need no tokenizer
+                check(params, self._registry, self._max_tokens_cap)
+                t0 = time.perf_counter()
+                token_ids = await asyncio.to_thread(tokenize, params, self._tokenizer_for(params.model))
+                tokenize_s = time.perf_counter() - t0
             admitted = admit(
-                params, self._registry, self._tokenizer_for, self._max_tokens_cap, self._clock.now(), self._predictor
+                params, self._registry, self._tokenizer_for, self._max_tokens_cap, arrival_s, self._predictor,
+                token_ids, tokenize_s,
             )
         except ApiError as e:
             log.info("request %s rejected: %s %s", params.request_id, e.code.name, e.message)
@@ -212,7 +232,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateChunk]:
         try:
-            admitted = self._admit(request)
+            admitted = await self._admit(request)
             async for chunk in self._dispatcher.generate(admitted, context.time_remaining()):
                 yield chunk
         except ApiError as e:
@@ -222,7 +242,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.CompleteResponse:
         try:
-            admitted = self._admit(request)
+            admitted = await self._admit(request)
             token_ids: list[int] = []
             texts: list[str] = []
             last = None

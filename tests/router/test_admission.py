@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import pytest
 
 from switchyard.ext.blockhash import block_digests, to_event_hash
-from switchyard.router.admission import ApiError, GenerateParams, ModelSpec, Sampling, admit
+from switchyard.router.admission import (
+    ApiError,
+    GenerateParams,
+    ModelSpec,
+    Sampling,
+    admit,
+    check,
+    input_size,
+    tokenize,
+)
 from switchyard.workers.tokenizer import ChatMessage, load_tokenizer
 
 TOK = load_tokenizer(None)
@@ -101,3 +112,24 @@ def test_the_output_length_hint_is_capped_at_max_tokens() -> None:
     assert run(prompt="hi", predicted_output_tokens_hint=50).predicted_output_tokens == 8  # type: ignore[attr-defined]
     assert run(prompt="hi", predicted_output_tokens_hint=5).predicted_output_tokens == 5  # type: ignore[attr-defined]
     assert run(prompt="hi").predicted_output_tokens is None  # type: ignore[attr-defined]
+
+
+def test_input_tokenized_elsewhere_admits_as_tokenized_here() -> None:
+    """The router tokenizes a long input in a thread and hands the ids to `admit`: the same request comes out, the
+    tokenizer is not asked again, and the checks that need no tokenizer still come first."""
+    text = "The quick brown fox jumps over the lazy dog"
+    params = GenerateParams(request_id="r1", model="m", sampling=Sampling(max_tokens=8), prompt=text)
+    here = admit(params, CATALOG, lambda _m: TOK, max_tokens_cap=100, arrival_s=1.5)
+
+    def no_tokenizer(_model: str):  # type: ignore[no-untyped-def]
+        raise AssertionError("tokenized twice")
+
+    ids = tokenize(params, TOK)
+    elsewhere = admit(params, CATALOG, no_tokenizer, 100, 1.5, token_ids=ids, tokenize_s=0.25)
+    assert (elsewhere.prompt_token_ids, elsewhere.block_hashes) == (here.prompt_token_ids, here.block_hashes)
+    assert elsewhere.tokenize_s >= 0.25
+    with pytest.raises(ApiError, match="not served"):
+        check(dataclasses.replace(params, model="other"), CATALOG, 100)
+    assert (input_size(params), input_size(dataclasses.replace(params, prompt=None, token_ids=(1, 2, 3)))) == (len(text), 3)
+    chat = dataclasses.replace(params, prompt=None, chat=(ChatMessage("system", "ab"), ChatMessage("user", "cde")))
+    assert input_size(chat) == 5

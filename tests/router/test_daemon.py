@@ -8,6 +8,7 @@ conditions (fake-worker notifications or router state), never on fixed sleeps.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -332,6 +333,29 @@ async def test_a_policy_that_raises_fails_its_own_request_with_internal_and_noth
         await until(lambda: daemon.dispatcher.num_active == 0)
         assert rec.in_flight == 0
         await until(lambda: ticks[0] >= 3)
+
+
+async def test_a_long_prompt_is_tokenized_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long prompt's tokenization (~0.3 s for 100k tokens) runs in a thread, so the router serves other requests
+    meanwhile: here the long prompt's encode is held until a short request has finished. On the event loop, the
+    short request could not finish while the encode held the loop."""
+    long_text, release, held = "word " * 2000, threading.Event(), threading.Event()  # 10k chars, 2k tokens
+    encode = TOK.encode
+
+    def held_encode(text: str, add_bos: bool = True) -> list[int]:
+        if len(text) > 8192:
+            held.set()
+            release.wait(timeout=5)  # bounded: without the thread, this holds the loop for 5 s and the test fails
+        return encode(text, add_bos)
+
+    monkeypatch.setattr(TOK, "encode", held_encode)
+    async with stack([FakeWorker("w0", max_model_len=4096)]) as (_daemon, client):
+        long = asyncio.create_task(client.complete("m", prompt=long_text, max_tokens=1, request_id="long"))
+        await until(held.is_set)
+        short = await client.complete("m", prompt="short", max_tokens=1, request_id="short")
+        assert not release.is_set() and not long.done()  # served while the long prompt was still tokenizing
+        release.set()
+        assert (await long).usage.prompt_tokens == len(encode(long_text)) and short.usage.completion_tokens == 1
 
 
 async def test_stats_waiting_holds_until_the_worker_reports_room() -> None:
