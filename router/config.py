@@ -41,6 +41,8 @@ class ServerConfig(_Section):
     metrics_enabled: bool = True
     grace_s: float = Field(default=30.0, ge=0)  # SIGTERM: how long in-flight requests may take to finish
     log_level: str = "INFO"
+    gc_freeze_at_start: bool = True  # freeze what startup loaded out of later garbage collections (gc_watch.py)
+    gc_warn_ms: float = Field(default=50.0, ge=0)  # log a collector pause this long or longer; 0 = never
 
 
     @field_validator("log_level")

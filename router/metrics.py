@@ -27,6 +27,8 @@ CPU_BUCKETS_S = (
 # 0.5 ms .. 1 s: length prediction (queue to the predictor thread + one batched inference)
 PREDICT_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# 10 us .. 1 s: garbage-collector pauses (young generations ~10-100 us, a full one up to hundreds of ms)
+GC_BUCKETS_S = (1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0)
 # output tokens, and |predicted - observed| output tokens
 TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -77,6 +79,10 @@ class RouterMetrics:
         self.retries = Counter(
             "switchyard_retries", "Dispatch retries after a worker failed before the first token",
             ["model", "reason"], registry=r,
+        )
+        self.gc_pauses = Histogram(
+            "switchyard_gc_pause_seconds", "Pauses of the cyclic garbage collector, by generation (the event loop "
+            "stops meanwhile)", ["generation"], buckets=GC_BUCKETS_S, registry=r,
         )
         self.policy_actions = Counter(
             "switchyard_policy_actions", "Background actions of the routing policy (E2: rebalancing redirects, "

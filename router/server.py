@@ -29,6 +29,7 @@ from switchyard.router.clock import RealClock
 from switchyard.router.config import ConfigError, RouterConfig, load_config, parse_assignments, to_toml
 from switchyard.router.dispatch import Dispatcher
 from switchyard.router.fleet import Fleet
+from switchyard.router.gc_watch import GcWatch
 from switchyard.router.metrics import RouterMetrics
 from switchyard.router.policies.registry import make_policy
 from switchyard.router.predictor.onnx_predictor import PredictorLoadError
@@ -188,6 +189,7 @@ class RouterDaemon:
         )
         self.registry.add_listener(self.dispatcher.schedule_pump)
         self.health = health.aio.HealthServicer()
+        self.gc_watch = GcWatch(self.metrics.gc_pauses, config.server.gc_warn_ms / 1000)
         self.server: grpc.aio.Server | None = None
         self.admin_server: grpc.aio.Server | None = None
         self._tick_task: asyncio.Task[None] | None = None
@@ -234,6 +236,7 @@ class RouterDaemon:
         await self.admin_server.start()
         for name in ("", names[0]):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.gc_watch.start(freeze=cfg.gc_freeze_at_start)  # last: everything startup loaded is alive now
         model = self.predictor.predictor
         bound = Bound(
             cfg.host, port, f"{cfg.admin_host}:{admin_port}", metrics_addr,
@@ -279,6 +282,7 @@ class RouterDaemon:
             await self.admin_server.stop(0)
         await self.registry.close()
         self.predictor.close()
+        self.gc_watch.stop()
         self.metrics.close()
         log.info("stopped")
 

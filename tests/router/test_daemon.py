@@ -8,6 +8,7 @@ conditions (fake-worker notifications or router state), never on fixed sleeps.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -34,7 +35,8 @@ TOK = load_tokenizer(None)
 async def stack(fakes: list[FakeWorker], **sections: dict) -> AsyncIterator[tuple[RouterDaemon, AsyncRouterClient]]:  # type: ignore[type-arg]
     addresses = [await w.start() for w in fakes]
     overrides: dict[str, dict] = {  # type: ignore[type-arg]
-        "server": {"port": 0, "admin_port": 0, "metrics_enabled": False, "grace_s": 1.0},
+        # not frozen: this process runs many daemons and must go on collecting their objects
+        "server": {"port": 0, "admin_port": 0, "metrics_enabled": False, "grace_s": 1.0, "gc_freeze_at_start": False},
         "workers": {"addresses": addresses, "stats_interval_s": 0.05, "health_interval_s": 0.1, "connect_timeout_s": 2.0},
     }
     for name, body in sections.items():
@@ -498,6 +500,18 @@ async def test_kv_events_feed_the_prefix_view() -> None:
         [status] = await client.list_workers()
         assert status.num_resident_blocks == 3
         await until(lambda: sample(daemon, "switchyard_worker_prefix_cache_hit_ratio", worker="w0") == 0.25)
+
+
+async def test_collector_pauses_are_measured_and_long_ones_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """Every garbage collection while the daemon runs lands in switchyard_gc_pause_seconds by generation, and one
+    at or over server.gc_warn_ms is logged; what startup loaded is frozen out of later collections."""
+    async with stack([FakeWorker("w0")], server={"gc_warn_ms": 0.001, "gc_freeze_at_start": True}) as (daemon, _):
+        assert gc.get_freeze_count() > 0
+        before = sample(daemon, "switchyard_gc_pause_seconds_count", generation="2")
+        gc.collect()
+        assert sample(daemon, "switchyard_gc_pause_seconds_count", generation="2") == before + 1
+        assert "garbage collection of generation 2 paused the router" in caplog.text
+    gc.unfreeze()  # this test process runs many daemons: do not keep their objects out of its own collections
 
 
 async def test_health_and_reflection_on_the_public_port() -> None:
