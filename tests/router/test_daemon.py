@@ -19,7 +19,7 @@ from factories import make_stats
 from fake_worker import FakeWorker, Script
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from switchyard.router.admission import AdmittedRequest, Sampling
+from switchyard.router.admission import LONG_INPUT, AdmittedRequest, Sampling
 from switchyard.router.client import AsyncRouterClient
 from switchyard.router.config import load_config
 from switchyard.router.policies.base import WorkerId
@@ -341,11 +341,11 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(monkeypatch: pytest
     """A long prompt's tokenization (~0.3 s for 100k tokens) runs in a thread, so the router serves other requests
     meanwhile: here the long prompt's encode is held until a short request has finished. On the event loop, the
     short request could not finish while the encode held the loop."""
-    long_text, release, held = "word " * 2000, threading.Event(), threading.Event()  # 10k chars, 2k tokens
+    long_text, release, held = "word " * 2000, threading.Event(), threading.Event()  # 10k chars (> LONG_INPUT)
     encode = TOK.encode
 
     def held_encode(text: str, add_bos: bool = True) -> list[int]:
-        if len(text) > 8192:
+        if len(text) > LONG_INPUT:
             held.set()
             release.wait(timeout=5)  # bounded: without the thread, this holds the loop for 5 s and the test fails
         return encode(text, add_bos)
