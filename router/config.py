@@ -28,7 +28,8 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # finite numbers only: an interval or timeout of inf would stop a loop for good (0 is "off" where one is)
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class ServerConfig(_Section):

@@ -82,6 +82,8 @@ def test_unrelated_switchyard_env_vars_are_ignored() -> None:
         ("[routing]\npolicy = 'nope'\n", r"unknown policy 'nope'; known: .*least_request.*round_robin"),
         ("[server]\nport = 'abc'\n", r"server\.port: Input should be a valid integer"),
         ("[queue]\nkv_usage_hold_frac = 1.5\n", r"queue\.kv_usage_hold_frac"),
+        ("[workers]\nstats_interval_s = inf\n", r"workers\.stats_interval_s: Input should be a finite number"),
+        ("[server]\ngrace_s = nan\n", r"server\.grace_s: Input should be a finite number"),
         ("[server\n", r"config file .*router\.toml"),
     ],
 )
