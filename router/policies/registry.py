@@ -8,6 +8,7 @@ value of the wrong kind is a ValueError that names the policy and its keys.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -122,9 +123,9 @@ def _convert(name: str, key: str, value: Any, kind: Any) -> Any:
                 raise ValueError
             return int(value)
         if kind is float:
-            if isinstance(value, bool):
+            if isinstance(value, bool) or math.isnan(number := float(value)):  # inf stays: "never" for a knob
                 raise ValueError
-            return float(value)
+            return number
         if kind is str:
             return str(value)
     except (TypeError, ValueError):

@@ -36,6 +36,8 @@ def test_every_configurable_policy_round_trips_its_own_knobs() -> None:
         ("preserve", {"horizon": 2.5}, r"horizon expects int"),
         ("smg_cache_aware", {"balance_abs_threshold": True}, r"expects int"),
         ("round_robin", {"seed": 1}, r"has no parameters"),
+        ("smg_cache_aware", {"cache_threshold": "nan"}, r"cache_threshold expects float, got 'nan'"),
+        ("switchyard", {"queue_weight": "nan"}, r"queue_weight: Input should be greater than or equal to 0"),
         ("no_such_policy", {}, r"unknown policy"),
     ],
 )
