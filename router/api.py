@@ -223,7 +223,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
             )
         except ApiError as e:
             log.info("request %s rejected: %s %s", params.request_id, e.code.name, e.message)
-            self._metrics.requests.labels(request.model, "", e.code.name.lower()).inc()
+            # a model no worker serves is counted under "" : the label comes from the client, and one series per
+            # made-up name would grow without bound (memory here, cardinality in Prometheus)
+            model = request.model if self._registry.spec(request.model) is not None else ""
+            self._metrics.requests.labels(model, "", e.code.name.lower()).inc()
             raise
         self._metrics.tokenize_time.labels(admitted.model).observe(admitted.tokenize_s)
         return admitted

@@ -393,6 +393,23 @@ async def test_errors_over_grpc() -> None:
             assert e.value.code() is code, kw
 
 
+async def test_made_up_model_names_do_not_grow_the_metric_series() -> None:
+    """A client picks the model label: requests for models no worker serves are counted under model="", so made-up
+    names cannot grow the series without bound; a served model keeps its own label."""
+    async with stack([FakeWorker("w0")], server={"metrics_enabled": False}) as (daemon, client):
+        for i in range(5):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await client.complete(f"made-up-{i}", prompt="x", max_tokens=1)
+            assert e.value.code() is grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.aio.AioRpcError):
+            await client.complete("m", prompt="", max_tokens=1)  # INVALID_ARGUMENT for a served model
+        assert sample(daemon, "switchyard_requests_total", model="", worker="", status="not_found") == 5
+        assert sample(daemon, "switchyard_requests_total", model="m", worker="", status="invalid_argument") == 1
+        models = {s.labels["model"] for m in daemon.metrics.registry.collect() if m.name == "switchyard_requests"
+                  for s in m.samples}
+        assert models == {"", "m"}
+
+
 async def test_no_healthy_worker_is_unavailable() -> None:
     w = FakeWorker("w0")
     async with stack([w]) as (daemon, client):
