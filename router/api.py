@@ -212,7 +212,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         arrival_s = self._clock.now()
         token_ids, tokenize_s = None, 0.0
         try:
-            if input_size(params) > LONG_INPUT:  # tokenized in a thread, after the checks that need no tokenizer
+            # a long input is tokenized in a thread, after the checks that need no tokenizer (`admit` checks again:
+            # a worker may have left meanwhile)
+            if input_size(params) > LONG_INPUT:
                 check(params, self._registry, self._max_tokens_cap)
                 t0 = time.perf_counter()
                 token_ids = await asyncio.to_thread(tokenize, params, self._tokenizer_for(params.model))

@@ -69,8 +69,13 @@ def _error(status: int, message: str, kind: str = "BadRequestError") -> web.Resp
     return web.json_response(body, status=status, dumps=_dumps)
 
 
+def _is_int(value: Any) -> bool:
+    """A JSON integer (Python's bool is an int; JSON's true is not)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    return _is_int(value) or isinstance(value, float)
 
 
 def _as_text(content: Any) -> str:
@@ -341,7 +346,7 @@ class HttpFacade:
             prompt = prompt[0]
         if isinstance(prompt, str):
             return self.w.tokenizer.encode(prompt, add_bos=add_bos), prompt
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
             return list(prompt), None
         if isinstance(prompt, list):
             raise BadRequest("batched prompts are not supported; send one prompt per request")
@@ -381,7 +386,7 @@ class HttpFacade:
             max_tokens = body.get("max_tokens")
         if max_tokens is None:
             max_tokens = cfg.max_model_len - prompt_len if chat else DEFAULT_COMPLETION_MAX_TOKENS
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
+        if not _is_int(max_tokens) or max_tokens <= 0:
             raise BadRequest(f"max_tokens must be a positive integer (got {max_tokens!r})")
         if (body.get("n") or 1) != 1:
             raise BadRequest("only n=1 is supported")
@@ -405,7 +410,7 @@ class HttpFacade:
     def _options(self, body: dict[str, Any]) -> dict[str, Any]:
         """The request's fields besides the prompt and sampling: priority, adapter, cache salt, stream options."""
         priority = body.get("priority") or 0
-        if not isinstance(priority, int) or isinstance(priority, bool):
+        if not _is_int(priority):
             raise BadRequest(f"priority must be an integer (got {priority!r})")
         names = {k: body.get(k) or None for k in ("lora_name", "cache_salt")}
         for k, v in names.items():
