@@ -21,6 +21,7 @@ an attached node is held by its parent's `_children`. The offset inside the node
 node's C array (a few ns per block), with an O(1) fast path for the consecutive blocks of one event.
 """
 
+cimport cython
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.long cimport PyLong_Check, PyLong_FromUnsignedLongLong
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
@@ -147,8 +148,25 @@ cdef inline size_t _home(uint64_t key, size_t mask) noexcept nogil:
     return <size_t>key & mask
 
 
+cdef Py_ssize_t _live_nodes = 0  # Node objects alive, tree roots included (`live_nodes`: the leak test's count)
+
+
+def live_nodes():
+    """Node objects alive in this process: what the tests check for leaks, as Node is invisible to the collector."""
+    return _live_nodes
+
+
+@cython.no_gc
 cdef class Node:
-    """One run of consecutive blocks. Fields are read-only properties, except `stats` (the policy's slot)."""
+    """One run of consecutive blocks. Fields are read-only properties, except `stats` (the policy's slot).
+
+    NOTE: `no_gc`: a node is not tracked by Python's cyclic collector. A 100k-node tree is 100k nodes plus the
+    policies' tuples that hold them (an LRU entry and heap item per resident node), and a full collection walked
+    them all: 120-190 ms stalls of the event loop at 100k nodes (`bench decisions` videoqa with the collector on),
+    with nothing to collect. The only cycles through nodes are parent <-> child, which the tree breaks itself: a
+    node leaves the tree as a leaf, its parent link cleared (`gc`), and a dropped tree unlinks every node
+    (`RadixTree.__dealloc__`). Whatever a policy keeps in `stats` must not refer back to nodes or trees.
+    """
 
     cdef uint64_t* _blocks
     cdef Py_ssize_t _n
@@ -166,7 +184,13 @@ cdef class Node:
     cdef readonly long long seq  # creation order in its tree (see radix_py)
     cdef bint _gc_queued  # in its tree's gc candidates
 
+    def __cinit__(self):
+        global _live_nodes
+        _live_nodes += 1
+
     def __dealloc__(self):
+        global _live_nodes
+        _live_nodes -= 1
         PyMem_Free(self._blocks)
         PyMem_Free(self._runs)
 
@@ -479,8 +503,12 @@ cdef class BlockSet:
         return f"BlockSet({sorted(self)!r})"
 
 
+@cython.no_gc_clear
 cdef class RadixTree:
-    """The global prefix tree over chained block hashes; see `radix_py` for the contract."""
+    """The global prefix tree over chained block hashes; see `radix_py` for the contract.
+
+    `no_gc_clear`: `__dealloc__` needs `_root` to unlink the nodes, which the collector must not clear first.
+    """
 
     cdef Node _root
     cdef _Slot* _slots  # the block index: block hash -> Node (see the module docstring)
@@ -520,6 +548,23 @@ cdef class RadixTree:
 
     def __dealloc__(self):
         free(self._slots)
+        self._unlink_all()
+
+    cdef void _unlink_all(self) noexcept:
+        """Break every parent <-> child link, as the collector does not see nodes (`Node`); iterative, so a deep
+        tree does not recurse in the deallocations. A node still held elsewhere stays, detached."""
+        cdef list stack
+        cdef Node node
+        if self._root is None:
+            return
+        stack = [self._root]
+        while stack:
+            node = <Node>stack.pop()
+            if node._children:
+                stack.extend(node._children.values())
+                node._children.clear()
+            node._parent = None
+            node.is_attached = False
 
     # ---- the block index -----------------------------------------------------------------------------------
 

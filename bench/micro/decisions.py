@@ -6,7 +6,9 @@ What the workers would send is modelled so the policies' state grows as it would
 the chosen worker's newly cached blocks arrive as a `BlockStored` batch (its LRU cache of `kv_capacity_blocks`
 evicts tail blocks first and sends `BlockRemoved`), `on_first_token` then, `on_finish` after a modelled decode
 (so in-flight state stays bounded), Stats every 0.2 s and `on_tick` every 0.1 s. Only `select` and `on_dispatch`
-are the decision; the hooks and the fleet's KV index are timed apart ("all hooks").
+are the decision; the hooks and the fleet's KV index are timed apart ("all hooks"). After the stream, each
+policy's state is dropped in turn to measure what it added to a full collection of the cyclic GC, which the daemon
+runs on its event loop (`gc_full_ms_state`; the stream itself runs with the collector off, as the simulator).
 
 Compares with Preble's global scheduler [specs/preble.md §8, §10 claim 12]: Toolbench, 50,000 requests, 200 and
 1500 tools: 634 and 245 decisions/s; VideoQA with 1500 videos: 2931 decisions/s (their `runtime_selector`, called
@@ -40,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from switchyard.bench.micro.gc_cost import full_collection_ms
 from switchyard.bench.micro.output import write_outputs
 from switchyard.bench.micro.revision import policy_at
 from switchyard.bench.preble_workloads import PrebleSpec, make_toolbench, make_videoqa
@@ -410,6 +413,14 @@ def run_side_by_side(
             row["paired_select_ratio"] = round(balanced_ratio(sel, select_ns[0], k), 3)
             row["paired_dispatch_ratio"] = round(balanced_ratio(dis, dispatch_ns[0], k), 3)
         rows.append(row)
+    # what each policy's state adds to a full collection (a stall of the daemon's loop): dropped one by one
+    policy = None  # type: ignore[assignment]  # the loop's last: the list holds the only references
+    prev = full_collection_ms()
+    for j, row in enumerate(rows):
+        policies[j] = None  # type: ignore[call-overload]
+        cur = full_collection_ms()
+        row["gc_full_ms_state"] = round(max(0.0, prev - cur), 1)
+        prev = cur
     return rows
 
 
@@ -460,8 +471,9 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def to_markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| workload | workers | policy | requests | decisions/s | Preble | ratio | select p50 / p99 / mean µs, max ms "
-        "| on_dispatch p50 / p99 µs | with hooks /s | state at start → end | runs: select p50 µs (CPU stolen) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| on_dispatch p50 / p99 µs | with hooks /s | state at start → end | full GC ms the state adds "
+        "| runs: select p50 µs (CPU stolen) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         paper = r["paper_decisions_per_s"]
@@ -471,7 +483,8 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
             f"| {paper:,.0f} | {ratio} | {r['select_p50_us']} / {r['select_p99_us']} / {r['select_mean_us']}, "
             f"{r['select_max_ms']} "
             f"| {r['dispatch_p50_us']} / {r['dispatch_p99_us']} | {r['with_hooks_per_s']:,.0f} "
-            f"| {r['state_size_at_start']:,} → {r['state_size']:,} {r['state_kind']} | {_runs_cell(r)} |"
+            f"| {r['state_size_at_start']:,} → {r['state_size']:,} {r['state_kind']} | {r.get('gc_full_ms_state', '-')} "
+            f"| {_runs_cell(r)} |"
         )
     paired = [r for r in rows if "paired_with" in r]
     if paired:

@@ -2,7 +2,8 @@
 decision (match + a per-worker cost over 16 workers), p50/p99 in µs, Cython build vs Python reference, on
 realistic trees of 10k and 100k nodes (shared system prompts, tool/document branches, per-user questions), plus
 the insert of a cold video-like prompt (`COLD_BLOCKS` new blocks, a VideoQA dispatch's leaf) into the same tree;
-and the fleet's KV-event ingestion (`PrefixIndex.apply`) with each build's per-worker block sets.
+and the fleet's KV-event ingestion (`PrefixIndex.apply`) with each build's per-worker block sets; and what the
+tree adds to a full collection of the cyclic GC (a stall of the daemon's event loop), with and without it.
 
 Quick (a few seconds): `switchyard bench radix --nodes 10000 --ops 2000`.
 Full (about a minute, mostly building the 100k-node trees in Python): `switchyard bench radix`.
@@ -12,6 +13,7 @@ Writes results/micro-radix/radix.json and radix.md and prints the table.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import random
@@ -21,6 +23,7 @@ import time
 from pathlib import Path
 from types import ModuleType
 
+from switchyard.bench.micro.gc_cost import full_collection_ms
 from switchyard.ext import radix_py
 from switchyard.router.prefix_index import PrefixIndex
 from switchyard.workers.engine.kv_events import BlockRemoved, BlockStored
@@ -132,6 +135,10 @@ def measure(mod: ModuleType, target_nodes: int, num_ops: int, seed: int) -> dict
         t = clock()
         tree.insert(q, now)  # type: ignore[attr-defined]
         cold_ns.append(clock() - t)
+    gc_with = full_collection_ms()
+    tracked = len(gc.get_objects())
+    del tree
+    gc_without = full_collection_ms()
     return {
         "impl": "c" if mod is _radix_c else "py",
         "target_nodes": target_nodes,
@@ -149,7 +156,12 @@ def measure(mod: ModuleType, target_nodes: int, num_ops: int, seed: int) -> dict
         "cold_insert_blocks": COLD_BLOCKS,
         "cold_insert_p50_us": round(pct(cold_ns, 0.50), 2),
         "cold_insert_p99_us": round(pct(cold_ns, 0.99), 2),
+        # what the tree adds to a full collection of the cyclic GC: a pause of the daemon's event loop
+        "gc_full_ms_with_tree": round(gc_with, 1),
+        "gc_full_ms_without": round(gc_without, 1),
+        "gc_tracked_by_tree": tracked - len(gc.get_objects()),
     }
+
 
 
 def measure_ingest(mod: ModuleType, num_events: int, seed: int) -> dict:
@@ -201,14 +213,16 @@ def ingest_markdown(rows: list[dict]) -> str:
 def to_markdown(rows: list[dict]) -> str:
     lines = [
         "| impl | nodes | blocks | query blocks (mean) | match p50 / p99 µs | decision p50 / p99 µs "
-        f"| insert p50 / p99 µs | cold {COLD_BLOCKS}-block insert p50 / p99 µs |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| insert p50 / p99 µs | cold {COLD_BLOCKS}-block insert p50 / p99 µs "
+        "| full GC ms with / without the tree (objects it tracks) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['impl']} | {r['nodes']} | {r['blocks']} | {r['mean_query_blocks']} "
             f"| {r['match_p50_us']} / {r['match_p99_us']} | {r['decision_p50_us']} / {r['decision_p99_us']} "
-            f"| {r['insert_p50_us']} / {r['insert_p99_us']} | {r['cold_insert_p50_us']} / {r['cold_insert_p99_us']} |"
+            f"| {r['insert_p50_us']} / {r['insert_p99_us']} | {r['cold_insert_p50_us']} / {r['cold_insert_p99_us']} "
+            f"| {r['gc_full_ms_with_tree']} / {r['gc_full_ms_without']} ({r['gc_tracked_by_tree']:,}) |"
         )
     return "\n".join(lines) + "\n"
 

@@ -267,6 +267,62 @@ def test_c_slot_limit() -> None:
     t.check_invariants()
 
 
+@pytest.mark.skipif(_radix_c is None, reason="the Cython build did not load (test_c_extension_loaded fails)")
+def test_c_nodes_are_invisible_to_the_collector_and_never_leak() -> None:
+    """Nodes are not tracked by the cyclic collector (a big tree made every full collection walk it), so the tree
+    must free them by reference counting alone: with the collector off, nodes removed by gc and a whole tree
+    dropped with nodes still held elsewhere all go, and the count of live nodes returns to where it started."""
+    import gc
+    import random
+
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        base = _radix_c.live_nodes()
+        rng = random.Random(7)
+        t = _radix_c.RadixTree()
+        held = []
+        for i in range(400):
+            head = [rng.randrange(1, 6)]
+            seq = [*head, *(rng.randrange(1, 40) for _ in range(rng.randrange(1, 6)))]
+            chain = [hash((tuple(seq[: k + 1]), "c")) & (2**63 - 1) for k in range(len(seq))]
+            path = t.insert(chain, now=float(i))
+            if i % 3 == 0:
+                t.mark_resident(f"w{i % 4}", chain, None, now=float(i))
+            if i % 5 == 0:
+                t.assign(path, f"w{i % 4}", now=float(i))
+            if i % 7 == 0:
+                t.mark_evicted(f"w{i % 4}", chain[-1:])
+            if i % 50 == 0:
+                held.append(path[-1])
+            if i % 97 == 0:
+                t.remove_worker(f"w{rng.randrange(4)}")
+        assert not gc.is_tracked(held[0]) and not gc.is_tracked(t.match(chain).path[0])
+        assert _radix_c.live_nodes() >= base + t.num_nodes
+        for w in range(4):
+            t.remove_worker(f"w{w}")
+        assert t.gc(1e9, 1.0) > 0 and t.num_nodes == 0  # all past the window, no worker left on any
+        mine = {id(n): n for n in [*held, *path]}
+        assert all(not n.is_attached for n in mine.values())
+        assert _radix_c.live_nodes() == base + 1 + len(mine)  # the root and the nodes this test holds
+        del held, path, mine
+        assert _radix_c.live_nodes() == base + 1
+        # a tree dropped whole: its nodes go, except one held here, which stays alive and detached
+        for i in range(200):
+            a = i % 9 + 1
+            deep = t.insert([a, a * 100 + i % 13, (a * 100 + i % 13) * 10_000 + i], now=2e9)[-1]  # chained
+        assert t.num_nodes > 200 and deep.parent.parent is not None
+        del t
+        assert not deep.is_attached and deep.parent is None and not deep.children
+        assert _radix_c.live_nodes() == base + 1
+        del deep
+        assert _radix_c.live_nodes() == base
+    finally:
+        if was:
+            gc.enable()
+
+
 # ---- state machine: reference and Cython side by side -----------------------------------------------------
 
 @pytest.mark.skipif(_radix_c is None, reason="the Cython build did not load (test_c_extension_loaded fails)")
