@@ -404,7 +404,7 @@ cdef class EvictionOrder:
         return m
 
     cdef tuple _victim_term(self, object node, long long nblocks, double cutoff, long long block_size, object cost):
-        """`lru_order_py.victim_term`: the first sample in the window found by the same walk from the head."""
+        """`lru_order_py.victim_term` (`Samples.since`: in C over the Cython build's samples)."""
         cdef object st = node.stats
         cdef object dq = None
         cdef Py_ssize_t count
@@ -415,13 +415,9 @@ cdef class EvictionOrder:
             dq = st.hits.get(self.worker)
         if not dq:
             return (None, cutoff, INFINITY, cost)
-        count = len(dq)
-        for sample in dq:
-            t = (<tuple>sample)[0]
-            if t >= cutoff:
-                hi = <double>t
-                break
-            count -= 1
+        got = dq.since(cutoff)
+        count = <Py_ssize_t>(<tuple>got)[0]
+        hi = <double>(<tuple>got)[1]
         if not count:
             return (None, cutoff, INFINITY, cost)
         keep = <long long>node.resident_on(self.worker) - nblocks

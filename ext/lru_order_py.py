@@ -323,7 +323,7 @@ def victim_term(
     is in the window; the window starts [lo, hi] between which the term holds; the cost model it was priced with).
 
     PT_j × N_j: recompute the evicted tokens after j's context and kept blocks (`cost.prefill_s`), times the
-    requests through j on this worker since `cutoff` (`stats.hits[worker]`: (t, ...) samples in time order; the
+    requests through j on this worker since `cutoff` (`stats.hits[worker]`, `Samples`: (t, ...) in time order; the
     head may hold expired ones). It holds while the window's start stays between `cutoff` and j's first request
     in the window: later ones are counted either way, earlier ones neither.
     """
@@ -331,16 +331,12 @@ def victim_term(
     dq = st.hits.get(worker) if isinstance(st, stats_type) else None
     if not dq:
         return None, cutoff, math.inf, cost
-    count = len(dq)
-    for t, _ in dq:
-        if t >= cutoff:
-            break
-        count -= 1
+    count, first = dq.since(cutoff)
     if not count:
         return None, cutoff, math.inf, cost
     keep = node.resident_on(worker) - nblocks
     term = cost.prefill_s(nblocks * block_size, (node.context_blocks + keep) * block_size) * count
-    return term, cutoff, dq[len(dq) - count][0], cost
+    return term, cutoff, first, cost
 
 
 def touch_holders(lru: dict[Any, Any], nodes: list[Any]) -> None:

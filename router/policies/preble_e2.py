@@ -94,6 +94,7 @@ from switchyard.ext.e2_select import (
 from switchyard.ext.lru_order import touch_holders
 from switchyard.ext.lru_order_py import cold_bucket
 from switchyard.ext.radix import RadixTree
+from switchyard.ext.samples import Samples
 from switchyard.router.policies.base import (
     Decision,
     FleetView,
@@ -788,11 +789,11 @@ class PrebleE2(Policy):
             return  # the TTFT samples below feed replication's detector alone
         key = self.key_of_record(rec)
         if key is not None and isinstance(key.stats, NodeStats):
-            dq = key.stats.ttft.setdefault(worker_id, deque())
+            dq = key.stats.ttft.get(worker_id)
+            if dq is None:
+                dq = key.stats.ttft[worker_id] = Samples()
             dq.append((now, ttft))
-            cutoff = now - self.cfg.history_window_s
-            while dq[0][0] < cutoff:
-                dq.popleft()
+            dq.trim(now - self.cfg.history_window_s)
             self.dirty_ttft[(id(key), worker_id)] = key
 
     def on_finish(self, request_id: str, worker_id: WorkerId, now: float, num_output_tokens: int) -> None:

@@ -5,7 +5,6 @@ doubling detector, and the simulated LRU eviction behind M. Plain data; `preble_
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
 from collections import deque
@@ -17,6 +16,7 @@ from typing import Any
 from switchyard.ext.e2_select import decode_marginal
 from switchyard.ext.lru_order import EvictionOrder, LruIndexCore
 from switchyard.ext.lru_order_py import victim_term
+from switchyard.ext.samples import RecentMedian, Samples
 from switchyard.router.policies.preble_cost import CostModel, ProfileCost
 
 
@@ -272,61 +272,41 @@ class HitRatioWindow:
 
 
 # ---------------------------------------------------------------------------------------------- per-node stats
-def count_since(dq: deque[tuple[float, float]], cutoff: float) -> tuple[int, float]:
-    """(count, Σ value) of the (t, value) samples with t >= cutoff (the head may hold expired ones)."""
-    n, s = len(dq), 0.0
-    skipped = 0.0
-    for t, v in dq:
-        if t >= cutoff:
-            break
-        n -= 1
-        skipped += v
-    if n:
-        s = sum(v for _, v in dq) - skipped
-    return n, s
+DECODE_SAMPLES = 64  # output lengths a key node keeps for its median (the most recent)
 
 
 @dataclass(slots=True)
 class NodeStats:
-    """The policy's slot on a radix node (`node.stats`)."""
+    """The policy's slot on a radix node (`node.stats`).
+
+    NOTE: what it holds is invisible to the cyclic collector (`ext/samples`; the dicts then stay untracked),
+    leaving one tracked object per node: with a deque per window and a list, 100k nodes' stats were ~500k tracked
+    objects, ~160 ms of every full collection, which the daemon runs on its event loop.
+    """
 
     # per worker: (dispatch t, that request's PT on the worker) for requests through this node in W
     # (N_j of the text's M formula, and Alg 2's Σ PREFILLTIME(missed of l) for eviction_cost="alg2")
-    hits: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
-    # observed output lengths of requests whose key portion is this node (bounded deque, median -> decode)
-    decode_tokens: deque[int] = field(default_factory=partial(deque, (), 64))  # positional: no kwargs per node
+    hits: dict[str, Samples] = field(default_factory=dict)
+    # observed output lengths of requests whose key portion is this node (the last DECODE_SAMPLES; median -> decode)
+    decode_tokens: RecentMedian = field(default_factory=partial(RecentMedian, DECODE_SAMPLES))  # no kwargs per node
     # per worker: (first-token t, TTFT s) of requests keyed here, for the queueing-doubling detector (§5.5)
-    ttft: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
+    ttft: dict[str, Samples] = field(default_factory=dict)
     redirect: dict[str, tuple[str, float]] = field(default_factory=dict)  # heavy -> (light, until_s) (§5.4)
     replicas: dict[str, float] = field(default_factory=dict)  # extra worker -> until_s (§5.5)
-    _sorted: list[int] = field(default_factory=list)  # decode_tokens, sorted (`add_decode` keeps both)
-    _median: float | None = None  # median of decode_tokens, kept until the next add_decode (read per dispatch)
 
     def add_hit(self, worker: str, now: float, prefill_s: float, window_s: float) -> None:
         dq = self.hits.get(worker)
         if dq is None:
-            dq = self.hits[worker] = deque()
+            dq = self.hits[worker] = Samples()
         dq.append((now, prefill_s))
-        cutoff = now - window_s
-        while dq[0][0] < cutoff:
-            dq.popleft()
+        dq.trim(now - window_s)
 
     def add_decode(self, num_tokens: int) -> None:
-        dq, srt = self.decode_tokens, self._sorted
-        if len(dq) == dq.maxlen:
-            del srt[bisect.bisect_left(srt, dq[0])]  # the deque is about to drop its oldest
-        dq.append(num_tokens)
-        bisect.insort(srt, num_tokens)
-        self._median = None
+        self.decode_tokens.add(num_tokens)
 
     def median_decode(self) -> float | None:
-        """`statistics.median(decode_tokens)`, from the values kept sorted: a hot key node gets a finish between
-        most of its dispatches, and sorting its 64 values at each was ~8% of a ToolBench dispatch."""
-        srt = self._sorted
-        if self._median is None and srt:
-            i = len(srt) // 2
-            self._median = srt[i] if len(srt) % 2 else (srt[i - 1] + srt[i]) / 2  # statistics.median's formula
-        return self._median
+        """`statistics.median(decode_tokens)`, kept until the next `add_decode` (read per dispatch)."""
+        return self.decode_tokens.median()
 
 
 def merged_stats(children: Iterable[Any]) -> NodeStats:
@@ -338,11 +318,11 @@ def merged_stats(children: Iterable[Any]) -> NodeStats:
             continue
         for w, dq in st.hits.items():
             cur = out.hits.get(w)
-            out.hits[w] = deque(heapq.merge(cur, dq)) if cur else deque(dq)
+            out.hits[w] = Samples(heapq.merge(cur, dq)) if cur else Samples(dq)
     return out
 
 
-def is_overloaded(samples: deque[tuple[float, float]], now: float, window_s: float, factor: float) -> bool:
+def is_overloaded(samples: Samples, now: float, window_s: float, factor: float) -> bool:
     """Queueing time doubles over H: mean TTFT in the window's second half >= factor × the first half's
     (the code's TTFTWindowedOverloadedDetector); False when either half is empty."""
     start, mid = now - window_s, now - window_s / 2
@@ -445,10 +425,10 @@ def _alg2_term(
     dq = st.hits.get(worker) if isinstance(st, NodeStats) else None
     if not dq:
         return None, cutoff, math.inf, cost
-    count, term = count_since(dq, cutoff)
+    count, term = dq.total_since(cutoff)
     if not count:
         return None, cutoff, math.inf, cost
-    return term, cutoff, dq[len(dq) - count][0], cost
+    return term, cutoff, dq.since(cutoff)[1], cost
 
 
 # ---------------------------------------------------------------------------------------------- outstanding work
