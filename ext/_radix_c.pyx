@@ -160,10 +160,10 @@ def live_nodes():
 cdef class Node:
     """One run of consecutive blocks. Fields are read-only properties, except `stats` (the policy's slot).
 
-    NOTE: `no_gc`: a node is not tracked by Python's cyclic collector. A 100k-node tree is 100k nodes plus the
-    policies' tuples that hold them (an LRU entry and heap item per resident node), and a full collection walked
-    them all: 120-190 ms stalls of the event loop at 100k nodes (`bench decisions` videoqa with the collector on),
-    with nothing to collect. The only cycles through nodes are parent <-> child, which the tree breaks itself: a
+    NOTE: `no_gc`: a node is not tracked by Python's cyclic collector. A tracked 100k-node tree was ~126k objects
+    (with the policies' tuples that hold nodes: an LRU entry and heap item per resident node, tracked while a node
+    is), and every full collection, which the daemon runs on its event loop, walked them with nothing to collect:
+    ~70 ms more per collection (`switchyard bench radix`, 100k nodes). The only cycles through nodes are parent <-> child, which the tree breaks itself: a
     node leaves the tree as a leaf, its parent link cleared (`gc`), and a dropped tree unlinks every node
     (`RadixTree.__dealloc__`). Whatever a policy keeps in `stats` must not refer back to nodes or trees.
     """

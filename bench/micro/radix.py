@@ -163,7 +163,6 @@ def measure(mod: ModuleType, target_nodes: int, num_ops: int, seed: int) -> dict
     }
 
 
-
 def measure_ingest(mod: ModuleType, num_events: int, seed: int) -> dict:
     """The fleet's KV-event ingestion (`PrefixIndex.apply`, run for every worker's every event whatever the policy)
     with this build's per-worker block sets: 16 workers storing 32-block runs and evicting their oldest 32, until
