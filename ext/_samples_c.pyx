@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """E2's per-node samples in C arrays: the same API and results as `samples_py` (its docstring is the contract), and
 no Python object inside, so the collector never sees one (`Samples`: a ring of double pairs; `RecentMedian`: a ring
-of int64 and the same values sorted)."""
+of int64 and the same values sorted); and `NodeStats`, which holds them, untracked as well."""
 
 cimport cython
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
@@ -223,3 +223,40 @@ cdef class RecentMedian:
 
     def __iter__(self):
         return iter([self._ring[(self._head + i) % self._cap] for i in range(self._n)])
+
+
+DECODE_SAMPLES = 64  # as samples_py's
+
+
+@cython.no_gc  # what it holds never refers back to it, to nodes or to trees (samples_py)
+@cython.final
+cdef class NodeStats:
+    """See `samples_py.NodeStats`."""
+
+    cdef public dict hits, ttft, redirect, replicas
+    cdef public RecentMedian decode_tokens
+
+    def __init__(self):
+        self.hits = {}
+        self.ttft = {}
+        self.redirect = {}
+        self.replicas = {}
+        self.decode_tokens = RecentMedian(DECODE_SAMPLES)
+
+    def add_hit(self, worker, double now, double prefill_s, double window_s):
+        cdef Samples dq = self.hits.get(worker)
+        if dq is None:
+            dq = Samples()
+            self.hits[worker] = dq
+        dq._push(now, prefill_s)
+        dq.trim(now - window_s)
+
+    def add_decode(self, num_tokens):
+        self.decode_tokens.add(num_tokens)
+
+    def median_decode(self):
+        return self.decode_tokens.median()
+
+    def __repr__(self):
+        return (f"NodeStats(hits={self.hits!r}, decode_tokens={list(self.decode_tokens)!r}, ttft={self.ttft!r}, "
+                f"redirect={self.redirect!r}, replicas={self.replicas!r})")

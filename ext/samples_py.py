@@ -13,6 +13,10 @@ negative) and iteration yielding (t, value) tuples as a deque does; and
 `RecentMedian(capacity)`: the last `capacity` integers added and their median (`NodeStats`'s output lengths): `add`,
 `median()` (None while empty; `statistics.median`'s value: the middle int, or the mean of the two middle ones),
 `len()` and iteration (oldest first).
+
+`NodeStats`: E2's slot on a radix node (`node.stats`), which holds them; its fields and methods below. In the
+Cython build it is invisible to the collector too, so a node's stats add nothing to a full collection. What it
+holds must therefore never refer back to it, to nodes or to trees (worker names, numbers and the types above).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
+from dataclasses import dataclass, field
+from functools import partial
 
 
 class Samples(deque):  # type: ignore[type-arg]
@@ -80,3 +86,35 @@ class RecentMedian:
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(self._recent)
+
+
+DECODE_SAMPLES = 64  # output lengths a key node keeps for its median (the most recent)
+
+
+@dataclass(slots=True)
+class NodeStats:
+    """The policy's slot on a radix node (`node.stats`): see the module docstring."""
+
+    # per worker: (dispatch t, that request's PT on the worker) for requests through this node in W
+    # (N_j of the text's M formula, and Alg 2's Σ PREFILLTIME(missed of l) for eviction_cost="alg2")
+    hits: dict[str, Samples] = field(default_factory=dict)
+    # observed output lengths of requests whose key portion is this node (the last DECODE_SAMPLES; median -> decode)
+    decode_tokens: RecentMedian = field(default_factory=partial(RecentMedian, DECODE_SAMPLES))  # no kwargs per node
+    # per worker: (first-token t, TTFT s) of requests keyed here, for the queueing-doubling detector (§5.5)
+    ttft: dict[str, Samples] = field(default_factory=dict)
+    redirect: dict[str, tuple[str, float]] = field(default_factory=dict)  # heavy -> (light, until_s) (§5.4)
+    replicas: dict[str, float] = field(default_factory=dict)  # extra worker -> until_s (§5.5)
+
+    def add_hit(self, worker: str, now: float, prefill_s: float, window_s: float) -> None:
+        dq = self.hits.get(worker)
+        if dq is None:
+            dq = self.hits[worker] = Samples()
+        dq.append((now, prefill_s))
+        dq.trim(now - window_s)
+
+    def add_decode(self, num_tokens: int) -> None:
+        self.decode_tokens.add(num_tokens)
+
+    def median_decode(self) -> float | None:
+        """`statistics.median(decode_tokens)`, kept until the next `add_decode` (read per dispatch)."""
+        return self.decode_tokens.median()

@@ -9,14 +9,13 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass
 from typing import Any
 
 from switchyard.ext.e2_select import decode_marginal
 from switchyard.ext.lru_order import EvictionOrder, LruIndexCore
 from switchyard.ext.lru_order_py import victim_term
-from switchyard.ext.samples import RecentMedian, Samples
+from switchyard.ext.samples import NodeStats, Samples
 from switchyard.router.policies.preble_cost import CostModel, ProfileCost
 
 
@@ -272,43 +271,6 @@ class HitRatioWindow:
 
 
 # ---------------------------------------------------------------------------------------------- per-node stats
-DECODE_SAMPLES = 64  # output lengths a key node keeps for its median (the most recent)
-
-
-@dataclass(slots=True)
-class NodeStats:
-    """The policy's slot on a radix node (`node.stats`).
-
-    NOTE: what it holds is invisible to the cyclic collector (`ext/samples`; the dicts then stay untracked),
-    leaving one tracked object per node: with a deque per window and a list, 100k nodes' stats were ~500k tracked
-    objects, ~160 ms of every full collection, which the daemon runs on its event loop.
-    """
-
-    # per worker: (dispatch t, that request's PT on the worker) for requests through this node in W
-    # (N_j of the text's M formula, and Alg 2's Σ PREFILLTIME(missed of l) for eviction_cost="alg2")
-    hits: dict[str, Samples] = field(default_factory=dict)
-    # observed output lengths of requests whose key portion is this node (the last DECODE_SAMPLES; median -> decode)
-    decode_tokens: RecentMedian = field(default_factory=partial(RecentMedian, DECODE_SAMPLES))  # no kwargs per node
-    # per worker: (first-token t, TTFT s) of requests keyed here, for the queueing-doubling detector (§5.5)
-    ttft: dict[str, Samples] = field(default_factory=dict)
-    redirect: dict[str, tuple[str, float]] = field(default_factory=dict)  # heavy -> (light, until_s) (§5.4)
-    replicas: dict[str, float] = field(default_factory=dict)  # extra worker -> until_s (§5.5)
-
-    def add_hit(self, worker: str, now: float, prefill_s: float, window_s: float) -> None:
-        dq = self.hits.get(worker)
-        if dq is None:
-            dq = self.hits[worker] = Samples()
-        dq.append((now, prefill_s))
-        dq.trim(now - window_s)
-
-    def add_decode(self, num_tokens: int) -> None:
-        self.decode_tokens.add(num_tokens)
-
-    def median_decode(self) -> float | None:
-        """`statistics.median(decode_tokens)`, kept until the next `add_decode` (read per dispatch)."""
-        return self.decode_tokens.median()
-
-
 def merged_stats(children: Iterable[Any]) -> NodeStats:
     """Stats for a node that a split created: every request through a child also went through it."""
     out = NodeStats()

@@ -104,8 +104,8 @@ def test_recent_median_is_the_median_of_the_last_values(impl, capacity: int) -> 
 
 @pytest.mark.skipif(_samples_c is None, reason="the Cython build did not load (test_c_extension_loaded fails)")
 def test_c_samples_are_invisible_to_the_collector() -> None:
-    """The point of the build: a node's stats add one object to a full collection, not one per window: its
-    windows and its recent output lengths are untracked, and a dict of windows stays untracked (`NodeStats.hits`)."""
+    """The point of the build: a node's stats add nothing to a full collection: the stats, their windows and recent
+    output lengths are untracked, and their dicts stay untracked (a redirect's tuple is untracked by a collection)."""
     from switchyard.router.policies.preble_load import NodeStats
 
     s = _samples_c.Samples([(0.0, 1.0)])
@@ -115,5 +115,20 @@ def test_c_samples_are_invisible_to_the_collector() -> None:
     st.add_hit("w0", 1.0, 0.1, 60.0)
     st.add_decode(7)
     st.ttft["w0"] = _samples_c.Samples([(1.0, 0.2)])
+    st.redirect["w0"] = ("w1", 9.0)
     gc.collect()
     assert [f for f in ("hits", "decode_tokens", "ttft", "redirect", "replicas") if gc.is_tracked(getattr(st, f))] == []
+    assert NodeStats is _samples_c.NodeStats and not gc.is_tracked(st)
+
+
+def test_node_stats_keep_the_window_and_the_median(impl) -> None:  # type: ignore[no-untyped-def]
+    st = impl.NodeStats()
+    assert st.median_decode() is None and st.hits == {} and st.ttft == {} and st.redirect == {} and st.replicas == {}
+    for i in range(10):
+        st.add_hit("w0" if i % 3 else "w1", float(i), 0.5 + i, window_s=4.0)
+    assert list(st.hits["w0"]) == [(4.0, 4.5), (5.0, 5.5), (7.0, 7.5), (8.0, 8.5)]  # t >= 8 - 4 at its last add
+    assert list(st.hits["w1"]) == [(6.0, 6.5), (9.0, 9.5)]
+    for n in [*range(100), 7]:
+        st.add_decode(n)
+    assert len(st.decode_tokens) == impl.DECODE_SAMPLES == 64
+    assert st.median_decode() == statistics.median([*range(37, 100), 7])
