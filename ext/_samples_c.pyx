@@ -225,7 +225,7 @@ cdef class RecentMedian:
         return iter([self._ring[(self._head + i) % self._cap] for i in range(self._n)])
 
 
-DECODE_SAMPLES = 64  # as samples_py's
+from switchyard.ext.samples_py import DECODE_SAMPLES  # one value for both builds
 
 
 @cython.no_gc  # what it holds never refers back to it, to nodes or to trees (samples_py)
