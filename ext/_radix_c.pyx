@@ -160,11 +160,12 @@ def live_nodes():
 cdef class Node:
     """One run of consecutive blocks. Fields are read-only properties, except `stats` (the policy's slot).
 
-    NOTE: `no_gc`: a node is not tracked by Python's cyclic collector. A tracked 100k-node tree was ~126k objects
-    (with the policies' tuples that hold nodes: an LRU entry and heap item per resident node, tracked while a node
-    is), and every full collection, which the daemon runs on its event loop, walked them with nothing to collect:
-    ~70 ms more per collection (`switchyard bench radix`, 100k nodes). The only cycles through nodes are parent <-> child, which the tree breaks itself: a
-    node leaves the tree as a leaf, its parent link cleared (`gc`), and a dropped tree unlinks every node
+    NOTE: `no_gc`: a node is not tracked by Python's cyclic collector. Tracked, a 100k-node tree was ~126k tracked
+    objects (the nodes and their children dicts), the policies' tuples that hold nodes (an LRU entry and heap item
+    per resident node) stayed tracked with them, and every full collection, which the daemon runs on its event
+    loop, walked them all with nothing to collect: the tree alone added 57-72 ms to a collection (`switchyard bench
+    radix`, 100k nodes, two runs). The only cycles through nodes are parent <-> child, which the tree breaks itself:
+    a node leaves the tree as a leaf, its parent link cleared (`gc`), and a dropped tree unlinks every node
     (`RadixTree.__dealloc__`). Whatever a policy keeps in `stats` must not refer back to nodes or trees.
     """
 

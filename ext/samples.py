@@ -1,4 +1,5 @@
-"""Selects E2's per-node samples (`Samples`, `RecentMedian`, `NodeStats`): the Cython build when present, else the Python reference.
+"""Selects E2's per-node samples (`Samples`, `RecentMedian`, `NodeStats`): the Cython build when present, else the
+Python reference.
 
 SWITCHYARD_NO_EXTENSIONS=1 forces the reference. `IMPLEMENTATION` says which one loaded. The contract is the
 docstring of `samples_py`.

@@ -1,8 +1,9 @@
-"""The per-node samples of E2's stats, kept where the cyclic garbage collector does not see them in the Cython build.
+"""E2's per-node stats and their samples, which the Cython build keeps out of the cyclic garbage collector's sight.
 
-`Samples`: time-ordered (t, value) samples in a sliding window (`NodeStats.hits`, `NodeStats.ttft`). The reference is a `deque` of (t, value) tuples with the window queries every reader shares;
-`_samples_c.Samples` is the same over a C ring of doubles, invisible to the cyclic garbage collector (a 100k-node
-tree carried ~100k of these deques, and every full collection walked them on the daemon's event loop).
+`Samples`: time-ordered (t, value) samples in a sliding window (`NodeStats.hits`, `NodeStats.ttft`). The reference
+is a `deque` of (t, value) tuples with the window queries every reader shares; `_samples_c.Samples` is the same
+over a C ring of doubles, invisible to the collector (a 100k-node tree carried ~100k of these deques, and every full
+collection walked them on the daemon's event loop).
 
 The contract: `append((t, value))` with t non-decreasing, `popleft()`, `clear()`, `len()`, truth, indexing (also
 negative) and iteration yielding (t, value) tuples as a deque does; and

@@ -32,6 +32,7 @@ def test_c_extension_loaded() -> None:
         pytest.skip("SWITCHYARD_NO_EXTENSIONS is set")
     assert _samples_c is not None, "switchyard.ext._samples_c did not build or import"
     assert samples.IMPLEMENTATION == "c" and samples.Samples is _samples_c.Samples
+    assert samples.RecentMedian is _samples_c.RecentMedian and samples.NodeStats is _samples_c.NodeStats
 
 
 def since_by_definition(ref: deque, cutoff: float) -> tuple[int, float]:  # type: ignore[type-arg]
