@@ -18,6 +18,7 @@ commands:
   bench profiles     fit error of each performance profile against the measured tables
   bench radix        micro-benchmark of the global prefix radix tree (match, insert; Cython vs Python)
   bench decisions    routing decisions/s and select latency of each policy alone, vs Preble's 634/245/2931
+  bench snapshot     a fresh KV-event subscription: a worker's whole cache, the router's event-loop stall per policy
   bench suite        the simulator campaign: Preble workloads x policies x 2 loads, ablation, no-sharing, scaling
   bench e2-select    micro-benchmark of E2's per-select loops (exploit set, bounds; Cython vs Python, same calls)
   bench anticipator  micro-benchmark of the per-worker load anticipator (add, finish, peak query; Cython vs Python)
@@ -41,6 +42,7 @@ COMMANDS: dict[tuple[str, ...], str] = {
     ("bench", "profiles"): "switchyard.bench.profiles",
     ("bench", "radix"): "switchyard.bench.micro.radix",
     ("bench", "decisions"): "switchyard.bench.micro.decisions",
+    ("bench", "snapshot"): "switchyard.bench.micro.snapshot",
     ("bench", "suite"): "switchyard.bench.suite",
     ("bench", "e2-select"): "switchyard.bench.micro.e2_select",
     ("bench", "anticipator"): "switchyard.bench.micro.anticipator",

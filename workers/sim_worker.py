@@ -38,6 +38,7 @@ DEFAULT_MODEL = "mistral-7b-sim"
 DEFAULT_PROFILE = "llama3-8b-a100"
 SERVICE_NAME = "switchyard.v1.Worker"
 REPLAY_BATCHES = 10_000  # KvEvents replay buffer (vLLM's buffer_steps default)
+SNAPSHOT_BATCH_BLOCKS = 4_096  # blocks per snapshot batch: ~0.2 MB at 16 tokens a block, far under gRPC's 4 MB
 SUBSCRIBER_QUEUE_BATCHES = (
     2_000  # a KvEvents subscriber this far behind is dropped (it reconnects and replays)
 )
@@ -310,9 +311,14 @@ class KvEventHub:
         if ours and 0 < start_after_seq <= self._seq and start_after_seq >= oldest - 1:
             first = [b for b in self._buffer if b.seq > start_after_seq]
         else:  # a fresh subscriber, one older than the buffer, or one from another incarnation of this worker
-            events = [kv.AllBlocksCleared(), *self._snapshot()]
+            parts = kv.split_stored([kv.AllBlocksCleared(), *self._snapshot()], SNAPSHOT_BATCH_BLOCKS)
+            # only the last part carries the seq: a stream cut mid-snapshot leaves the router at 0, so it resumes
+            # with a fresh snapshot rather than from a half-applied one
             first = [
-                worker_pb2.KvEventBatch(seq=self._seq, ts=ts, events=[event_to_proto(e) for e in events])
+                worker_pb2.KvEventBatch(
+                    seq=self._seq if i == len(parts) - 1 else 0, ts=ts, events=[event_to_proto(e) for e in part]
+                )
+                for i, part in enumerate(parts)
             ]
         sub = _Subscriber()
         self._subscribers.add(sub)

@@ -105,11 +105,8 @@ class BlockMirror:
                 self._blocks.clear()
 
     def snapshot(self) -> list[kv.KvEvent]:
-        """One BlockStored per resident block, parents before children where vLLM stored them so."""
-        return [
-            kv.BlockStored(block_hashes=(h,), parent_block_hash=p, token_ids=t, block_size=bs, lora_name=lora)
-            for h, (p, t, bs, lora) in self._blocks.items()
-        ]
+        """Every resident block, as BlockStored chains, parents before children where vLLM stored them so."""
+        return list(kv.chain_stored((h, p, t, bs, lora) for h, (p, t, bs, lora) in self._blocks.items()))
 
 
 class VllmKvSubscriber:

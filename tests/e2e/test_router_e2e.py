@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from switchyard.bench import procs
 from switchyard.router.client import RouterClient, make_request
 from switchyard.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from switchyard.workers.sim_worker import SNAPSHOT_BATCH_BLOCKS
 
 pytestmark = pytest.mark.e2e
 
@@ -223,6 +224,30 @@ def test_a_worker_restarted_between_polls_is_rebuilt_from_its_new_incarnation(ow
             assert len(list(worker_pb2_grpc.WorkerStub(ch).Generate(request, timeout=20))) >= 1
         until(lambda: 4 <= resident() <= 6 and c.list_workers()[0].healthy, timeout_s=15,
               what="the view rebuilt from the new process")
+
+
+def test_a_router_started_after_the_cache_filled_gets_all_of_it_in_several_batches(own_workers, router_factory) -> None:  # type: ignore[no-untyped-def]
+    """A worker whose cache holds more blocks than one snapshot batch sends a router that subscribes later several
+    batches, numbered only on the last; the router ends with every block in its view. With every batch numbered,
+    it took the later ones for replays and dropped them; as one message, a full cache of unique prompts (4.25 MiB)
+    was past gRPC's default 4 MiB receive limit."""
+    w = own_workers("hoard", *FAST)
+    shared = list(range(5000, 5512))  # 32 blocks that every prompt starts with, then 96 of its own
+    with grpc.insecure_channel(w.address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        for i in range(48):
+            request = worker_pb2.WorkerGenerateRequest(
+                request_id=f"fill-{i}",
+                prompt_token_ids=shared + [(i * 1536 + k) % 30000 + 1 for k in range(1536)],
+                sampling=common_pb2.SamplingParams(max_tokens=1),
+            )
+            assert len(list(stub.Generate(request, timeout=20))) >= 1
+    expected = 32 + 48 * 96
+    assert expected > SNAPSHOT_BATCH_BLOCKS
+    router = router_factory([w])
+    with client_for(router) as c:
+        until(lambda: c.list_workers()[0].num_resident_blocks == expected, timeout_s=20,
+              what=f"all {expected} blocks in the view of a router that subscribed after they were cached")
 
 
 def test_worker_killed_mid_stream_ends_with_unavailable(own_workers, router_factory) -> None:  # type: ignore[no-untyped-def]

@@ -22,6 +22,7 @@ from switchyard.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from switchyard.workers.engine import kv_events as kv
 from switchyard.workers.engine.types import FinishReason, RequestOutput
 from switchyard.workers.sim_worker import (
+    SNAPSHOT_BATCH_BLOCKS,
     SUBSCRIBER_QUEUE_BATCHES,
     IncrementalDetokenizer,
     KvEventHub,
@@ -340,6 +341,26 @@ def test_stop_string_ends_at_the_same_token_however_many_steps_a_chunk_folds(fol
     assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_STOP
     assert chunks[-1].usage.completion_tokens == through_stop < len(ids)
     assert not stream.is_engine_done
+
+
+def test_a_big_snapshot_goes_in_bounded_batches_and_only_the_last_carries_the_seq() -> None:
+    """2.5 batches' worth of blocks in one chain: three batches, each at most SNAPSHOT_BATCH_BLOCKS; seq 0 on all
+    but the last, so a router whose stream breaks mid-snapshot resumes from 0 and gets a fresh one."""
+    n = SNAPSHOT_BATCH_BLOCKS * 5 // 2
+    hashes = tuple(range(1, n + 1))
+    hub = KvEventHub(lambda: [kv.BlockStored(hashes, None, tuple(range(2 * n)), 2)])
+    hub.publish([kv.BlockRemoved((99,))], ts=1.0)
+    _, first = hub.subscribe(0, ts=9.0)
+    assert [b.seq for b in first] == [0, 0, hub.seq] and hub.seq == 1
+    assert first[0].events[0].WhichOneof("event") == "cleared"
+    stored = [e.stored for b in first for e in b.events if e.WhichOneof("event") == "stored"]
+    assert all(sum(len(e.stored.block_hashes) for e in b.events) <= SNAPSHOT_BATCH_BLOCKS for b in first)
+    assert [h for s in stored for h in s.block_hashes] == list(hashes)
+    assert [t for s in stored for t in s.token_ids] == list(range(2 * n))
+    # each piece hangs under the previous piece's last block
+    assert [s.parent_block_hash if s.HasField("parent_block_hash") else None for s in stored] == [
+        None, *(s.block_hashes[-1] for s in stored[:-1])
+    ]
 
 
 def test_kv_event_hub_replays_snapshots_and_drops_slow_subscribers() -> None:

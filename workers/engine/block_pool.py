@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from switchyard.workers.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from switchyard.workers.engine.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CachedBlock,
+    KvEvent,
+    chain_stored,
+)
 
 
 class KVCacheBlock:
@@ -344,15 +351,15 @@ class BlockPool:
         return events
 
     def snapshot_events(self) -> list[KvEvent]:
-        """One BlockStored per cached block, shallow blocks first (so parents precede children)."""
+        """Every cached block, as BlockStored chains, shallow blocks first (so parents precede children)."""
         cached = sorted(self.iter_cached_blocks(), key=lambda b: (b.depth, b.block_id))
-        return [
-            BlockStored(
-                block_hashes=(b.event_hash,),
-                parent_block_hash=b.parent_event_hash,
-                token_ids=b.token_ids,
-                block_size=self.block_size,
-                lora_name=b.lora_name,
-            )
-            for b in cached
-        ]
+        return list(chain_stored(self._as_cached_block(b) for b in cached))
+
+    @staticmethod
+    def _as_cached_block(b: KVCacheBlock) -> CachedBlock:
+        """The block's parent hash, token ids and LoRA, read from the event that stored it (the properties'
+        reads, once each: 64k of them are a full cache's snapshot)."""
+        ev, start = b.stored  # type: ignore[misc]  # set while cached
+        i, bs = b.depth - start, ev.block_size
+        parent = ev.block_hashes[i - 1] if i > 0 else ev.parent_block_hash
+        return b.event_hash, parent, ev.token_ids[i * bs : (i + 1) * bs], bs, ev.lora_name

@@ -151,8 +151,10 @@ def test_snapshot_reannounces_parents_before_children() -> None:
     for ev in snap:
         assert ev.parent_block_hash in seen  # a fresh subscriber can rebuild every chain
         seen.update(ev.block_hashes)
-    # a: 3 blocks; b: hits 2, stores 1 more ([9, 9]) -> 4 cached blocks
-    assert len(snap) == 4
+    # a: 3 blocks; b: hits 2, stores 1 more ([9, 9]) -> 4 cached blocks, in two chains: a's, and b's block after
+    # their shared two
+    assert [len(ev.block_hashes) for ev in snap] == [3, 1]
+    assert snap[1].parent_block_hash == snap[0].block_hashes[1] and snap[1].token_ids == (9, 9)
 
 
 def test_bulk_event_hashes_equal_to_event_hash() -> None:
