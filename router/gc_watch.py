@@ -2,9 +2,11 @@
 objects of startup frozen out of later collections.
 
 Why: a collection stops the event loop, so its pause lands on every stream at once. A full collection walks every
-tracked object, and a prefix-aware policy keeps about eleven per radix node (the node, its stats, their deques,
-dicts and tuples). Measured here: `bench decisions` on videoqa (5,000 requests over 100k preloaded nodes, e2,
-16 workers) with the collector on spent 890 ms of 11.4 s in it, and its six full collections paused 110-171 ms.
+tracked object. A prefix-aware policy kept about eleven per radix node (the node, its stats, their deques, dicts
+and tuples): `bench decisions` on videoqa (5,000 requests over 100k preloaded nodes, e2, 16 workers) with the
+collector on spent 890 ms of 11.4 s in it, and its six full collections paused 110-171 ms. The Cython nodes and
+their stats are untracked now (`ext/README.md`); what E2 still adds is its LRU heaps and the tree's gc buckets
+(`gc_full_ms_state` in `bench decisions`), and this watch reports whatever else grows.
 What startup loads (modules, tokenizers, the predictor) lives as long as the process, so `gc.freeze` takes it
 out of every later walk (a started router, no predictor: ~52k objects, ~15 ms of each full collection).
 """
