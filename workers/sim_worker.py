@@ -274,8 +274,9 @@ class KvEventHub:
     Publishing never blocks: a subscriber whose queue is full is dropped (its stream ends RESOURCE_EXHAUSTED).
     """
 
-    def __init__(self, snapshot: Callable[[], list[kv.KvEvent]]) -> None:
-        self._snapshot = snapshot
+    def __init__(self, capture: Callable[[], Callable[[], list[kv.KvEvent]]]) -> None:
+        # reads the cache now and returns what builds its snapshot events (`EngineCore.capture_kv_snapshot`)
+        self._capture = capture
         self._seq = 0
         # this process's numbering: a router resuming with another incarnation's seq gets the snapshot
         self.incarnation = uuid.uuid4().hex[:16]
@@ -303,26 +304,34 @@ class KvEventHub:
 
     def subscribe(
         self, start_after_seq: int, ts: float, incarnation: str = ""
-    ) -> tuple[_Subscriber, list[worker_pb2.KvEventBatch]]:
-        """Register a subscriber; returns it with the batches to send first (a replay, or a snapshot).
+    ) -> tuple[_Subscriber, Callable[[], list[worker_pb2.KvEventBatch]]]:
+        """Register a subscriber; returns it with what makes the batches to send first: a replay, or a snapshot of
+        the cache as it is now (read here; built by the function, which touches nothing the engine changes, so
+        the servicer runs it in a thread: ~0.3 s for a full 64k-block cache, which held the engine's loop
+        before). Events published meanwhile queue up behind it.
         `incarnation`: the one `start_after_seq` was read from ("" = unknown: the seq alone decides)."""
         oldest = self._buffer[0].seq if self._buffer else self._seq + 1
         ours = incarnation in ("", self.incarnation)
+        sub = _Subscriber()
+        self._subscribers.add(sub)
         if ours and 0 < start_after_seq <= self._seq and start_after_seq >= oldest - 1:
-            first = [b for b in self._buffer if b.seq > start_after_seq]
-        else:  # a fresh subscriber, one older than the buffer, or one from another incarnation of this worker
-            parts = kv.split_stored([kv.AllBlocksCleared(), *self._snapshot()], SNAPSHOT_BATCH_BLOCKS)
+            replay = [b for b in self._buffer if b.seq > start_after_seq]
+            return sub, lambda: replay
+        # a fresh subscriber, one older than the buffer, or one from another incarnation of this worker
+        build, seq = self._capture(), self._seq
+
+        def snapshot() -> list[worker_pb2.KvEventBatch]:
+            parts = kv.split_stored([kv.AllBlocksCleared(), *build()], SNAPSHOT_BATCH_BLOCKS)
             # only the last part carries the seq: a stream cut mid-snapshot leaves the router at 0, so it resumes
             # with a fresh snapshot rather than from a half-applied one
-            first = [
+            return [
                 worker_pb2.KvEventBatch(
-                    seq=self._seq if i == len(parts) - 1 else 0, ts=ts, events=[event_to_proto(e) for e in part]
+                    seq=seq if i == len(parts) - 1 else 0, ts=ts, events=[event_to_proto(e) for e in part]
                 )
                 for i, part in enumerate(parts)
             ]
-        sub = _Subscriber()
-        self._subscribers.add(sub)
-        return sub, first
+
+        return sub, snapshot
 
     def unsubscribe(self, sub: _Subscriber) -> None:
         self._subscribers.discard(sub)
@@ -358,7 +367,7 @@ class SimWorker:
         self.seed = seed
         self.timings_log = timings_log  # JSONL, one line per request: the worker-side timestamps
         self.state = worker_pb2.LIFECYCLE_STATE_STARTING
-        self.hub = KvEventHub(core.snapshot_kv_events)
+        self.hub = KvEventHub(core.capture_kv_snapshot)
         # Extra KV event consumers, called with each step's events (the vLLM-format ZMQ publisher).
         self.kv_sinks: list[Callable[[Sequence[kv.KvEvent], float], object]] = []
         self.streams: dict[str, _Stream] = {}
@@ -642,7 +651,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         hub = self.w.hub
         sub, first = hub.subscribe(request.start_after_seq, time.time(), request.incarnation)
         try:
-            for batch in first:
+            for batch in await asyncio.to_thread(first):
                 yield batch
             while True:
                 batch = await sub.queue.get()

@@ -106,7 +106,16 @@ class BlockMirror:
 
     def snapshot(self) -> list[kv.KvEvent]:
         """Every resident block, as BlockStored chains, parents before children where vLLM stored them so."""
-        return list(kv.chain_stored((h, p, t, bs, lora) for h, (p, t, bs, lora) in self._blocks.items()))
+        return self.capture()()
+
+    def capture(self) -> Callable[[], list[kv.KvEvent]]:
+        """`snapshot` in two halves: a copy of the mirror now (its values are immutable tuples), and a function
+        that builds the events from the copy, which any thread may call while the mirror goes on changing."""
+        # two flat copies, not an (hash, value) tuple per block: 64k new tuples set off collections on vLLM's loop
+        hashes, values = list(self._blocks.keys()), list(self._blocks.values())
+        return lambda: list(
+            kv.chain_stored((h, p, t, bs, lora) for h, (p, t, bs, lora) in zip(hashes, values, strict=True))
+        )
 
 
 class VllmKvSubscriber:

@@ -644,7 +644,7 @@ async def serve(args: argparse.Namespace) -> int:
         return EXIT_ENGINE_FAILED
     log.info("vLLM engine up in %.1f s", time.monotonic() - t0)
     guard = start_orphan_guard()
-    hub = KvEventHub(subscriber.mirror.snapshot)
+    hub = KvEventHub(subscriber.mirror.capture)
     worker = VllmWorker(
         engine,
         tokenizer,

@@ -348,9 +348,9 @@ def test_a_big_snapshot_goes_in_bounded_batches_and_only_the_last_carries_the_se
     but the last, so a router whose stream breaks mid-snapshot resumes from 0 and gets a fresh one."""
     n = SNAPSHOT_BATCH_BLOCKS * 5 // 2
     hashes = tuple(range(1, n + 1))
-    hub = KvEventHub(lambda: [kv.BlockStored(hashes, None, tuple(range(2 * n)), 2)])
+    hub = KvEventHub(lambda: lambda: [kv.BlockStored(hashes, None, tuple(range(2 * n)), 2)])
     hub.publish([kv.BlockRemoved((99,))], ts=1.0)
-    _, first = hub.subscribe(0, ts=9.0)
+    first = hub.subscribe(0, ts=9.0)[1]()
     assert [b.seq for b in first] == [0, 0, hub.seq] and hub.seq == 1
     assert first[0].events[0].WhichOneof("event") == "cleared"
     stored = [e.stored for b in first for e in b.events if e.WhichOneof("event") == "stored"]
@@ -365,27 +365,27 @@ def test_a_big_snapshot_goes_in_bounded_batches_and_only_the_last_carries_the_se
 
 def test_kv_event_hub_replays_snapshots_and_drops_slow_subscribers() -> None:
     snapshot = [kv.BlockStored((11, 12), None, tuple(range(8)), 4)]
-    hub = KvEventHub(lambda: snapshot)
+    hub = KvEventHub(lambda: lambda: snapshot)
     for h in (1, 2, 3):
         hub.publish([kv.BlockRemoved((h,))], ts=float(h))
     assert hub.seq == 3
     # resume after seq 1: batches 2 and 3 from the buffer
-    sub, first = hub.subscribe(1, ts=9.0)
-    assert [(b.seq, b.events[0].removed.block_hashes[0]) for b in first] == [(2, 2), (3, 3)]
+    sub, make = hub.subscribe(1, ts=9.0)
+    assert [(b.seq, b.events[0].removed.block_hashes[0]) for b in make()] == [(2, 2), (3, 3)]
     hub.unsubscribe(sub)
     # fresh (0) or unknown (99 > 3): AllBlocksCleared + the snapshot, at the current seq
     for start in (0, 99):
-        _, first = hub.subscribe(start, ts=9.0)
+        first = hub.subscribe(start, ts=9.0)[1]()
         assert len(first) == 1 and first[0].seq == 3
         assert [e.WhichOneof("event") for e in first[0].events] == ["cleared", "stored"]
         assert list(first[0].events[1].stored.block_hashes) == [11, 12]
         assert not first[0].events[1].stored.HasField("parent_block_hash")
     # seq 1 read from another incarnation of the worker (a restart) means nothing here: the snapshot, not a replay;
     # with this incarnation (or none given) it resumes
-    _, first = hub.subscribe(1, ts=9.0, incarnation="an-earlier-process")
+    first = hub.subscribe(1, ts=9.0, incarnation="an-earlier-process")[1]()
     assert [e.WhichOneof("event") for e in first[0].events] == ["cleared", "stored"]
-    assert [b.seq for b in hub.subscribe(1, ts=9.0, incarnation=hub.incarnation)[1]] == [2, 3]
-    assert KvEventHub(lambda: snapshot).incarnation != hub.incarnation  # one per process start
+    assert [b.seq for b in hub.subscribe(1, ts=9.0, incarnation=hub.incarnation)[1]()] == [2, 3]
+    assert KvEventHub(lambda: lambda: snapshot).incarnation != hub.incarnation  # one per process start
     # a subscriber that never reads overflows, is marked and dropped; publishing never blocks
     slow, _ = hub.subscribe(3, ts=9.0)
     for _ in range(SUBSCRIBER_QUEUE_BATCHES + 1):

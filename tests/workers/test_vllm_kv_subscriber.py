@@ -95,8 +95,10 @@ def test_mirror_snapshot_rebuilds_the_resident_blocks() -> None:
     m.apply(decode_events([stored([1, 2, 3], None), stored([2], 1, first_token=2)]))  # a re-announced hash
     m.apply([kv.BlockRemoved(block_hashes=(3,))])
     assert [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in m.snapshot()] == [((1, 2), None, (0, 1, 2, 3))]
+    build = m.capture()  # the mirror now, built later (in a thread) while vLLM's events go on changing it
     m.apply([kv.AllBlocksCleared()])
     assert len(m) == 0
+    assert [e.block_hashes for e in build()] == [(1, 2)]
 
 
 @pytest.mark.timeout(30)

@@ -18,6 +18,8 @@ CONTRACT (fixed; other modules code against it):
     core.take_kv_events() -> list[KvEvent]               # events since the last call, in engine order
     core.snapshot_kv_events() -> list[KvEvent]           # BlockStored events re-announcing every cached block
                                                          # (parents before children) for a fresh subscriber
+    core.capture_kv_snapshot() -> Callable[[], list[KvEvent]]  # the same, read now, built by the function
+                                                         # (which touches no engine state: any thread may call it)
     core.stats() -> EngineStats
     core.config, core.profile                            # read-only
     core.block_hash_algo -> str ; core.block_hash_seed -> str
@@ -36,6 +38,7 @@ Additions beyond the contract:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from switchyard.workers.engine.kv_cache_manager import KVCacheManager
@@ -205,6 +208,9 @@ class EngineCore:
 
     def snapshot_kv_events(self) -> list[KvEvent]:
         return self.kv_cache_manager.block_pool.snapshot_events()
+
+    def capture_kv_snapshot(self) -> Callable[[], list[KvEvent]]:
+        return self.kv_cache_manager.block_pool.capture_snapshot()
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

@@ -157,6 +157,24 @@ def test_snapshot_reannounces_parents_before_children() -> None:
     assert snap[1].parent_block_hash == snap[0].block_hashes[1] and snap[1].token_ids == (9, 9)
 
 
+def test_a_captured_snapshot_is_the_cache_at_capture_even_when_built_after_it_changed() -> None:
+    """The hub captures on the engine's loop and builds in a thread while the engine runs on: what the build
+    returns must be the cache at capture, whatever happened to the pool since (blocks evicted and reused for
+    other prompts, a cache reset)."""
+    eng = make_engine(block_size=2, num_kv_blocks=8, max_model_len=64)
+    eng.add_request(make_request("a", [1, 2, 3, 4, 5, 6], max_tokens=1))
+    eng.step(0.0)
+    before = eng.snapshot_kv_events()
+    build = eng.capture_kv_snapshot()
+    for i, prompt in enumerate(([7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18])):  # evicts a's blocks
+        eng.add_request(make_request(f"b{i}", prompt, max_tokens=1))
+        eng.step(1.0 + i)
+    assert eng.snapshot_kv_events() != before
+    assert build() == before and [len(ev.block_hashes) for ev in before] == [3]
+    assert eng.reset_prefix_cache() is True
+    assert build() == before
+
+
 def test_bulk_event_hashes_equal_to_event_hash() -> None:
     toks = list(range(3, 3 + 16 * 9))
     for algo in ("xxhash", "sha256"):
