@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 
-from switchyard.ext.radix_py import BlockSet, MatchResult, Node, RadixTree, key_node
+from switchyard.ext.radix_py import MAX_WORKERS, BlockSet, MatchResult, Node, RadixTree, key_node
 
 IMPLEMENTATION = "py"
 
 if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
     try:
         from switchyard.ext._radix_c import (  # type: ignore[no-redef]  # noqa: F811
+            MAX_WORKERS,
             BlockSet,
             MatchResult,
             Node,
@@ -26,4 +27,4 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
     except ImportError:  # pragma: no cover - exercised by test_c_extension_loaded
         pass
 
-__all__ = ["IMPLEMENTATION", "BlockSet", "MatchResult", "Node", "RadixTree", "key_node"]
+__all__ = ["IMPLEMENTATION", "MAX_WORKERS", "BlockSet", "MatchResult", "Node", "RadixTree", "key_node"]

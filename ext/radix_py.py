@@ -205,6 +205,9 @@ def _check_key(h: Any) -> int:
     return int(h)
 
 
+MAX_WORKERS: int | None = None  # workers that may hold state in a tree at once (None: no limit; the C build: 64)
+
+
 class RadixTree:
     """The global prefix tree over chained block hashes; see the module docstring for the contract."""
 

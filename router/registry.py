@@ -272,6 +272,13 @@ class WorkerRegistry:
         clash = self._fleet.get(info.worker_id)
         if clash is not None and clash.info.address != info.address:
             raise RejectedWorker(f"rejected: worker id {info.worker_id!r} is already used by {clash.info.address}")
+        limit = self._policy.max_workers
+        others = sum(1 for rec in self._fleet.all_workers() if rec.info.address != info.address)
+        if limit is not None and others >= limit:  # joining would break the policy's hooks for every worker
+            raise RejectedWorker(
+                f"rejected: policy {self._policy.name!r} holds state for at most {limit} workers and {others} are "
+                f"registered; serve the rest from another router, or use a policy without that limit"
+            )
 
     async def _connect(self, conn: WorkerConn, first: bool) -> bool:
         """Info, checks, then join the fleet (or rejoin it). False on failure, with `last_error` set."""

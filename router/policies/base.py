@@ -100,6 +100,8 @@ class Policy:
     """Base class: `select` plus no-op event hooks. Subclasses keep their own state and change it only in hooks."""
 
     name = "base"
+    # the most workers whose state it can hold at once (None: no limit); the registry refuses workers past it
+    max_workers: int | None = None
 
     def select(self, ctx: RoutingContext, fleet: FleetView, now: float) -> Decision | None:
         """Choose a worker among `fleet.routable(ctx.model)` minus `ctx.excluded_workers`; None if none."""

@@ -93,7 +93,7 @@ from switchyard.ext.e2_select import (
 )
 from switchyard.ext.lru_order import touch_holders
 from switchyard.ext.lru_order_py import cold_bucket
-from switchyard.ext.radix import RadixTree
+from switchyard.ext.radix import MAX_WORKERS, RadixTree
 from switchyard.ext.samples import Samples
 from switchyard.router.policies.base import (
     Decision,
@@ -219,6 +219,7 @@ _FUSED_STEPS = ("pool", "_remember", "_pool_index", "prefix", "_key_end", "_expl
 
 class PrebleE2(Policy):
     name = "e2"
+    max_workers = MAX_WORKERS  # the radix tree's worker slots (one tree for every model)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A subclass that inherits the fused select and overrides one of its steps selects step by step: the

@@ -31,6 +31,24 @@ def test_c_extension_loaded() -> None:
     assert radix.RadixTree is _radix_c.RadixTree
     assert radix.Node is _radix_c.Node
     assert radix.MatchResult is _radix_c.MatchResult
+    assert radix.MAX_WORKERS == _radix_c.MAX_WORKERS == 64
+
+
+def test_max_workers_is_the_most_workers_a_tree_holds_state_for(impl) -> None:  # type: ignore[no-untyped-def]
+    """`MAX_WORKERS` (which E2 reports as its `max_workers`, and the registry enforces) is the build's real limit:
+    that many workers hold residency in one tree, one more raises; a worker gone frees its slot."""
+    t = impl.RadixTree()
+    limit = impl.MAX_WORKERS
+    if limit is None:  # the reference has no limit
+        for w in range(100):
+            t.mark_resident(f"w{w}", [1000 + w], None, 1.0)
+        return
+    for w in range(limit):
+        t.mark_resident(f"w{w}", [1000 + w], None, 1.0)
+    with pytest.raises(RuntimeError, match=f"more than {limit} workers"):
+        t.mark_resident("one-more", [5000], None, 1.0)
+    t.remove_worker("w0")
+    t.mark_resident("one-more", [5000], None, 1.0)
 
 
 def blocks_of(path) -> list[tuple[int, ...]]:  # type: ignore[no-untyped-def]

@@ -23,6 +23,7 @@ from switchyard.router.admission import LONG_INPUT, AdmittedRequest, Sampling
 from switchyard.router.client import AsyncRouterClient
 from switchyard.router.config import load_config
 from switchyard.router.policies.base import WorkerId
+from switchyard.router.policies.preble_e2 import PrebleE2
 from switchyard.router.policies.registry import DEFAULT_POLICY
 from switchyard.router.server import RouterDaemon
 from switchyard.v1 import common_pb2
@@ -471,6 +472,28 @@ async def test_register_rejects_a_worker_whose_info_cannot_be_served(fields: dic
         assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION and message in e.value.details()
         assert [s.worker_id for s in await client.list_workers()] == ["w0"]
     await bad.stop()
+
+
+async def test_register_refuses_a_worker_past_the_policys_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """E2's radix tree holds state for at most 64 workers (`Policy.max_workers`); past that its hooks raised for
+    every request and KV event. The registry refuses the worker past the limit instead, naming it, and takes one
+    once another has left. (The limit is lowered to 1 here: 65 workers make the same test slower.)"""
+    monkeypatch.setattr(PrebleE2, "max_workers", 1)
+    extra = FakeWorker("w1")
+    await extra.start()
+    try:
+        async with stack([FakeWorker("w0")], routing={"policy": "e2"}, workers={"connect_timeout_s": 0.3}) as (
+            _daemon, client,
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await client.register_worker(extra.address)
+            assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert "holds state for at most 1 workers and 1 are registered" in e.value.details()
+            assert [s.worker_id for s in await client.list_workers()] == ["w0"]
+            await client.deregister_worker("w0")
+            assert (await client.register_worker(extra.address)).worker_id == "w1"
+    finally:
+        await extra.stop()
 
 
 async def test_deregistering_a_worker_while_it_registers_ends_the_register_call() -> None:
