@@ -5,14 +5,14 @@ Layout, chosen for `match` (the routing hot path):
 
     Node._blocks   uint64_t[_n]      the run of block hashes, compared in C against the query
     Node._children dict              first block hash (Python int) -> child Node
-    Node._res_mask uint64_t          bit s set = worker slot s has a leading resident run on this node
-    Node._runs     uint32_t[popcnt]  those runs, in slot order: run of s = _runs[popcount(mask & (bit(s)-1))]
-    Node._asg_mask uint64_t          bit s set = worker slot s is assigned through this node
+    Node._res_mask uint64_t[_NW]     bit s set = worker slot s has a leading resident run on this node
+    Node._runs     uint32_t[popcnt]  those runs, in slot order: run of s = _runs[its rank: set bits below s]
+    Node._asg_mask uint64_t[_NW]     bit s set = worker slot s is assigned through this node
 
-Worker ids are interned into at most 64 slots (`MAX_WORKERS`); a slot is freed as soon as no node refers to it
-(`_slot_refs` counts the (node, resident|assigned) memberships), so the limit is on workers that hold state in
-the tree at the same time. With masks, `match` carries the set of workers whose leading run is still unbroken
-as one uint64 down the path and touches Python objects only to build the result dicts.
+Worker ids are interned into at most 256 slots (`MAX_WORKERS`, masks of _NW = 4 words); a slot is freed as soon
+as no node refers to it (`_slot_refs` counts the (node, resident|assigned) memberships), so the limit is on
+workers that hold state in the tree at the same time. With masks, `match` carries the set of workers whose leading
+run is still unbroken as four uint64 down the path and touches Python objects only to build the result dicts.
 
 The block index is a C open-addressing table block hash (uint64) -> Node (linear probing, backward-shift
 deletion, one 16-byte slot per block): no Python int per block, one cache line per lookup, where a dict of ints
@@ -54,8 +54,10 @@ cdef extern from *:
 cdef Py_ssize_t _PREFETCH_AHEAD = 16
 
 
-MAX_WORKERS = 64
-cdef int _MAX_SLOTS = 64
+cdef enum:
+    _NW = 4  # words of a worker mask
+    _MAX_SLOTS = 256  # _NW * 64
+MAX_WORKERS = _MAX_SLOTS
 
 
 cdef extern from *:
@@ -133,6 +135,43 @@ cdef inline uint64_t _bit(int s) noexcept nogil:
     return (<uint64_t>1) << s
 
 
+# Worker masks: _NW words, slot s at bit s & 63 of word s >> 6. Iterate one as
+#     for wi in range(_NW): bits = m[wi]; while bits: s = (wi << 6) | _ctz(bits); bits &= bits - 1
+cdef inline bint _mtest(const uint64_t* m, int s) noexcept nogil:
+    return (m[s >> 6] >> (s & 63)) & 1
+
+
+cdef inline void _mset(uint64_t* m, int s) noexcept nogil:
+    m[s >> 6] |= _bit(s & 63)
+
+
+cdef inline void _mclear(uint64_t* m, int s) noexcept nogil:
+    m[s >> 6] &= ~_bit(s & 63)
+
+
+cdef inline bint _many(const uint64_t* m) noexcept nogil:
+    cdef int i
+    for i in range(_NW):
+        if m[i]:
+            return True
+    return False
+
+
+cdef inline int _mrank(const uint64_t* m, int s) noexcept nogil:
+    """The set bits of m below slot s: the index of s's entry in a per-slot array kept in slot order."""
+    cdef int i, n = 0
+    for i in range(s >> 6):
+        n += _popcount(m[i])
+    return n + _popcount(m[s >> 6] & (_bit(s & 63) - 1))
+
+
+cdef inline int _mcount(const uint64_t* m) noexcept nogil:
+    cdef int i, n = 0
+    for i in range(_NW):
+        n += _popcount(m[i])
+    return n
+
+
 cdef struct _Slot:
     uint64_t key
     PyObject* node  # NULL: an empty slot; borrowed (see the module docstring)
@@ -174,10 +213,10 @@ cdef class Node:
     cdef readonly Py_ssize_t context_blocks
     cdef Node _parent  # the tree's root for a top-level node; None once detached
     cdef dict _children
-    cdef uint64_t _res_mask
+    cdef uint64_t _res_mask[_NW]
     cdef uint32_t* _runs
     cdef int _runs_cap
-    cdef uint64_t _asg_mask
+    cdef uint64_t _asg_mask[_NW]
     cdef list _names  # the tree's slot -> worker table (shared, mutated in place)
     cdef readonly double last_access
     cdef public object stats
@@ -222,36 +261,42 @@ cdef class Node:
     @property
     def resident(self):
         cdef dict out = {}
-        cdef uint64_t bits = self._res_mask
-        cdef int s, k = 0
-        while bits:
-            s = _ctz(bits)
-            bits &= bits - 1
-            out[self._names[s]] = self._runs[k]
-            k += 1
+        cdef uint64_t bits
+        cdef int s, wi, k = 0
+        for wi in range(_NW):
+            bits = self._res_mask[wi]
+            while bits:
+                s = (wi << 6) | _ctz(bits)
+                bits &= bits - 1
+                out[self._names[s]] = self._runs[k]
+                k += 1
         return out
 
     def resident_on(self, worker):
         """`resident.get(worker, 0)` without building the dict (the eviction order asks once per step)."""
-        cdef uint64_t bits = self._res_mask
-        cdef int s, k = 0
-        while bits:
-            s = _ctz(bits)
-            bits &= bits - 1
-            if self._names[s] == worker:
-                return self._runs[k]
-            k += 1
+        cdef uint64_t bits
+        cdef int s, wi, k = 0
+        for wi in range(_NW):
+            bits = self._res_mask[wi]
+            while bits:
+                s = (wi << 6) | _ctz(bits)
+                bits &= bits - 1
+                if self._names[s] == worker:
+                    return self._runs[k]
+                k += 1
         return 0
 
     @property
     def assigned(self):
         cdef set out = set()
-        cdef uint64_t bits = self._asg_mask
-        cdef int s
-        while bits:
-            s = _ctz(bits)
-            bits &= bits - 1
-            out.add(self._names[s])
+        cdef uint64_t bits
+        cdef int s, wi
+        for wi in range(_NW):
+            bits = self._asg_mask[wi]
+            while bits:
+                s = (wi << 6) | _ctz(bits)
+                bits &= bits - 1
+                out.add(self._names[s])
         return out
 
     def __repr__(self):
@@ -259,24 +304,22 @@ cdef class Node:
 
 
 cdef inline uint32_t _run(Node node, int s) noexcept:
-    cdef uint64_t bit = _bit(s)
-    if not (node._res_mask & bit):
+    if not _mtest(node._res_mask, s):
         return 0
-    return node._runs[_popcount(node._res_mask & (bit - 1))]
+    return node._runs[_mrank(node._res_mask, s)]
 
 
 cdef int _set_run(Node node, int s, uint32_t d) except -2:
     """Set slot s's run on node (0 removes it); returns the change in membership (-1, 0, +1)."""
-    cdef uint64_t bit = _bit(s)
-    cdef int idx = _popcount(node._res_mask & (bit - 1))
-    cdef int cnt = _popcount(node._res_mask)
+    cdef int idx = _mrank(node._res_mask, s)
+    cdef int cnt = _mcount(node._res_mask)
     cdef uint32_t* grown
-    if node._res_mask & bit:
+    if _mtest(node._res_mask, s):
         if d:
             node._runs[idx] = d
             return 0
         memmove(node._runs + idx, node._runs + idx + 1, (cnt - idx - 1) * sizeof(uint32_t))
-        node._res_mask &= ~bit
+        _mclear(node._res_mask, s)
         return -1
     if not d:
         return 0
@@ -288,7 +331,7 @@ cdef int _set_run(Node node, int s, uint32_t d) except -2:
         node._runs_cap = node._runs_cap * 2 + 4
     memmove(node._runs + idx + 1, node._runs + idx, (cnt - idx) * sizeof(uint32_t))
     node._runs[idx] = d
-    node._res_mask |= bit
+    _mset(node._res_mask, s)
     return 1
 
 
@@ -519,8 +562,9 @@ cdef class RadixTree:
     cdef long long _next_seq
     cdef dict _worker_to_slot
     cdef list _slot_names
-    cdef int64_t _slot_refs[64]
-    cdef uint64_t _used_mask
+    cdef int64_t _slot_refs[_MAX_SLOTS]
+    cdef uint64_t _used_mask[_NW]
+    cdef int _nw  # the mask words in use: 1 + the highest word of _used_mask with a bit set (0: none)
     cdef dict _dead  # gc's candidates: whole second of last_access -> [node] (see radix_py)
 
     def __cinit__(self):
@@ -535,7 +579,9 @@ cdef class RadixTree:
             raise MemoryError()
         self._num_nodes = 0
         self._next_seq = 0  # the root takes 0, as in the reference
-        self._used_mask = 0
+        for s in range(_NW):
+            self._used_mask[s] = 0
+        self._nw = 0
         for s in range(_MAX_SLOTS):
             self._slot_refs[s] = 0
         self._root = self._new_node(NULL, 0, 0, None, 0.0)
@@ -657,26 +703,33 @@ cdef class RadixTree:
             return <int>s
         if not create:
             return -1
-        if self._used_mask == <uint64_t>-1:
-            raise RuntimeError(f"more than {_MAX_SLOTS} workers hold state in the radix tree")
-        i = _ctz(~self._used_mask)
-        self._used_mask |= _bit(i)
+        for i in range(_NW + 1):
+            if i == _NW:
+                raise RuntimeError(f"more than {<int>_MAX_SLOTS} workers hold state in the radix tree")
+            if self._used_mask[i] != <uint64_t>-1:
+                break
+        if i >= self._nw:
+            self._nw = i + 1
+        i = (i << 6) | _ctz(~self._used_mask[i])
+        _mset(self._used_mask, i)
         self._slot_names[i] = worker
         self._worker_to_slot[worker] = i
         return i
 
     cdef int _release_if_unused(self, int s) except -1:
-        if s >= 0 and self._slot_refs[s] == 0 and (self._used_mask & _bit(s)):
+        if s >= 0 and self._slot_refs[s] == 0 and _mtest(self._used_mask, s):
             del self._worker_to_slot[self._slot_names[s]]
             self._slot_names[s] = None
-            self._used_mask &= ~_bit(s)
+            _mclear(self._used_mask, s)
+            while self._nw and not self._used_mask[self._nw - 1]:
+                self._nw -= 1
         return 0
 
     cdef int _set_resident(self, Node node, int s, uint32_t d) except -1:
         cdef int delta = _set_run(node, s, d)
         if delta:
             self._slot_refs[s] += delta
-            if delta < 0 and node._res_mask == 0:
+            if delta < 0 and not _many(node._res_mask):
                 self._candidate(node)
         return 0
 
@@ -816,51 +869,62 @@ cdef class RadixTree:
     # ---- match ---------------------------------------------------------------------------------------------
 
     cdef void _runs(self, list path, Py_ssize_t last_m, Py_ssize_t* res_run, Py_ssize_t* asg_run):
-        """Per slot, the leading run of the matched path's blocks it holds resident and assigned (0: none; a run,
-        when recorded, is > 0): a run ends where its worker drops out of a node, or holds fewer of its blocks."""
+        """Per slot in use, the leading run of the matched path's blocks it holds resident and assigned (0: none; a
+        run, when recorded, is > 0): a run ends where its worker drops out of a node, or holds fewer of its blocks.
+        Entries of slots not in use are left as they were (no caller reads them)."""
         cdef Py_ssize_t m, cum = 0, j, num_path = PyList_GET_SIZE(path)
-        cdef uint64_t res_alive = self._used_mask, asg_alive = self._used_mask, bits, live
+        cdef uint64_t res_alive[_NW]
+        cdef uint64_t asg_alive[_NW]
+        cdef uint64_t bits, live
         cdef uint32_t d
-        cdef int s
+        cdef int s, wi, nw = self._nw  # words past it are empty: every loop stops there
         cdef Node node
-        memset(res_run, 0, _MAX_SLOTS * sizeof(Py_ssize_t))
-        memset(asg_run, 0, _MAX_SLOTS * sizeof(Py_ssize_t))
+        for wi in range(nw):
+            res_alive[wi] = asg_alive[wi] = bits = self._used_mask[wi]
+            while bits:
+                s = (wi << 6) | _ctz(bits)
+                bits &= bits - 1
+                res_run[s] = asg_run[s] = 0
         for j in range(num_path):
             node = <Node>PyList_GET_ITEM(path, j)
             m = last_m if j == num_path - 1 else node._n
-            if cum:
-                bits = res_alive & ~node._res_mask
-                while bits:
-                    s = _ctz(bits)
-                    bits &= bits - 1
-                    res_run[s] = cum
-            res_alive &= node._res_mask
-            live = res_alive
-            while live:
-                s = _ctz(live)
-                live &= live - 1
-                d = _run(node, s)
-                if d < m:
-                    res_alive &= ~_bit(s)
-                    res_run[s] = cum + d  # d > 0: the bit is set only for runs > 0
-            # Assigned: all-or-nothing per node.
-            if cum:
-                bits = asg_alive & ~node._asg_mask
-                while bits:
-                    s = _ctz(bits)
-                    bits &= bits - 1
-                    asg_run[s] = cum
-            asg_alive &= node._asg_mask
+            for wi in range(nw):
+                if cum:
+                    bits = res_alive[wi] & ~node._res_mask[wi]
+                    while bits:
+                        s = (wi << 6) | _ctz(bits)
+                        bits &= bits - 1
+                        res_run[s] = cum
+                res_alive[wi] &= node._res_mask[wi]
+                live = res_alive[wi]
+                while live:
+                    s = (wi << 6) | _ctz(live)
+                    live &= live - 1
+                    d = _run(node, s)
+                    if d < m:
+                        res_alive[wi] &= ~_bit(s & 63)
+                        res_run[s] = cum + d  # d > 0: the bit is set only for runs > 0
+                # Assigned: all-or-nothing per node.
+                if cum:
+                    bits = asg_alive[wi] & ~node._asg_mask[wi]
+                    while bits:
+                        s = (wi << 6) | _ctz(bits)
+                        bits &= bits - 1
+                        asg_run[s] = cum
+                asg_alive[wi] &= node._asg_mask[wi]
             cum += m
         if cum:
-            while res_alive:
-                s = _ctz(res_alive)
-                res_alive &= res_alive - 1
-                res_run[s] = cum
-            while asg_alive:
-                s = _ctz(asg_alive)
-                asg_alive &= asg_alive - 1
-                asg_run[s] = cum
+            for wi in range(nw):
+                bits = res_alive[wi]
+                while bits:
+                    s = (wi << 6) | _ctz(bits)
+                    bits &= bits - 1
+                    res_run[s] = cum
+                bits = asg_alive[wi]
+                while bits:
+                    s = (wi << 6) | _ctz(bits)
+                    bits &= bits - 1
+                    asg_run[s] = cum
 
     def walk(self, block_hashes):
         """See radix_py."""
@@ -879,10 +943,10 @@ cdef class RadixTree:
         cdef dict resident = {}
         cdef dict assigned = {}
         cdef list names = self._slot_names
-        cdef Py_ssize_t res_run[64]  # _MAX_SLOTS
-        cdef Py_ssize_t asg_run[64]
-        cdef uint64_t used = self._used_mask
-        cdef int s
+        cdef Py_ssize_t res_run[_MAX_SLOTS]
+        cdef Py_ssize_t asg_run[_MAX_SLOTS]
+        cdef uint64_t used
+        cdef int s, wi
         cdef Node node
         cdef object key = None
         res.matched_blocks = self._walk(PySequence_Fast_ITEMS(seq), n, path, &last_m)
@@ -891,13 +955,15 @@ cdef class RadixTree:
             if node._n > node.context_blocks:
                 key = node
         self._runs(path, last_m, res_run, asg_run)
-        while used:
-            s = _ctz(used)
-            used &= used - 1
-            if res_run[s]:
-                resident[names[s]] = res_run[s]
-            if asg_run[s]:
-                assigned[names[s]] = asg_run[s]
+        for wi in range(self._nw):
+            used = self._used_mask[wi]
+            while used:
+                s = (wi << 6) | _ctz(used)
+                used &= used - 1
+                if res_run[s]:
+                    resident[names[s]] = res_run[s]
+                if asg_run[s]:
+                    assigned[names[s]] = asg_run[s]
         res.path = path
         res.resident_blocks = resident
         res.assigned_blocks = assigned
@@ -914,8 +980,8 @@ cdef class RadixTree:
         cdef Py_ssize_t last_m = 0, k
         cdef list path = []
         cdef dict cached = {}
-        cdef Py_ssize_t res_run[64]  # _MAX_SLOTS
-        cdef Py_ssize_t asg_run[64]
+        cdef Py_ssize_t res_run[_MAX_SLOTS]
+        cdef Py_ssize_t asg_run[_MAX_SLOTS]
         cdef int s
         cdef Py_ssize_t r, a, best = 0
         cdef object sl, ev
@@ -970,22 +1036,26 @@ cdef class RadixTree:
     cdef Node _split(self, Node node, Py_ssize_t k):
         """Split node after its first k blocks (0 < k < n); returns the new upper half."""
         cdef Node upper = self._new_node(node._blocks, k, node.context_blocks, node._parent, node.last_access)
-        cdef uint64_t bits = node._asg_mask
-        cdef int s
+        cdef uint64_t bits
+        cdef uint64_t res[_NW]
+        cdef int s, wi
         cdef uint32_t d
         cdef Py_ssize_t i
-        upper._asg_mask = node._asg_mask
-        while bits:
-            s = _ctz(bits)
-            bits &= bits - 1
-            self._slot_refs[s] += 1
-        bits = node._res_mask
-        while bits:
-            s = _ctz(bits)
-            bits &= bits - 1
-            d = _run(node, s)
-            self._set_resident(upper, s, d if d < <uint32_t>k else <uint32_t>k)
-            self._set_resident(node, s, d - <uint32_t>k if d > <uint32_t>k else 0)
+        for wi in range(_NW):
+            upper._asg_mask[wi] = bits = node._asg_mask[wi]
+            while bits:
+                s = (wi << 6) | _ctz(bits)
+                bits &= bits - 1
+                self._slot_refs[s] += 1
+        memcpy(res, node._res_mask, sizeof(res))  # the loop changes node's mask
+        for wi in range(_NW):
+            bits = res[wi]
+            while bits:
+                s = (wi << 6) | _ctz(bits)
+                bits &= bits - 1
+                d = _run(node, s)
+                self._set_resident(upper, s, d if d < <uint32_t>k else <uint32_t>k)
+                self._set_resident(node, s, d - <uint32_t>k if d > <uint32_t>k else 0)
         memmove(node._blocks, node._blocks + k, (node._n - k) * sizeof(uint64_t))
         node._n -= k
         node.context_blocks += k
@@ -1086,8 +1156,8 @@ cdef class RadixTree:
                     continue
                 if s < 0:
                     s = self._slot(worker, True)
-                if not (node._asg_mask & _bit(s)):
-                    node._asg_mask |= _bit(s)
+                if not _mtest(node._asg_mask, s):
+                    _mset(node._asg_mask, s)
                     self._slot_refs[s] += 1
                 if now > node.last_access:
                     node.last_access = now
@@ -1101,8 +1171,8 @@ cdef class RadixTree:
             return
         for obj in self.nodes():
             node = <Node>obj
-            if node._asg_mask & _bit(s):
-                node._asg_mask &= ~_bit(s)
+            if _mtest(node._asg_mask, s):
+                _mclear(node._asg_mask, s)
                 self._slot_refs[s] -= 1
         self._release_if_unused(s)
 
@@ -1206,7 +1276,7 @@ cdef class RadixTree:
         cdef Node node, parent
         cdef uint64_t bits
         cdef size_t mask
-        cdef int s
+        cdef int s, wi
         cdef dict dead = self._dead
         cdef long long limit = <long long>floor(now - window_s) + 1
         cdef list young = [], bucket
@@ -1221,7 +1291,7 @@ cdef class RadixTree:
                     break
                 node = <Node>PyList_GET_ITEM(bucket, i)
                 node._gc_queued = False
-                if not node.is_attached or node._children or node._res_mask:
+                if not node.is_attached or node._children or _many(node._res_mask):
                     continue
                 if not (now - node.last_access > window_s):
                     young.append(node)
@@ -1233,23 +1303,24 @@ cdef class RadixTree:
                     if j + _PREFETCH_AHEAD < node._n:
                         _prefetch(&self._slots[_home(node._blocks[j + _PREFETCH_AHEAD], mask)])
                     self._del(node._blocks[j])
-                if removed_out is not None and node._asg_mask:
+                if removed_out is not None and _many(node._asg_mask):
                     removed_out.append((node.blocks, node.assigned))
                 if evicted:
                     self._prune_evicted(node, evicted)
-                bits = node._asg_mask
-                node._asg_mask = 0
-                while bits:
-                    s = _ctz(bits)
-                    bits &= bits - 1
-                    self._slot_refs[s] -= 1
-                    self._release_if_unused(s)
+                for wi in range(_NW):
+                    bits = node._asg_mask[wi]
+                    node._asg_mask[wi] = 0
+                    while bits:
+                        s = (wi << 6) | _ctz(bits)
+                        bits &= bits - 1
+                        self._slot_refs[s] -= 1
+                        self._release_if_unused(s)
                 node.is_attached = False
                 node._parent = None
                 self._num_nodes -= 1
                 removed += 1
                 freed += node._n
-                if parent is not self._root and not parent._children and not parent._res_mask:
+                if parent is not self._root and not parent._children and not _many(parent._res_mask):
                     self._candidate(parent)
             if budget >= 0 and freed >= budget:
                 break
@@ -1259,23 +1330,25 @@ cdef class RadixTree:
 
     cdef int _prune_evicted(self, Node node, dict evicted) except -1:
         """Drop the node's blocks from evicted[w] for each worker w it is assigned to (before gc frees the slots)."""
-        cdef uint64_t bits = node._asg_mask
-        cdef int s
+        cdef uint64_t bits
+        cdef int s, wi
         cdef Py_ssize_t j
         cdef object ev
         cdef BlockSet bs
-        while bits:
-            s = _ctz(bits)
-            bits &= bits - 1
-            ev = evicted.get(self._slot_names[s])
-            if type(ev) is BlockSet:
-                bs = <BlockSet>ev
-                for j in range(node._n):
-                    if not bs._n:
-                        break
-                    bs._remove(node._blocks[j])
-            elif ev:
-                ev.difference_update(node.blocks)
+        for wi in range(_NW):
+            bits = node._asg_mask[wi]
+            while bits:
+                s = (wi << 6) | _ctz(bits)
+                bits &= bits - 1
+                ev = evicted.get(self._slot_names[s])
+                if type(ev) is BlockSet:
+                    bs = <BlockSet>ev
+                    for j in range(node._n):
+                        if not bs._n:
+                            break
+                        bs._remove(node._blocks[j])
+                elif ev:
+                    ev.difference_update(node.blocks)
         return 0
 
     # ---- tests ---------------------------------------------------------------------------------------------
@@ -1283,8 +1356,8 @@ cdef class RadixTree:
     def check_invariants(self):
         cdef Node node, parent
         cdef Py_ssize_t count = 0, blocks = 0, off
-        cdef int64_t refs[64]
-        cdef int s, k
+        cdef int64_t refs[_MAX_SLOTS]
+        cdef int s, k, wi
         cdef uint64_t bits
         cdef size_t i
         cdef Py_ssize_t used
@@ -1303,22 +1376,23 @@ cdef class RadixTree:
             for off in range(node._n):
                 assert self._get(node._blocks[off]) == <PyObject*>node
                 assert _offset(node, node._blocks[off]) == off  # no duplicate hash inside a node
-            assert node._runs_cap >= _popcount(node._res_mask)
-            bits = node._res_mask
+            assert node._runs_cap >= _mcount(node._res_mask)
             k = 0
-            while bits:
-                s = _ctz(bits)
-                bits &= bits - 1
-                assert 0 < node._runs[k] <= <uint32_t>node._n
-                assert self._used_mask & _bit(s)
-                refs[s] += 1
-                k += 1
-            bits = node._asg_mask
-            while bits:
-                s = _ctz(bits)
-                bits &= bits - 1
-                assert self._used_mask & _bit(s)
-                refs[s] += 1
+            for wi in range(_NW):
+                bits = node._res_mask[wi]
+                while bits:
+                    s = (wi << 6) | _ctz(bits)
+                    bits &= bits - 1
+                    assert 0 < node._runs[k] <= <uint32_t>node._n
+                    assert _mtest(self._used_mask, s)
+                    refs[s] += 1
+                    k += 1
+                bits = node._asg_mask[wi]
+                while bits:
+                    s = (wi << 6) | _ctz(bits)
+                    bits &= bits - 1
+                    assert _mtest(self._used_mask, s)
+                    refs[s] += 1
             blocks += node._n
         assert count == self._num_nodes
         assert blocks == self._nidx
@@ -1332,9 +1406,11 @@ cdef class RadixTree:
         assert used == self._nidx and self._nidx * 10 <= <Py_ssize_t>self._cap * 7
         for s in range(_MAX_SLOTS):
             assert refs[s] == self._slot_refs[s], (s, refs[s], self._slot_refs[s])
-            if self._used_mask & _bit(s):
+            if _mtest(self._used_mask, s):
                 assert refs[s] > 0  # an unreferenced slot is released at once
                 assert self._worker_to_slot[self._slot_names[s]] == s
             else:
                 assert self._slot_names[s] is None
-        assert len(self._worker_to_slot) == _popcount(self._used_mask)
+        assert len(self._worker_to_slot) == _mcount(self._used_mask)
+        assert all(self._used_mask[i] == 0 for i in range(self._nw, _NW))
+        assert self._nw == 0 or self._used_mask[self._nw - 1] != 0

@@ -87,8 +87,9 @@ Refinements (both builds, pinned by tests/ext/test_radix.py):
     after a gap is not recorded (conservative: under-reports until the gap is stored again).
   - match.key_node uses each node's whole num_blocks, also for a partially matched last node; Preble's key
     portion of the inserted path is `RadixTree.key_node(tree.insert(...))`.
-  - The Cython build interns workers into 64 slots: at most 64 workers may hold state (resident or assigned)
-    in one tree at a time; the 65th raises RuntimeError. A slot frees when nothing refers to it.
+  - The Cython build interns workers into 256 slots (`MAX_WORKERS`): at most 256 workers may hold state
+    (resident or assigned) in one tree at a time; the 257th raises RuntimeError. A slot frees when nothing refers
+    to it.
 
 Node (plain attributes in Python; read-only properties in Cython, which return fresh copies of blocks,
 children, resident and assigned; only `stats` is writable; never mutate the others in the reference either):
@@ -205,7 +206,7 @@ def _check_key(h: Any) -> int:
     return int(h)
 
 
-MAX_WORKERS: int | None = None  # workers that may hold state in a tree at once (None: no limit; the C build: 64)
+MAX_WORKERS: int | None = None  # workers that may hold state in a tree at once (None: no limit; the C build: 256)
 
 
 class RadixTree:

@@ -31,24 +31,7 @@ def test_c_extension_loaded() -> None:
     assert radix.RadixTree is _radix_c.RadixTree
     assert radix.Node is _radix_c.Node
     assert radix.MatchResult is _radix_c.MatchResult
-    assert radix.MAX_WORKERS == _radix_c.MAX_WORKERS == 64
-
-
-def test_max_workers_is_the_most_workers_a_tree_holds_state_for(impl) -> None:  # type: ignore[no-untyped-def]
-    """`MAX_WORKERS` (which E2 reports as its `max_workers`, and the registry enforces) is the build's real limit:
-    that many workers hold residency in one tree, one more raises; a worker gone frees its slot."""
-    t = impl.RadixTree()
-    limit = impl.MAX_WORKERS
-    if limit is None:  # the reference has no limit
-        for w in range(100):
-            t.mark_resident(f"w{w}", [1000 + w], None, 1.0)
-        return
-    for w in range(limit):
-        t.mark_resident(f"w{w}", [1000 + w], None, 1.0)
-    with pytest.raises(RuntimeError, match=f"more than {limit} workers"):
-        t.mark_resident("one-more", [5000], None, 1.0)
-    t.remove_worker("w0")
-    t.mark_resident("one-more", [5000], None, 1.0)
+    assert radix.MAX_WORKERS == _radix_c.MAX_WORKERS == 256
 
 
 def blocks_of(path) -> list[tuple[int, ...]]:  # type: ignore[no-untyped-def]
@@ -271,17 +254,20 @@ def test_values_past_uint64_are_refused(impl, h: object) -> None:  # type: ignor
 
 
 def test_c_slot_limit() -> None:
+    """`MAX_WORKERS` (E2's `max_workers`, which the registry enforces) is the build's real limit: that many workers
+    hold state in one tree, one more raises, and a worker removed frees its slot for the next."""
     if _radix_c is None:
         pytest.skip("Cython extension not built")
+    limit = _radix_c.MAX_WORKERS
     t = _radix_c.RadixTree()
     path = t.insert([1], now=0.0)
-    for w in range(64):
+    for w in range(limit):
         t.assign(path, f"w{w}", now=0.0)
-    with pytest.raises(RuntimeError, match="more than 64 workers"):
-        t.mark_resident("w64", [1], None, now=0.0)
-    t.remove_worker("w0")  # frees a slot
-    t.mark_resident("w64", [1], None, now=0.0)
-    assert t.match([1]).resident_blocks == {"w64": 1} and len(t.match([1]).assigned_blocks) == 63
+    with pytest.raises(RuntimeError, match=f"more than {limit} workers"):
+        t.mark_resident("one-more", [1], None, now=0.0)
+    t.remove_worker("w100")  # frees a slot in the second mask word
+    t.mark_resident("one-more", [1], None, now=0.0)
+    assert t.match([1]).resident_blocks == {"one-more": 1} and len(t.match([1]).assigned_blocks) == limit - 1
     t.check_invariants()
 
 
@@ -621,6 +607,23 @@ class SideBySide(RuleBasedStateMachine):
 
 SideBySide.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
 test_side_by_side = SideBySide.TestCase
+
+
+class SideBySideManySlots(SideBySide):
+    """The same, with 127 other workers holding a block each, so the rules' three workers take slots 70, 100 and
+    129: the Cython build's second and third mask words, where a fleet of three never goes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for t in self.trees:
+            for i in range(130):
+                t.mark_resident(f"filler{i}", [2**63 + i], None, 0.0)
+            for i in (70, 100, 129):
+                t.remove_worker(f"filler{i}")
+
+
+SideBySideManySlots.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+test_side_by_side_past_the_first_mask_word = SideBySideManySlots.TestCase
 
 
 def test_bench_smoke(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -475,9 +475,9 @@ async def test_register_rejects_a_worker_whose_info_cannot_be_served(fields: dic
 
 
 async def test_register_refuses_a_worker_past_the_policys_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """E2's radix tree holds state for at most 64 workers (`Policy.max_workers`); past that its hooks raised for
-    every request and KV event. The registry refuses the worker past the limit instead, naming it, and takes one
-    once another has left. (The limit is lowered to 1 here: 65 workers make the same test slower.)"""
+    """E2's radix tree holds state for at most 256 workers (`Policy.max_workers`); past that its hooks would raise
+    for that worker's KV events and dispatches. The registry refuses the worker past the limit instead, naming it,
+    and takes one once another has left. (The limit is lowered to 1 here: 257 workers make the same test slow.)"""
     monkeypatch.setattr(PrebleE2, "max_workers", 1)
     extra = FakeWorker("w1")
     await extra.start()
