@@ -12,7 +12,8 @@ Layout, chosen for `match` (the routing hot path):
 Worker ids are interned into at most 256 slots (`MAX_WORKERS`, masks of _NW = 4 words); a slot is freed as soon
 as no node refers to it (`_slot_refs` counts the (node, resident|assigned) memberships), so the limit is on
 workers that hold state in the tree at the same time. With masks, `match` carries the set of workers whose leading
-run is still unbroken as four uint64 down the path and touches Python objects only to build the result dicts.
+run is still unbroken down the path as a mask over the words in use (one up to 64 workers) and touches Python
+objects only to build the result dicts.
 
 The block index is a C open-addressing table block hash (uint64) -> Node (linear probing, backward-shift
 deletion, one 16-byte slot per block): no Python int per block, one cache line per lookup, where a dict of ints

@@ -274,7 +274,7 @@ class WorkerRegistry:
             raise RejectedWorker(f"rejected: worker id {info.worker_id!r} is already used by {clash.info.address}")
         limit = self._policy.max_workers
         others = sum(1 for rec in self._fleet.all_workers() if rec.info.address != info.address)
-        if limit is not None and others >= limit:  # joining would break the policy's hooks for every worker
+        if limit is not None and others >= limit:  # past it, the policy's hooks raise for the joining worker
             raise RejectedWorker(
                 f"rejected: policy {self._policy.name!r} holds state for at most {limit} workers and {others} are "
                 f"registered; serve the rest from another router, or use a policy without that limit"

@@ -307,7 +307,7 @@ class KvEventHub:
     ) -> tuple[_Subscriber, Callable[[], list[worker_pb2.KvEventBatch]]]:
         """Register a subscriber; returns it with what makes the batches to send first: a replay, or a snapshot of
         the cache as it is now (read here; built by the function, which touches nothing the engine changes, so
-        the servicer runs it in a thread: ~0.3 s for a full 64k-block cache, which held the engine's loop
+        the servicer runs it in a thread: 0.25-0.6 s for a full 64k-block cache, which held the engine's loop
         before). Events published meanwhile queue up behind it.
         `incarnation`: the one `start_after_seq` was read from ("" = unknown: the seq alone decides)."""
         oldest = self._buffer[0].seq if self._buffer else self._seq + 1

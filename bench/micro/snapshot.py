@@ -9,7 +9,7 @@ decode it (`api.kv_batch_from_proto`), `Fleet.apply_kv_events`, `policy.on_kv_ev
 run is the format before chains: the same blocks, one BlockStored each, in one message. Nothing here overlaps:
 in the daemon every millisecond of a batch is a stall of every stream.
 
-Quick: `switchyard bench snapshot --blocks 8000`. Full (a default-profile cache, ~15 s):
+Quick: `switchyard bench snapshot --blocks 8000`. Full (a default-profile cache, ~10 s on 2 cores):
 `switchyard bench snapshot`. Writes results/micro-snapshot/snapshot.{json,md,png} and prints the table.
 """
 
