@@ -908,8 +908,10 @@ class PrebleE2(Policy):
         self._tree_gen += 1
         self._remembered.clear()
         for d in (self.history, self.hit_ratio, self.fits, self.evicted, self.resident_count, self.lru,
-                  self._facts, self.outstanding, self._load_memo, self._cost_memo, self.hit_times):
+                  self._facts, self.outstanding, self._load_memo, self._cost_memo):
             d.pop(worker_id, None)  # type: ignore[attr-defined]
+        # NOTE: hit_times stays: the nodes keep their hits on the worker, which M counts if it comes back within W
+        # (`advance_cold` drops the times once they expire)
         self.moved_load.drop(worker_id)
 
     def counters(self) -> dict[str, int]:
@@ -947,12 +949,18 @@ class PrebleE2(Policy):
     def advance_cold(self, now: float) -> None:
         """Move each LRU index's cold floor (`LruIndex.advance`), so M skips its simulation when the candidates
         keyed before the floor cover the need (`LruIndex.cold_blocks`). Only times before W are dropped, so the
-        floor stays at or before every hit a later select prices (a stale floor only counts fewer blocks)."""
+        floor stays at or before every hit a later select prices (a stale floor only counts fewer blocks). A gone
+        worker's times are kept until they expire (`on_worker_change`)."""
         cutoff = now - self.cfg.node_window_s
-        for w, idx in self.lru.items():
-            times = self.hit_times.get(w)
+        gone = []
+        for w, times in self.hit_times.items():
             while times and times[0] < cutoff:
                 times.popleft()
+            if not times and w not in self.lru:
+                gone.append(w)
+        for w in gone:
+            del self.hit_times[w]
+        for w, idx in self.lru.items():
             idx.advance(cold_bucket(self.cold_floor(w, now)))
 
     # ------------------------------------------------------------------------------------------ background

@@ -778,6 +778,34 @@ def test_the_cold_floor_counts_every_bucket_it_passes_with_few_ticks() -> None:
         assert idx.below == sum(v for b, v in mass.items() if b < floor)
 
 
+@pytest.mark.usefixtures("impl")
+def test_a_worker_back_within_the_window_keeps_its_cold_floor() -> None:
+    """A worker that leaves and comes back within W: the nodes keep their hits on it from before (requests in W,
+    which M counts), so its cold floor stays at or before them, and M's shortcut (`cold_blocks`) agrees with the
+    straightforward scan. (Before, the floor restarted at the rejoin and called those nodes cold: M 0.)"""
+    from factories import make_worker_info
+
+    fleet, policy = make_fleet(3), PrebleE2(E2Config.paper(node_window_s=100.0))
+    a = req("a", shared=0)
+    place(policy, fleet, a, "w1", now=0.0)
+    policy.on_kv_events(W1, stored(a, 1))
+    fleet.remove_worker(W1)
+    policy.on_worker_change(W1, 1.0)
+    fleet.add_worker(make_worker_info(1, "m", 4096, 16, 1000, 8))
+    policy.on_worker_change(W1, 2.0)
+    policy.on_kv_events(W1, stored(a, 1))  # the new subscription's snapshot
+    now = 3.0
+    policy.on_tick(now)
+    scan = preble_load.eviction_cost_s(lru_victims(W1, policy.tree.nodes(), 5, set()), W1, now, 100.0, 16, COST, "text")
+    assert scan > 0.0  # a's request at 0 is in the window
+    assert policy.lru[W1].eviction_cost(W1, 5, set(), now, 100.0, 16, COST, "text") == scan
+    policy.on_tick(150.0)  # gone and expired: its times are dropped
+    fleet.remove_worker(W1)
+    policy.on_worker_change(W1, 151.0)
+    policy.on_tick(151.0)
+    assert W1 not in policy.hit_times
+
+
 def _fuzzed_policy(seed: int, window: float) -> tuple[random.Random, PrebleE2, list[tuple[int, ...]]]:
     """(the seed's rng, an E2 with that node window, 40 random prompts) for `hook_fuzz.drive`."""
     rng = random.Random(seed)
