@@ -41,11 +41,12 @@ def random_prompts(rng: random.Random, n: int, labels: int) -> list[tuple[int, .
 
 def drive(
     policy: PrebleE2, rng: random.Random, prompts: list[tuple[int, ...]], workers: list[WorkerId], steps: int,
-    tied_times: bool = False, clock: list[float] | None = None,
+    tied_times: bool = False, clock: list[float] | None = None, leaves: bool = False,
 ) -> Iterator[int]:
     """Apply `steps` random hook calls to `policy`, yielding the step number after each (the caller checks its
     invariants there). `tied_times`: half the steps keep the previous timestamp (ties of last_access). `clock`:
-    its first item is set to the hooks' time before each yield."""
+    its first item is set to the hooks' time before each yield. `leaves`: a worker also leaves now and then
+    (`on_worker_change` without a fleet drops it; its next event or dispatch brings it back)."""
     base = make_requests(1, prompt_len=64, shared_prefix=0, max_tokens=4)[0]
     seq, now = 0, 0.0
     for step in range(steps):
@@ -69,6 +70,8 @@ def drive(
             policy.on_kv_events(w, KvEventBatch(seq := seq + 1, now, (BlockRemoved(hashes[-k:]),)))
         elif op < 0.96:
             policy.on_kv_events(w, KvEventBatch(seq := seq + 1, now, (AllBlocksCleared(),)))
-        else:
+        elif op < 0.97 or not leaves:
             policy.gc(now)
+        else:
+            policy.on_worker_change(w, now)
         yield step

@@ -817,12 +817,13 @@ def _fuzzed_policy(seed: int, window: float) -> tuple[random.Random, PrebleE2, l
 def test_m_is_zero_without_simulating_when_the_cold_candidates_cover_the_need(seed: int) -> None:
     """`LruIndex.cold_blocks` (the candidates keyed before the cold floor, which `on_tick` advances): kept
     incrementally equal to its definition, and whenever it covers a need, the straightforward scan's victims
-    (`lru_victims`) carry no request in the window, so M is 0. Random hooks as above; ticks every step."""
+    (`lru_victims`) carry no request in the window, so M is 0. Random hooks as above, workers leaving and coming
+    back too; ticks every step."""
     rng, policy, prompts = _fuzzed_policy(seed, window := 5.0)
     workers = [W0, W1, W2]
     clock = [0.0]
     fired = 0
-    for step in drive(policy, rng, prompts, workers, 300, clock=clock):
+    for step in drive(policy, rng, prompts, workers, 300, clock=clock, leaves=True):
         now = clock[0]
         policy.advance_cold(now)
         for v, idx in policy.lru.items():
