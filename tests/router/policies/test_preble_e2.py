@@ -18,7 +18,7 @@ import zlib
 from typing import Any
 
 import pytest
-from factories import make_fleet, make_requests
+from factories import make_fleet, make_requests, make_worker_info
 from hook_fuzz import ReferenceLruIndex, drive, random_prompts
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -783,8 +783,6 @@ def test_a_worker_back_within_the_window_keeps_its_cold_floor() -> None:
     """A worker that leaves and comes back within W: the nodes keep their hits on it from before (requests in W,
     which M counts), so its cold floor stays at or before them, and M's shortcut (`cold_blocks`) agrees with the
     straightforward scan. (Before, the floor restarted at the rejoin and called those nodes cold: M 0.)"""
-    from factories import make_worker_info
-
     fleet, policy = make_fleet(3), PrebleE2(E2Config.paper(node_window_s=100.0))
     a = req("a", shared=0)
     place(policy, fleet, a, "w1", now=0.0)
