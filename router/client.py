@@ -5,6 +5,9 @@
             print(chunk.text, end="")
         print((await c.complete("mistral-7b", prompt="Hi", max_tokens=8)).timings)
 
+Over TLS, give `tls=ClientTls(ca="ca.pem")` (and `cert=`/`key=` where the router requires client certificates);
+both addresses use it.
+
 Errors surface as `grpc.RpcError` / `grpc.aio.AioRpcError` with the router's status code and message.
 """
 
@@ -15,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from switchyard.tls import ClientTls, aio_channel, channel
 from switchyard.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 Message = tuple[str, str] | Mapping[str, str]  # (role, content) or {"role": ..., "content": ...}
@@ -73,10 +77,10 @@ def _request(model: str | None, request: router_pb2.GenerateRequest | None, kw: 
 
 
 class AsyncRouterClient:
-    def __init__(self, address: str, admin_address: str | None = None) -> None:
-        self._channel = grpc.aio.insecure_channel(address)
+    def __init__(self, address: str, admin_address: str | None = None, *, tls: ClientTls | None = None) -> None:
+        self._channel = aio_channel(address, tls)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
-        self._admin_channel = grpc.aio.insecure_channel(admin_address) if admin_address else None
+        self._admin_channel = aio_channel(admin_address, tls) if admin_address else None
         self._admin = router_pb2_grpc.AdminStub(self._admin_channel) if self._admin_channel else None
 
     async def __aenter__(self) -> AsyncRouterClient:
@@ -135,10 +139,10 @@ class AsyncRouterClient:
 class RouterClient:
     """Blocking twin of `AsyncRouterClient` (for scripts and benchmarks that are not async)."""
 
-    def __init__(self, address: str, admin_address: str | None = None) -> None:
-        self._channel = grpc.insecure_channel(address)
+    def __init__(self, address: str, admin_address: str | None = None, *, tls: ClientTls | None = None) -> None:
+        self._channel = channel(address, tls)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
-        self._admin_channel = grpc.insecure_channel(admin_address) if admin_address else None
+        self._admin_channel = channel(admin_address, tls) if admin_address else None
         self._admin = router_pb2_grpc.AdminStub(self._admin_channel) if self._admin_channel else None
 
     def __enter__(self) -> RouterClient:

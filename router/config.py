@@ -16,9 +16,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from switchyard.router.policies.registry import DEFAULT_POLICY
+from switchyard.tls import ClientTls, ServerTls
 
 ENV_PREFIX = "SWITCHYARD_"
 
@@ -44,7 +45,22 @@ class ServerConfig(_Section):
     log_level: str = "INFO"
     gc_freeze_at_start: bool = True  # freeze what startup loaded out of later garbage collections (gc_watch.py)
     gc_warn_ms: float = Field(default=50.0, ge=0)  # log a collector pause this long or longer; 0 = never
+    # TLS on the Router and Admin services (PEM paths; "" = plaintext). With tls_client_ca, every client must
+    # present a certificate that CA signed (mTLS). The metrics endpoint stays plain HTTP.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
 
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ServerConfig:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("server.tls_cert and server.tls_key go together: give both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("server.tls_client_ca (mTLS) needs server.tls_cert and server.tls_key")
+        return self
+
+    def tls(self) -> ServerTls | None:
+        return ServerTls(self.tls_cert, self.tls_key, self.tls_client_ca) if self.tls_cert else None
 
     @field_validator("log_level")
     @classmethod
@@ -64,6 +80,25 @@ class WorkersConfig(_Section):
     # a Generate stream with no chunk for this long has stalled (a hung engine whose server still answers):
     # the attempt fails, and is retried elsewhere if no token was sent yet; 0 = wait forever
     stream_idle_timeout_s: float = Field(default=120.0, ge=0)
+    # TLS to the workers: tls_ca checks their certificates ("" = the system's roots), tls_cert/tls_key are the
+    # router's own when workers require client certificates (mTLS), tls_server_name the name their certificates
+    # carry when it differs from the addresses dialled
+    tls: bool = False
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_server_name: str = ""
+
+    @model_validator(mode="after")
+    def _tls_settings(self) -> WorkersConfig:
+        if not self.tls and (self.tls_ca or self.tls_cert or self.tls_key or self.tls_server_name):
+            raise ValueError("workers.tls_* is set but workers.tls is false: set workers.tls = true")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("workers.tls_cert and workers.tls_key go together: give both or neither")
+        return self
+
+    def client_tls(self) -> ClientTls | None:
+        return ClientTls(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name) if self.tls else None
 
 
 class RoutingConfig(_Section):

@@ -23,6 +23,7 @@ from switchyard.router.config import WorkersConfig
 from switchyard.router.fleet import Fleet, WorkerInfo, WorkerState
 from switchyard.router.metrics import RouterMetrics
 from switchyard.router.policies.base import Policy, WorkerId
+from switchyard.tls import aio_channel
 from switchyard.v1 import router_pb2, worker_pb2, worker_pb2_grpc
 from switchyard.workers.tokenizer import Tokenizer
 
@@ -78,6 +79,7 @@ class WorkerRegistry:
         channel_close_grace_s: float = 5.0,
     ) -> None:
         self._cfg = config
+        self.tls = config.client_tls()  # its credentials are read once, for every worker channel
         self._fleet = fleet
         self._policy = policy
         self._tokenizer_for = tokenizer_for
@@ -157,7 +159,7 @@ class WorkerRegistry:
                 await asyncio.gather(*(c.first_attempt.wait() for c in conns))
 
     def _add(self, address: str) -> WorkerConn:
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = aio_channel(address, self.tls, CHANNEL_OPTIONS)
         conn = WorkerConn(address=address, channel=channel, stub=worker_pb2_grpc.WorkerStub(channel))
         self._conns[address] = conn
         conn.tasks.append(asyncio.create_task(self._run(conn), name=f"worker-loop {address}"))

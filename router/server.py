@@ -36,6 +36,7 @@ from switchyard.router.predictor.onnx_predictor import PredictorLoadError
 from switchyard.router.predictor.service import load_predictor, make_service
 from switchyard.router.queue import RequestQueue
 from switchyard.router.registry import WorkerRegistry
+from switchyard.tls import ServerTls, TlsError, add_port
 from switchyard.v1 import router_pb2, router_pb2_grpc
 from switchyard.workers.tokenizer import Tokenizer, load_tokenizer
 
@@ -209,6 +210,14 @@ class RouterDaemon:
             except OSError as e:
                 raise StartupError(f"cannot bind metrics on {cfg.metrics_host}:{cfg.metrics_port}: {e}", EXIT_BIND) from None
 
+        server_tls = cfg.tls()
+        try:  # read and check the TLS files now, not at the first handshake
+            for tls in (server_tls, self.registry.tls):
+                if tls is not None:
+                    tls.credentials  # noqa: B018
+        except TlsError as e:
+            raise StartupError(str(e), EXIT_CONFIG) from None
+
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         router_pb2_grpc.add_RouterServicer_to_server(
             RouterService(self.registry, self.dispatcher, self.tokenizer_for, self.config.limits.max_tokens,
@@ -222,11 +231,11 @@ class RouterDaemon:
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(names, self.server)
-        port = self._bind(self.server, cfg.host, cfg.port)
+        port = self._bind(self.server, cfg.host, cfg.port, server_tls)
 
         self.admin_server = grpc.aio.server(options=SERVER_OPTIONS)
         router_pb2_grpc.add_AdminServicer_to_server(AdminService(self.registry), self.admin_server)
-        admin_port = self._bind(self.admin_server, cfg.admin_host, cfg.admin_port)
+        admin_port = self._bind(self.admin_server, cfg.admin_host, cfg.admin_port, server_tls)
 
         await self.registry.start(self.config.workers.addresses)
         self._tick_task = asyncio.create_task(
@@ -261,9 +270,9 @@ class RouterDaemon:
             self.predictor.attach(model)
 
     @staticmethod
-    def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    def _bind(server: grpc.aio.Server, host: str, port: int, server_tls: ServerTls | None) -> int:
         try:
-            bound = server.add_insecure_port(f"{host}:{port}")
+            bound = add_port(server, f"{host}:{port}", server_tls)
         except RuntimeError as e:
             raise StartupError(f"cannot bind {host}:{port}: {e}", EXIT_BIND) from None
         if bound == 0:

@@ -23,3 +23,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
     ):
         report.outcome = "failed"
         report.longrepr = f"skipped under CI=true (missing prerequisite?): {report.longrepr}"
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A throwaway CA with server and client certificates (tests/tls_certs.py), made once per run."""
+    import shutil
+
+    from tls_certs import make_pki
+
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is missing (Debian package openssl; make sysdeps installs it)")
+    return make_pki(tmp_path_factory.mktemp("pki"))

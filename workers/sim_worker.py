@@ -26,6 +26,7 @@ import grpc
 import xxhash
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from switchyard.tls import TlsError, add_port, add_server_args, server_tls_from_args
 from switchyard.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from switchyard.workers.engine import kv_events as kv
 from switchyard.workers.engine.core import SCHEDULINGS, EngineConfig, EngineCore
@@ -728,6 +729,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kv-events-topic", default="", help="topic frame of the ZMQ KV event messages")
     p.add_argument("--log-level", default="INFO")
+    add_server_args(p)
     return p
 
 
@@ -778,7 +780,10 @@ async def serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     try:
-        port = server.add_insecure_port(f"{args.host}:{args.port}")
+        port = add_port(server, f"{args.host}:{args.port}", server_tls_from_args(args))
+    except TlsError as e:
+        log.error("bad TLS configuration: %s", e)
+        return EXIT_USAGE
     except RuntimeError as e:
         log.error("cannot bind %s:%s: %s", args.host, args.port, e)
         return EXIT_BIND_FAILED

@@ -36,6 +36,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from switchyard.tls import TlsError, add_port, add_server_args, server_tls_from_args
 from switchyard.v1 import worker_pb2, worker_pb2_grpc
 from switchyard.workers import sim_worker
 from switchyard.workers.engine import kv_events as kv
@@ -527,6 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--drain-timeout", type=float, default=30.0, help="SIGTERM: seconds in-flight requests get"
     )
     p.add_argument("--log-level", default="INFO")
+    add_server_args(p)
     return p
 
 
@@ -617,7 +619,10 @@ async def serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     try:
-        port = server.add_insecure_port(f"{args.host}:{args.port}")
+        port = add_port(server, f"{args.host}:{args.port}", server_tls_from_args(args))
+    except TlsError as e:
+        log.error("bad TLS configuration: %s", e)
+        return EXIT_USAGE
     except RuntimeError as e:
         log.error("cannot bind %s:%s: %s", args.host, args.port, e)
         return EXIT_BIND_FAILED

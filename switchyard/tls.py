@@ -1,0 +1,139 @@
+"""TLS for every gRPC hop: the router's API and admin servers, its channels to the workers, the workers' servers and
+the client.
+
+Why one module: the router, the workers (also inside vLLM's environment) and the client read the same PEM files
+the same way, and a wrong file fails the same way, at startup, with a message that names it: a certificate and a
+key that do not match, or a CA file that holds no certificate, would otherwise surface only as a failed handshake
+on the first request. Certificates are read once; rotating them takes a restart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ssl
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import grpc
+
+ChannelOptions = Sequence[tuple[str, str | int]]
+
+
+class TlsError(ValueError):
+    """A TLS file is missing, unreadable, or not what its setting says it is."""
+
+
+def _no_password() -> bytes:
+    raise TlsError("encrypted private keys are not supported (gRPC cannot read them); decrypt the key file")
+
+
+def read_pem(path: str, what: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise TlsError(f"cannot read the {what} {path!r}: {e.strerror or e}") from None
+    if b"-----BEGIN " not in data:
+        raise TlsError(f"the {what} {path!r} is not PEM (no '-----BEGIN' line)")
+    return data
+
+
+def _check_pair(cert: str, key: str) -> None:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        ctx.load_cert_chain(cert, key, password=_no_password)
+    except ssl.SSLError as e:
+        raise TlsError(f"the certificate {cert!r} and key {key!r} do not load as a pair: {e.reason or e}") from None
+
+
+def _check_ca(ca: str) -> None:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        ctx.load_verify_locations(cafile=ca)
+    except ssl.SSLError as e:
+        raise TlsError(f"the CA file {ca!r} holds no usable certificate: {e.reason or e}") from None
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """A server's certificate chain and key; with `client_ca`, clients must present a certificate it signed (mTLS)."""
+
+    cert: str
+    key: str
+    client_ca: str = ""
+
+    @cached_property
+    def credentials(self) -> grpc.ServerCredentials:
+        """Read and checked on first use (a TlsError names the file), then kept."""
+        cert, key = read_pem(self.cert, "certificate"), read_pem(self.key, "private key")
+        _check_pair(self.cert, self.key)
+        client_ca = None
+        if self.client_ca:
+            client_ca = read_pem(self.client_ca, "client CA file")
+            _check_ca(self.client_ca)
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
+                                           require_client_auth=client_ca is not None)
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """How a client checks a server and, for mTLS, proves itself. `ca` = "": the system's trusted roots.
+    `server_name`: the name the server's certificate must carry, when it differs from the address dialled."""
+
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+    server_name: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise TlsError("a client certificate and its key go together: give both or neither")
+
+    @cached_property
+    def credentials(self) -> grpc.ChannelCredentials:
+        """Read and checked on first use (a TlsError names the file), then kept for every channel."""
+        ca = None
+        if self.ca:
+            ca = read_pem(self.ca, "CA file")
+            _check_ca(self.ca)
+        cert = key = None
+        if self.cert:
+            cert, key = read_pem(self.cert, "client certificate"), read_pem(self.key, "client key")
+            _check_pair(self.cert, self.key)
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+    def options(self) -> list[tuple[str, str | int]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+
+def add_port(server: grpc.Server | grpc.aio.Server, address: str, tls: ServerTls | None) -> int:
+    """Bind `address`, with TLS when given; the bound port (0: it failed), as gRPC's own calls."""
+    return server.add_secure_port(address, tls.credentials) if tls is not None else server.add_insecure_port(address)
+
+
+def aio_channel(address: str, tls: ClientTls | None, options: ChannelOptions = ()) -> grpc.aio.Channel:
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=list(options))
+    return grpc.aio.secure_channel(address, tls.credentials, options=[*options, *tls.options()])
+
+
+def channel(address: str, tls: ClientTls | None, options: ChannelOptions = ()) -> grpc.Channel:
+    if tls is None:
+        return grpc.insecure_channel(address, options=list(options))
+    return grpc.secure_channel(address, tls.credentials, options=[*options, *tls.options()])
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """A worker's TLS flags (the router's are config keys: server.tls_*)."""
+    p.add_argument("--tls-cert", default="", help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
+    p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", default="", help="PEM CA: clients (the router) must present a certificate it signed")
+
+
+def server_tls_from_args(args: argparse.Namespace) -> ServerTls | None:
+    if not (args.tls_cert or args.tls_key or args.tls_client_ca):
+        return None
+    if not (args.tls_cert and args.tls_key):
+        raise TlsError("--tls-cert and --tls-key go together (and --tls-client-ca needs them)")
+    return ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca)
