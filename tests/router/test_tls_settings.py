@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import grpc
 import pytest
 from tls_certs import Pki
@@ -57,3 +59,8 @@ def test_each_bad_file_is_named(pki: Pki, tmp_path) -> None:  # type: ignore[no-
         ServerTls(pki.server_cert, pki.server_key, str(tmp_path / "none.pem")).credentials  # noqa: B018
     with pytest.raises(TlsError, match="give both or neither"):
         ClientTls(cert=pki.client_cert)
+    encrypted = tmp_path / "encrypted.key"
+    subprocess.run(["openssl", "pkey", "-in", pki.server_key, "-aes256", "-passout", "pass:x", "-out", encrypted],
+                   check=True, capture_output=True, stdin=subprocess.DEVNULL)
+    with pytest.raises(TlsError, match="encrypted private keys are not supported"):  # never a password prompt
+        ServerTls(pki.server_cert, str(encrypted)).credentials  # noqa: B018
