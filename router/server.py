@@ -212,9 +212,10 @@ class RouterDaemon:
 
         server_tls = cfg.tls()
         try:  # read and check the TLS files now, not at the first handshake
-            for tls in (server_tls, self.registry.tls):
-                if tls is not None:
-                    tls.credentials  # noqa: B018
+            if server_tls is not None:
+                server_tls.configuration()
+            if self.registry.tls is not None:
+                self.registry.tls.credentials  # noqa: B018
         except TlsError as e:
             raise StartupError(str(e), EXIT_CONFIG) from None
 

@@ -4,12 +4,15 @@ the client.
 Why one module: the router, the workers (also inside vLLM's environment) and the client read the same PEM files
 the same way, and a wrong file fails the same way, at startup, with a message that names it: a certificate and a
 key that do not match, or a CA file that holds no certificate, would otherwise surface only as a failed handshake
-on the first request. Certificates are read once; rotating them takes a restart.
+on the first request. A server's files are watched and a rotated certificate serves the next handshake; the
+client side (the router's channels to its workers) reads its files once, so its own rotation takes a restart.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +22,8 @@ from pathlib import Path
 import grpc
 
 ChannelOptions = Sequence[tuple[str, str | int]]
+
+log = logging.getLogger(__name__)
 
 
 class TlsError(ValueError):
@@ -57,23 +62,75 @@ def _check_ca(ca: str) -> None:
 
 @dataclass(frozen=True)
 class ServerTls:
-    """A server's certificate chain and key; with `client_ca`, clients must present a certificate it signed (mTLS)."""
+    """A server's certificate chain and key; with `client_ca`, clients must present a certificate it signed (mTLS).
+    The files are watched: a rotated certificate, key or CA serves the next handshake (`_Reloader`)."""
 
     cert: str
     key: str
     client_ca: str = ""
 
-    @cached_property
-    def credentials(self) -> grpc.ServerCredentials:
-        """Read and checked on first use (a TlsError names the file), then kept."""
+    def files(self) -> tuple[str, ...]:
+        return (self.cert, self.key, self.client_ca) if self.client_ca else (self.cert, self.key)
+
+    def configuration(self) -> grpc.ServerCertificateConfiguration:
+        """The files read and checked now (a TlsError names the file)."""
         cert, key = read_pem(self.cert, "certificate"), read_pem(self.key, "private key")
         _check_pair(self.cert, self.key)
         client_ca = None
         if self.client_ca:
             client_ca = read_pem(self.client_ca, "client CA file")
             _check_ca(self.client_ca)
-        return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
-                                           require_client_auth=client_ca is not None)
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=client_ca)
+
+    def credentials(self) -> grpc.ServerCredentials:
+        """Read and checked now, then reloaded by each handshake that finds a file changed. One per server: gRPC
+        binds a dynamic credentials object to one server (a second `add_secure_port` fails)."""
+        reloader = _Reloader(self)
+        return grpc.dynamic_ssl_server_credentials(self.configuration(), reloader,
+                                                   require_client_authentication=bool(self.client_ca))
+
+
+def _stamp(paths: tuple[str, ...]) -> tuple[tuple[int, int, int] | None, ...]:
+    out: list[tuple[int, int, int] | None] = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            out.append(None)  # gone for a moment, mid-rotation
+        else:
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+    return tuple(out)
+
+
+class _Reloader:
+    """gRPC calls it (on its own thread) before each TLS handshake: when a file's stamp moved, the files are read
+    and checked again, and the new certificate serves that handshake on. Why check first: a rotation writes two or
+    three files one after the other, and a certificate with the previous key would fail every handshake; until the
+    files agree, the previous certificate stays (logged once per state of the files)."""
+
+    def __init__(self, tls: ServerTls) -> None:
+        self._tls = tls
+        self._stamp = _stamp(tls.files())  # taken before the first read: a change during it is read again
+        self._logged: tuple[tuple[int, int, int] | None, ...] | None = None
+
+    def __call__(self) -> grpc.ServerCertificateConfiguration | None:
+        try:
+            stamp = _stamp(self._tls.files())
+            if stamp == self._stamp:
+                return None
+            try:
+                config = self._tls.configuration()
+            except TlsError as e:
+                if stamp != self._logged:
+                    self._logged = stamp
+                    log.warning("TLS files changed but do not load (the previous certificate stays): %s", e)
+                return None
+            self._stamp = stamp
+            log.info("TLS certificate reloaded from %s", self._tls.cert)
+            return config
+        except Exception:  # noqa: BLE001 - raised into gRPC's thread it would fail the handshake, not report
+            log.exception("TLS reload failed; the previous certificate stays")
+            return None
 
 
 @dataclass(frozen=True)
@@ -109,7 +166,7 @@ class ClientTls:
 
 def add_port(server: grpc.Server | grpc.aio.Server, address: str, tls: ServerTls | None) -> int:
     """Bind `address`, with TLS when given; the bound port (0: it failed), as gRPC's own calls."""
-    return server.add_secure_port(address, tls.credentials) if tls is not None else server.add_insecure_port(address)
+    return server.add_secure_port(address, tls.credentials()) if tls is not None else server.add_insecure_port(address)
 
 
 def aio_channel(address: str, tls: ClientTls | None, options: ChannelOptions = ()) -> grpc.aio.Channel:

@@ -18,6 +18,8 @@ class Pki:
     other_ca: str  # trusts nothing above
     other_client_cert: str  # signed by other_ca
     other_client_key: str
+    other_server_cert: str  # the same names as server_cert, signed by other_ca: a rotation to another CA
+    other_server_key: str
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -45,5 +47,7 @@ def make_pki(d: Path) -> Pki:
     _leaf(d, "server", "ca", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
     _leaf(d, "client", "ca", "extendedKeyUsage=clientAuth\n")
     _leaf(d, "other-client", "other-ca", "extendedKeyUsage=clientAuth\n")
+    _leaf(d, "other-server", "other-ca", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
     return Pki(*(str(d / f) for f in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key",
-                                      "other-ca.pem", "other-client.pem", "other-client.key")))
+                                      "other-ca.pem", "other-client.pem", "other-client.key",
+                                      "other-server.pem", "other-server.key")))

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -110,6 +113,37 @@ def test_a_plaintext_router_gets_an_explicit_error_from_a_tls_worker(tls_worker:
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "could not be registered" in (e.value.details() or "")
         assert c.list_workers() == []  # nothing left half-registered
+
+
+def replace(path: Path, source: str) -> None:
+    """As a rotation tool writes a file: whole, under a temporary name, then renamed over the old one."""
+    tmp = path.with_suffix(".new")
+    shutil.copyfile(source, tmp)
+    os.replace(tmp, path)
+
+
+def test_a_rotated_certificate_serves_the_next_connection(pki: Pki, tmp_path: Path) -> None:
+    cert, key = tmp_path / "server.pem", tmp_path / "server.key"
+    replace(cert, pki.server_cert)
+    replace(key, pki.server_key)
+    router = procs.start("router", router_args("--set", f"server.tls_cert={cert}", "--set", f"server.tls_key={key}"))
+
+    def serves(ca: str) -> bool:
+        """A new connection (new credentials: a new handshake) trusting `ca` gets an answer."""
+        try:
+            with client(router, ClientTls(ca)) as c:
+                c.list_workers()
+            return True
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE
+            return False
+
+    with procs.running([router]):
+        assert serves(pki.ca) and not serves(pki.other_ca)
+        replace(cert, pki.other_server_cert)  # half a rotation: the new certificate with the old key
+        assert serves(pki.ca) and not serves(pki.other_ca)  # does not load: the old pair keeps serving
+        replace(key, pki.other_server_key)
+        assert serves(pki.other_ca) and not serves(pki.ca)  # no restart
 
 
 def serve_fails(*args: str) -> subprocess.CompletedProcess[str]:

@@ -34,7 +34,7 @@ def test_tls_settings_make_the_credentials_objects(pki: Pki) -> None:
                     "tls_server_name": "localhost"},
     })
     assert cfg.server.tls() == ServerTls(pki.server_cert, pki.server_key, pki.ca)
-    assert isinstance(cfg.server.tls().credentials, grpc.ServerCredentials)
+    assert isinstance(cfg.server.tls().credentials(), grpc.ServerCredentials)
     client = cfg.workers.client_tls()
     assert client == ClientTls(pki.ca, pki.client_cert, pki.client_key, "localhost")
     assert isinstance(client.credentials, grpc.ChannelCredentials)
@@ -46,9 +46,9 @@ def test_tls_settings_make_the_credentials_objects(pki: Pki) -> None:
 
 def test_each_bad_file_is_named(pki: Pki, tmp_path) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(TlsError, match="do not load as a pair"):
-        ServerTls(pki.server_cert, pki.client_key).credentials  # noqa: B018
+        ServerTls(pki.server_cert, pki.client_key).credentials()
     with pytest.raises(TlsError, match="cannot read the private key"):
-        ServerTls(pki.server_cert, str(tmp_path / "missing.key")).credentials  # noqa: B018
+        ServerTls(pki.server_cert, str(tmp_path / "missing.key")).credentials()
     text = tmp_path / "notes.txt"
     text.write_text("not a certificate\n")
     with pytest.raises(TlsError, match="is not PEM"):
@@ -56,11 +56,11 @@ def test_each_bad_file_is_named(pki: Pki, tmp_path) -> None:  # type: ignore[no-
     with pytest.raises(TlsError, match="holds no usable certificate"):
         ClientTls(ca=pki.server_key).credentials  # noqa: B018 - a key where the CA belongs
     with pytest.raises(TlsError, match="client CA file"):
-        ServerTls(pki.server_cert, pki.server_key, str(tmp_path / "none.pem")).credentials  # noqa: B018
+        ServerTls(pki.server_cert, pki.server_key, str(tmp_path / "none.pem")).credentials()
     with pytest.raises(TlsError, match="give both or neither"):
         ClientTls(cert=pki.client_cert)
     encrypted = tmp_path / "encrypted.key"
     subprocess.run(["openssl", "pkey", "-in", pki.server_key, "-aes256", "-passout", "pass:x", "-out", encrypted],
                    check=True, capture_output=True, stdin=subprocess.DEVNULL)
     with pytest.raises(TlsError, match="encrypted private keys are not supported"):  # never a password prompt
-        ServerTls(pki.server_cert, str(encrypted)).credentials  # noqa: B018
+        ServerTls(pki.server_cert, str(encrypted)).credentials()
