@@ -38,6 +38,9 @@ CHANNEL_OPTIONS = (
     ("grpc.keepalive_timeout_ms", 5_000),
 )
 
+# an Info call that got no answer: no process, no route, or a TLS handshake that cannot succeed
+NO_CONNECTION = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
 
 class RejectedWorker(Exception):
     """The worker answered Info but cannot join (tokenizer or recipe mismatch, duplicate id)."""
@@ -292,6 +295,9 @@ class WorkerRegistry:
             self._check_joinable(info)
         except (grpc.aio.AioRpcError, RejectedWorker) as e:
             msg = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            if isinstance(e, grpc.aio.AioRpcError) and e.code() in NO_CONNECTION:
+                msg += (f" (no answer: the worker is down or unreachable, or its TLS setting differs from this "
+                        f"router's workers.tls = {'true' if self.tls else 'false'})")
             if msg != conn.last_error or first:
                 level = logging.ERROR if isinstance(e, RejectedWorker) else logging.WARNING
                 log.log(level, "worker at %s not joined: %s", conn.address, msg)

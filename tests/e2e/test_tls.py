@@ -112,6 +112,7 @@ def test_a_plaintext_router_gets_an_explicit_error_from_a_tls_worker(tls_worker:
             c.register_worker(tls_worker.address, timeout=30)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "could not be registered" in (e.value.details() or "")
+        assert "its TLS setting differs from this router's workers.tls = false" in (e.value.details() or "")
         assert c.list_workers() == []  # nothing left half-registered
 
 
