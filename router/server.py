@@ -210,14 +210,12 @@ class RouterDaemon:
             except OSError as e:
                 raise StartupError(f"cannot bind metrics on {cfg.metrics_host}:{cfg.metrics_port}: {e}", EXIT_BIND) from None
 
-        server_tls = cfg.tls()
-        try:  # read and check the TLS files now, not at the first handshake
-            if server_tls is not None:
-                server_tls.configuration()
-            if self.registry.tls is not None:
+        if self.registry.tls is not None:
+            try:  # read and check its files now, not at the first handshake (the servers' are, by _bind)
                 self.registry.tls.credentials  # noqa: B018
-        except TlsError as e:
-            raise StartupError(str(e), EXIT_CONFIG) from None
+            except TlsError as e:
+                raise StartupError(str(e), EXIT_CONFIG) from None
+        server_tls = cfg.tls()
 
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         router_pb2_grpc.add_RouterServicer_to_server(
@@ -274,6 +272,8 @@ class RouterDaemon:
     def _bind(server: grpc.aio.Server, host: str, port: int, server_tls: ServerTls | None) -> int:
         try:
             bound = add_port(server, f"{host}:{port}", server_tls)
+        except TlsError as e:
+            raise StartupError(str(e), EXIT_CONFIG) from None
         except RuntimeError as e:
             raise StartupError(f"cannot bind {host}:{port}: {e}", EXIT_BIND) from None
         if bound == 0:

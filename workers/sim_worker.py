@@ -771,13 +771,9 @@ class _Lifecycle:
             self.stop.set()
 
 
-async def serve(args: argparse.Namespace) -> int:
-    try:
-        tokenizer = load_tokenizer(args.tokenizer)
-        core = build_core(args, tokenizer)
-    except (ValueError, OSError) as e:
-        log.error("bad worker configuration: %s", e)
-        return EXIT_USAGE
+def bind_server(args: argparse.Namespace) -> tuple[grpc.aio.Server, int] | int:
+    """A worker's gRPC server bound to --host/--port (TLS with --tls-cert) and its port, or the exit code
+    (logged) when it cannot be: the sim and the vLLM worker's."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     try:
         port = add_port(server, f"{args.host}:{args.port}", server_tls_from_args(args))
@@ -790,6 +786,20 @@ async def serve(args: argparse.Namespace) -> int:
     if port == 0:
         log.error("cannot bind %s:%s", args.host, args.port)
         return EXIT_BIND_FAILED
+    return server, port
+
+
+async def serve(args: argparse.Namespace) -> int:
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+        core = build_core(args, tokenizer)
+    except (ValueError, OSError) as e:
+        log.error("bad worker configuration: %s", e)
+        return EXIT_USAGE
+    bound = bind_server(args)
+    if isinstance(bound, int):
+        return bound
+    server, port = bound
     timings_log = open(args.timings_log, "a", buffering=1) if args.timings_log else None  # noqa: SIM115
     worker = SimWorker(
         core,

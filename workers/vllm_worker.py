@@ -36,13 +36,12 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from switchyard.tls import TlsError, add_port, add_server_args, server_tls_from_args
+from switchyard.tls import add_server_args
 from switchyard.v1 import worker_pb2, worker_pb2_grpc
 from switchyard.workers import sim_worker
 from switchyard.workers.engine import kv_events as kv
 from switchyard.workers.engine.types import FinishReason, RequestOutput
 from switchyard.workers.sim_worker import (
-    EXIT_BIND_FAILED,
     EXIT_OK,
     EXIT_USAGE,
     SERVICE_NAME,
@@ -51,6 +50,7 @@ from switchyard.workers.sim_worker import (
     _Aborted,
     _Lifecycle,
     _Stream,
+    bind_server,
 )
 from switchyard.workers.tokenizer import Tokenizer, load_tokenizer
 from switchyard.workers.vllm_kv_subscriber import VllmKvSubscriber
@@ -617,18 +617,10 @@ async def serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         log.error("bad worker configuration: %s", e)
         return EXIT_USAGE
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    try:
-        port = add_port(server, f"{args.host}:{args.port}", server_tls_from_args(args))
-    except TlsError as e:
-        log.error("bad TLS configuration: %s", e)
-        return EXIT_USAGE
-    except RuntimeError as e:
-        log.error("cannot bind %s:%s: %s", args.host, args.port, e)
-        return EXIT_BIND_FAILED
-    if port == 0:
-        log.error("cannot bind %s:%s", args.host, args.port)
-        return EXIT_BIND_FAILED
+    bound = bind_server(args)
+    if isinstance(bound, int):
+        return bound
+    server, port = bound
 
     counters = EngineCounters()
     holder: list[VllmWorker] = []
