@@ -7,12 +7,12 @@ Stats, the router's metrics or admin view) with a bound, never a fixed sleep.
 from __future__ import annotations
 
 import signal
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
+from polling import until
 from prometheus_client.parser import text_string_to_metric_families
 
 from switchyard.bench import procs
@@ -40,15 +40,6 @@ def start_router(workers: list[procs.Proc], *extra: str) -> procs.Proc:
 
 def client_for(router: procs.Proc) -> RouterClient:
     return RouterClient(router.address, admin_address=router.extra["admin"])
-
-
-def until(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
 
 def worker_stats(worker: procs.Proc) -> worker_pb2.WorkerStats:
     with grpc.insecure_channel(worker.address) as ch:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from polling import until
 
 from switchyard.bench import procs
 from switchyard.ext.blockhash import block_digests, to_event_hash
@@ -41,6 +42,7 @@ MODEL = "tiny-llama"
 BLOCK = 32
 KV_BLOCKS = 1024
 START_TIMEOUT_S = 300.0
+VLLM_WAIT_S = 30.0  # vLLM's CPU build on 2 cores is slow to settle
 RESULTS = ROOT / "build" / "vllm-prefix-hits.json"
 
 
@@ -90,7 +92,7 @@ class VllmProc:
                 last[0] = now
                 return done
 
-            until(settled, what=f"{self.name}'s Stats catch up with its paused EngineCore")
+            until(settled, timeout_s=VLLM_WAIT_S, what=f"{self.name}'s Stats catch up with its paused EngineCore")
             yield last[0]
         finally:
             for pid in engine:
@@ -210,15 +212,6 @@ def wait_ready(name: str, popen: subprocess.Popen[str], log_path: Path, timeout_
     finally:
         sel.close()
 
-
-def until(predicate: Callable[[], bool], timeout_s: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 @pytest.fixture(scope="module")
 def vllm_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmProc]]:
     if not VLLM_PYTHON.exists():
@@ -266,7 +259,7 @@ def router_factory() -> Iterator[Callable[..., procs.Proc]]:
         r = procs.start("router", [*args, *extra], timeout_s=60)
         started.append(r)
         with client_for(r) as c:
-            until(lambda: sum(s.healthy for s in c.list_workers()) == len(workers), what="workers joined")
+            until(lambda: sum(s.healthy for s in c.list_workers()) == len(workers), timeout_s=VLLM_WAIT_S, what="workers joined")
         return r
 
     yield make
@@ -354,7 +347,7 @@ def test_streaming_generation_through_the_router(vllm_workers: list[VllmProc], r
         cut = "".join(g.text for g in got)
         assert got[-1].finish_reason == common_pb2.FINISH_REASON_STOP
         assert stop not in cut and text.startswith(cut) and len(cut) < len(text)
-        until(lambda: is_idle(w), what="the stopped request left vLLM")
+        until(lambda: is_idle(w), timeout_s=VLLM_WAIT_S, what="the stopped request left vLLM")
 
 
 def test_kv_events_carry_the_routers_block_hashes(vllm_workers: list[VllmProc], router_factory) -> None:  # type: ignore[no-untyped-def]
@@ -387,6 +380,7 @@ def test_kv_events_carry_the_routers_block_hashes(vllm_workers: list[VllmProc], 
             lambda: (
                 {s.worker_id: s.num_resident_blocks for s in c.list_workers()}["v0"] >= before + len(expected)
             ),
+            timeout_s=VLLM_WAIT_S,
             what="the router's prefix view holds the prompt's blocks",
         )
 
@@ -412,7 +406,7 @@ def test_cancel_mid_stream_aborts_on_vllm(vllm_workers: list[VllmProc], router_f
                     if early:
                         assert snap.num_running == 1, (prompt, snap)
                     call.cancel()
-                    until(lambda: is_idle(w0), what="worker idle after cancel")
+                    until(lambda: is_idle(w0), timeout_s=VLLM_WAIT_S, what="worker idle after cancel")
                 if early:
                     break
             else:
@@ -448,6 +442,7 @@ def test_e2_routes_a_repeated_prefix_to_the_worker_that_cached_it(
         owner = first.timings.worker_id
         until(
             lambda: {s.worker_id: s.num_resident_blocks for s in c.list_workers()}[owner] >= 8,
+            timeout_s=VLLM_WAIT_S,
             what="the router's view holds the prefix on its worker",
         )
         before = {n: w.stats() for n, w in by_id.items()}
