@@ -46,10 +46,11 @@ class ServerConfig(_Section):
     gc_freeze_at_start: bool = True  # freeze what startup loaded out of later garbage collections (gc_watch.py)
     gc_warn_ms: float = Field(default=50.0, ge=0)  # log a collector pause this long or longer; 0 = never
     # TLS on the Router and Admin services (PEM paths; "" = plaintext). With tls_client_ca, every client must
-    # present a certificate that CA signed (mTLS). The metrics endpoint stays plain HTTP.
+    # present a certificate that CA signed (mTLS). metrics_tls: the metrics endpoint too (HTTPS, same files).
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
+    metrics_tls: bool = False
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ServerConfig:
@@ -57,6 +58,8 @@ class ServerConfig(_Section):
             raise ValueError("server.tls_cert and server.tls_key go together: give both or neither")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("server.tls_client_ca (mTLS) needs server.tls_cert and server.tls_key")
+        if self.metrics_tls and not self.tls_cert:
+            raise ValueError("server.metrics_tls serves the metrics with server.tls_cert and server.tls_key: set them")
         return self
 
     def tls(self) -> ServerTls | None:

@@ -12,6 +12,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from switchyard.tls import ServerTls
+
 log = logging.getLogger(__name__)
 
 # 1 ms .. 2 min: TTFT / E2E / queue time of LLM requests
@@ -165,9 +167,20 @@ class RouterMetrics:
             with contextlib.suppress(KeyError):
                 gauge.remove(worker)
 
-    def serve(self, host: str, port: int) -> int:
-        """Start the HTTP exporter in a daemon thread; returns the bound port (for port 0)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, tls: ServerTls | None = None) -> int:
+        """Start the HTTP exporter in a daemon thread; returns the bound port (for port 0). With `tls`, HTTPS
+        (mTLS with its client CA) whose rotated files serve the next scrape, as the gRPC servers' do; a bad file
+        raises TlsError with its name."""
+        if tls is None:
+            server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        else:
+            hello = tls.on_hello()  # its stamps first: a rotation while the files are read is read again
+            tls.ssl_context()  # checked here, where a bad file gets its name
+            server, _thread = start_http_server(
+                port, addr=host, registry=self.registry, certfile=tls.cert, keyfile=tls.key,
+                client_cafile=tls.client_ca or None, client_auth_required=bool(tls.client_ca),
+            )
+            server.socket.context.sni_callback = hello
         self._http = server
         return int(server.server_port)
 

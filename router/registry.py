@@ -51,6 +51,7 @@ class WorkerConn:
     address: str
     channel: grpc.aio.Channel
     stub: worker_pb2_grpc.WorkerStub
+    tls_generation: int = 0  # which load of the router's client TLS files built `channel` (`_renew_channel`)
     info: WorkerInfo | None = None  # from the last successful Info
     connected: bool = False  # Info succeeded and Stats answer; False after `unhealthy_after_failures` misses
     drained: bool = False  # Admin.DrainWorker: never routed to again until re-registered
@@ -82,7 +83,7 @@ class WorkerRegistry:
         channel_close_grace_s: float = 5.0,
     ) -> None:
         self._cfg = config
-        self.tls = config.client_tls()  # its credentials are read once, for every worker channel
+        self.tls = config.client_tls()  # re-read when rotated, before a worker is dialled again (`_renew_channel`)
         self._fleet = fleet
         self._policy = policy
         self._tokenizer_for = tokenizer_for
@@ -162,8 +163,11 @@ class WorkerRegistry:
                 await asyncio.gather(*(c.first_attempt.wait() for c in conns))
 
     def _add(self, address: str) -> WorkerConn:
+        if self.tls is not None:
+            self.tls.reload()
         channel = aio_channel(address, self.tls, CHANNEL_OPTIONS)
-        conn = WorkerConn(address=address, channel=channel, stub=worker_pb2_grpc.WorkerStub(channel))
+        conn = WorkerConn(address=address, channel=channel, stub=worker_pb2_grpc.WorkerStub(channel),
+                          tls_generation=self.tls.generation if self.tls is not None else 0)
         self._conns[address] = conn
         conn.tasks.append(asyncio.create_task(self._run(conn), name=f"worker-loop {address}"))
         conn.tasks.append(asyncio.create_task(self._kv_loop(conn), name=f"kv-events {address}"))
@@ -285,8 +289,24 @@ class WorkerRegistry:
                 f"registered; serve the rest from another router, or use a policy without that limit"
             )
 
+    def _renew_channel(self, conn: WorkerConn) -> None:
+        """Before a worker is dialled again: when the router's client TLS files were rotated since its channel was
+        built, a new channel with the new certificate replaces it (the old one closes after the grace period, as
+        a removed worker's). Live connections keep the certificate they were made with, as the servers' reload
+        does: a rotation reaches a worker at its next (re)join, not by cutting a working connection."""
+        tls = self.tls
+        if tls is None or (not tls.reload() and conn.tls_generation == tls.generation):
+            return
+        old = conn.channel
+        conn.channel = aio_channel(conn.address, tls, CHANNEL_OPTIONS)
+        conn.stub = worker_pb2_grpc.WorkerStub(conn.channel)
+        conn.tls_generation = tls.generation
+        self._spawn(old.close(grace=self._close_grace_s))
+        log.info("worker at %s: new channel with the rotated client TLS files", conn.address)
+
     async def _connect(self, conn: WorkerConn, first: bool) -> bool:
         """Info, checks, then join the fleet (or rejoin it). False on failure, with `last_error` set."""
+        self._renew_channel(conn)
         try:
             raw = await conn.stub.Info(
                 worker_pb2.InfoRequest(), timeout=self._cfg.connect_timeout_s, wait_for_ready=first

@@ -206,7 +206,10 @@ class RouterDaemon:
         metrics_addr = "disabled"
         if cfg.metrics_enabled:
             try:
-                metrics_addr = f"{cfg.metrics_host}:{self.metrics.serve(cfg.metrics_host, cfg.metrics_port)}"
+                bound = self.metrics.serve(cfg.metrics_host, cfg.metrics_port, cfg.tls() if cfg.metrics_tls else None)
+                metrics_addr = f"{cfg.metrics_host}:{bound}"
+            except TlsError as e:
+                raise StartupError(str(e), EXIT_CONFIG) from None
             except OSError as e:
                 raise StartupError(f"cannot bind metrics on {cfg.metrics_host}:{cfg.metrics_port}: {e}", EXIT_BIND) from None
 

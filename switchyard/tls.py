@@ -4,8 +4,9 @@ the client.
 Why one module: the router, the workers (also inside vLLM's environment) and the client read the same PEM files
 the same way, and a wrong file fails the same way, at startup, with a message that names it: a certificate and a
 key that do not match, or a CA file that holds no certificate, would otherwise surface only as a failed handshake
-on the first request. A server's files are watched and a rotated certificate serves the next handshake; the
-client side (the router's channels to its workers) reads its files once, so its own rotation takes a restart.
+on the first request. Rotated files serve the next handshake and leave live connections as they are: a server's
+files are checked before each handshake (`_Reloader`), the router's own client files before it dials a worker again
+(`ClientTls.reload`).
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ import argparse
 import logging
 import os
 import ssl
-from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import cached_property
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import grpc
 
 ChannelOptions = Sequence[tuple[str, str | int]]
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -44,16 +46,18 @@ def read_pem(path: str, what: str) -> bytes:
     return data
 
 
-def _check_pair(cert: str, key: str) -> None:
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+def _check_pair(cert: str, key: str, ctx: ssl.SSLContext | None = None) -> None:
+    """Load the pair into `ctx` (a scratch context when None, only to check it)."""
+    ctx = ctx or ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     try:
         ctx.load_cert_chain(cert, key, password=_no_password)
     except ssl.SSLError as e:
         raise TlsError(f"the certificate {cert!r} and key {key!r} do not load as a pair: {e.reason or e}") from None
 
 
-def _check_ca(ca: str) -> None:
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+def _check_ca(ca: str, ctx: ssl.SSLContext | None = None) -> None:
+    """Load the CA file into `ctx` (a scratch context when None, only to check it)."""
+    ctx = ctx or ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     try:
         ctx.load_verify_locations(cafile=ca)
     except ssl.SSLError as e:
@@ -85,9 +89,38 @@ class ServerTls:
     def credentials(self) -> grpc.ServerCredentials:
         """Read and checked now, then reloaded by each handshake that finds a file changed. One per server: gRPC
         binds a dynamic credentials object to one server (a second `add_secure_port` fails)."""
-        reloader = _Reloader(self)
+        reloader = _Reloader(self, self.configuration)
         return grpc.dynamic_ssl_server_credentials(self.configuration(), reloader,
                                                    require_client_authentication=bool(self.client_ca))
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """An HTTPS server's context from the files as they are now (a TlsError names the file)."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        read_pem(self.cert, "certificate")
+        read_pem(self.key, "private key")
+        _check_pair(self.cert, self.key, ctx)
+        if self.client_ca:
+            read_pem(self.client_ca, "client CA file")
+            _check_ca(self.client_ca, ctx)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    def on_hello(self) -> Callable[[ssl.SSLSocket, str | None, ssl.SSLContext], None]:
+        """An `sni_callback` that gives an HTTPS server the gRPC servers' reload: OpenSSL calls it at each
+        ClientHello, with or without a server name, and when the files moved and load as a pair, that handshake
+        and the later ones take them (`SSLSocket.context`, switched before the certificate is sent). The base
+        context's verify mode stays (OpenSSL keeps it on a switch), so it must be this one's: mTLS or not."""
+        reloader = _Reloader(self, self.ssl_context)
+        current: list[ssl.SSLContext] = []
+
+        def hello(sock: ssl.SSLSocket, _server_name: str | None, _base: ssl.SSLContext) -> None:
+            fresh = reloader()
+            if fresh is not None:
+                current[:] = [fresh]
+            if current:
+                sock.context = current[0]
+
+        return hello
 
 
 def _stamp(paths: tuple[str, ...]) -> tuple[tuple[int, int, int] | None, ...]:
@@ -102,24 +135,25 @@ def _stamp(paths: tuple[str, ...]) -> tuple[tuple[int, int, int] | None, ...]:
     return tuple(out)
 
 
-class _Reloader:
-    """gRPC calls it (on its own thread) before each TLS handshake: when a file's stamp moved, the files are read
-    and checked again, and the new certificate serves that handshake on. Why check first: a rotation writes two or
-    three files one after the other, and a certificate with the previous key would fail every handshake; until the
-    files agree, the previous certificate stays (logged once per state of the files)."""
+class _Reloader(Generic[T]):
+    """A server calls it before each TLS handshake (gRPC on its own thread, an HTTPS server from `on_hello`): when
+    a file's stamp moved, the files are loaded again (`load`) and what they give serves that handshake on. Why
+    check first: a rotation writes two or three files one after the other, and a certificate with the previous key
+    would fail every handshake; until the files agree, the previous certificate stays (logged once per state of
+    the files)."""
 
-    def __init__(self, tls: ServerTls) -> None:
-        self._tls = tls
+    def __init__(self, tls: ServerTls, load: Callable[[], T]) -> None:
+        self._tls, self._load = tls, load
         self._stamp = _stamp(tls.files())  # taken before the first read: a change during it is read again
         self._logged: tuple[tuple[int, int, int] | None, ...] | None = None
 
-    def __call__(self) -> grpc.ServerCertificateConfiguration | None:
+    def __call__(self) -> T | None:
         try:
             stamp = _stamp(self._tls.files())
             if stamp == self._stamp:
                 return None
             try:
-                config = self._tls.configuration()
+                config = self._load()
             except TlsError as e:
                 if stamp != self._logged:
                     self._logged = stamp
@@ -133,6 +167,16 @@ class _Reloader:
             return None
 
 
+class _Loaded:
+    """What a `ClientTls` last loaded: its credentials, the files' stamps they were read at, and a count of loads."""
+
+    def __init__(self) -> None:
+        self.credentials: grpc.ChannelCredentials | None = None
+        self.stamp: tuple[tuple[int, int, int] | None, ...] = ()
+        self.generation = 0
+        self.logged: tuple[tuple[int, int, int] | None, ...] | None = None
+
+
 @dataclass(frozen=True)
 class ClientTls:
     """How a client checks a server and, for mTLS, proves itself. `ca` = "": the system's trusted roots.
@@ -142,14 +186,52 @@ class ClientTls:
     cert: str = ""
     key: str = ""
     server_name: str = ""
+    _loaded: _Loaded = field(default_factory=_Loaded, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if bool(self.cert) != bool(self.key):
             raise TlsError("a client certificate and its key go together: give both or neither")
 
-    @cached_property
+    def files(self) -> tuple[str, ...]:
+        return tuple(f for f in (self.ca, self.cert, self.key) if f)
+
+    @property
     def credentials(self) -> grpc.ChannelCredentials:
-        """Read and checked on first use (a TlsError names the file), then kept for every channel."""
+        """The files as last loaded: read and checked on first use (a TlsError names the file)."""
+        loaded = self._loaded
+        if loaded.credentials is None:
+            stamp = _stamp(self.files())  # taken before the read: a change during it is read again
+            loaded.credentials, loaded.stamp, loaded.generation = self._read(), stamp, loaded.generation + 1
+        return loaded.credentials
+
+    @property
+    def generation(self) -> int:
+        """Which load `credentials` is: a channel built from an older one predates a rotation."""
+        self.credentials  # noqa: B018 - loaded on first use
+        return self._loaded.generation
+
+    def reload(self) -> bool:
+        """Re-read the files if one moved since the last load: True when new credentials were loaded (channels
+        built from now on use them). Files that do not load (a rotation half-written: a new certificate beside
+        the old key) keep the previous credentials, with a warning logged once per state of the files."""
+        loaded = self._loaded
+        if loaded.credentials is None or not self.files():
+            return False
+        stamp = _stamp(self.files())
+        if stamp == loaded.stamp:
+            return False
+        try:
+            credentials = self._read()
+        except TlsError as e:
+            if stamp != loaded.logged:
+                loaded.logged = stamp
+                log.warning("TLS client files changed but do not load (the previous ones stay): %s", e)
+            return False
+        loaded.credentials, loaded.stamp, loaded.generation = credentials, stamp, loaded.generation + 1
+        log.info("TLS client certificate reloaded from %s", self.cert or self.ca)
+        return True
+
+    def _read(self) -> grpc.ChannelCredentials:
         ca = None
         if self.ca:
             ca = read_pem(self.ca, "CA file")

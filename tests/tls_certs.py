@@ -3,6 +3,8 @@ for 127.0.0.1 and localhost, a client certificate, and a second CA that signed n
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,3 +53,10 @@ def make_pki(d: Path) -> Pki:
     return Pki(*(str(d / f) for f in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key",
                                       "other-ca.pem", "other-client.pem", "other-client.key",
                                       "other-server.pem", "other-server.key")))
+
+
+def replace(path: Path, source: str) -> None:
+    """As a rotation tool writes a file: whole, under a temporary name, then renamed over the old one."""
+    tmp = path.with_suffix(".new")
+    shutil.copyfile(source, tmp)
+    os.replace(tmp, path)

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,7 +10,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from tls_certs import Pki
+from polling import until
+from tls_certs import Pki, replace
 
 from switchyard.bench import procs
 from switchyard.router.client import RouterClient
@@ -116,13 +115,6 @@ def test_a_plaintext_router_gets_an_explicit_error_from_a_tls_worker(tls_worker:
         assert c.list_workers() == []  # nothing left half-registered
 
 
-def replace(path: Path, source: str) -> None:
-    """As a rotation tool writes a file: whole, under a temporary name, then renamed over the old one."""
-    tmp = path.with_suffix(".new")
-    shutil.copyfile(source, tmp)
-    os.replace(tmp, path)
-
-
 def test_a_rotated_certificate_serves_the_next_connection(pki: Pki, tmp_path: Path) -> None:
     cert, key = tmp_path / "server.pem", tmp_path / "server.key"
     replace(cert, pki.server_cert)
@@ -145,6 +137,36 @@ def test_a_rotated_certificate_serves_the_next_connection(pki: Pki, tmp_path: Pa
         assert serves(pki.ca) and not serves(pki.other_ca)  # does not load: the old pair keeps serving
         replace(key, pki.other_server_key)
         assert serves(pki.other_ca) and not serves(pki.ca)  # no restart
+
+
+def test_a_rotated_router_client_certificate_serves_its_next_join(pki: Pki, tmp_path: Path) -> None:
+    cert, key = tmp_path / "client.pem", tmp_path / "client.key"
+    replace(cert, pki.client_cert)
+    replace(key, pki.client_key)
+
+    def worker(client_ca: str, port: str = "0") -> procs.Proc:
+        return procs.start("rw0", ["worker", "sim", "--port", port, "--worker-id", "rw0", "--time-scale", "0.01",
+                                   "--tls-cert", pki.server_cert, "--tls-key", pki.server_key,
+                                   "--tls-client-ca", client_ca])
+
+    first = worker(pki.ca)
+    sets = {"workers.tls": "true", "workers.tls_ca": pki.ca, "workers.tls_cert": str(cert),
+            "workers.tls_key": str(key), "workers.health_interval_s": "0.2"}
+    router = procs.start("router", router_args("--worker", first.address,
+                                               *(a for k, v in sets.items() for a in ("--set", f"{k}={v}"))))
+    with procs.running([first, router]) as started, client(router, None) as c:
+        assert c.complete(MODEL, prompt="before", max_tokens=1, timeout=30).timings.worker_id == "rw0"
+        replace(cert, pki.other_client_cert)
+        replace(key, pki.other_client_key)
+        # the live connection keeps the certificate it was made with
+        assert c.complete(MODEL, prompt="during", max_tokens=1, timeout=30).timings.worker_id == "rw0"
+        # the worker comes back trusting only the new CA: the router's rejoin needs the rotated files
+        first.stop()
+        until(lambda: not c.list_workers()[0].healthy, what="the router sees the worker gone")
+        started.append(worker(pki.other_ca, port=first.address.rsplit(":", 1)[1]))
+        until(lambda: [(s.worker_id, s.healthy) for s in c.list_workers()] == [("rw0", True)], timeout_s=30,
+              what="the router rejoins the restarted worker with its rotated client certificate")
+        assert c.complete(MODEL, prompt="after", max_tokens=1, timeout=30).timings.worker_id == "rw0"
 
 
 def serve_fails(*args: str) -> subprocess.CompletedProcess[str]:

@@ -6,7 +6,7 @@ import subprocess
 
 import grpc
 import pytest
-from tls_certs import Pki
+from tls_certs import Pki, replace
 
 from switchyard.router.config import ConfigError, build
 from switchyard.tls import ClientTls, ServerTls, TlsError
@@ -18,6 +18,7 @@ from switchyard.tls import ClientTls, ServerTls, TlsError
         ({"server": {"tls_cert": "c.pem"}}, "server.tls_cert and server.tls_key go together"),
         ({"server": {"tls_key": "k.pem"}}, "server.tls_cert and server.tls_key go together"),
         ({"server": {"tls_client_ca": "ca.pem"}}, "needs server.tls_cert"),
+        ({"server": {"metrics_tls": True}}, "server.metrics_tls serves the metrics with server.tls_cert"),
         ({"workers": {"tls_ca": "ca.pem"}}, "set workers.tls = true"),
         ({"workers": {"tls": True, "tls_cert": "c.pem"}}, "workers.tls_cert and workers.tls_key go together"),
     ],
@@ -64,3 +65,24 @@ def test_each_bad_file_is_named(pki: Pki, tmp_path) -> None:  # type: ignore[no-
                    check=True, capture_output=True, stdin=subprocess.DEVNULL)
     with pytest.raises(TlsError, match="encrypted private keys are not supported"):  # never a password prompt
         ServerTls(pki.server_cert, str(encrypted)).credentials()
+
+
+def test_client_files_reload_only_when_rotated_and_whole(pki: Pki, tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    cert, key = tmp_path / "client.pem", tmp_path / "client.key"
+    replace(cert, pki.client_cert)
+    replace(key, pki.client_key)
+    tls = ClientTls(pki.ca, str(cert), str(key))
+    assert not tls.reload()  # nothing loaded yet: the first use reads the files
+    first, generation = tls.credentials, tls.generation
+    assert not tls.reload() and tls.credentials is first  # nothing moved
+    replace(cert, pki.other_client_cert)  # half a rotation: the new certificate beside the old key
+    with caplog.at_level("WARNING", logger="switchyard.tls"):
+        assert not tls.reload() and not tls.reload()
+    assert tls.credentials is first and tls.generation == generation
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1  # once per state of the files
+    assert "do not load as a pair" in caplog.records[0].message
+    replace(key, pki.other_client_key)
+    assert tls.reload()
+    assert tls.credentials is not first and tls.generation == generation + 1
+    assert not tls.reload()
+    assert not ClientTls().reload()  # the system's roots: no file to watch
