@@ -47,10 +47,11 @@ install-test: $(STAMPS)/install-test
 # System packages the tests use: a real Prometheus server for the metrics test; WordNet's synset files for the
 # predictor's synonym augmentation; openssl to make the TLS tests' certificates.
 sysdeps:
-	@{ command -v prometheus >/dev/null 2>&1 && test -f /usr/share/wordnet/data.noun && command -v openssl >/dev/null 2>&1; } || { \
-	  echo "installing Debian packages: prometheus wordnet-base openssl"; \
+	@{ command -v prometheus >/dev/null 2>&1 && test -f /usr/share/wordnet/data.noun && command -v openssl >/dev/null 2>&1 \
+	   && command -v systemd-analyze >/dev/null 2>&1; } || { \
+	  echo "installing Debian packages: prometheus wordnet-base openssl systemd"; \
 	  SUDO=$$(command -v sudo >/dev/null 2>&1 && [ "$$(id -u)" != 0 ] && echo sudo); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus wordnet-base openssl >/dev/null; }
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus wordnet-base openssl systemd >/dev/null; }
 
 run: install
 	$(BIN)/switchyard demo
