@@ -6,7 +6,8 @@
         print((await c.complete("mistral-7b", prompt="Hi", max_tokens=8)).timings)
 
 Over TLS, give `tls=ClientTls(ca="ca.pem")` (and `cert=`/`key=` where the router requires client certificates);
-both addresses use it.
+both addresses use it. Where the router requires API keys (`server.api_keys_file`), give `api_key=` (and
+`admin_api_key=` when the Admin service has keys of its own; it defaults to `api_key`).
 
 Errors surface as `grpc.RpcError` / `grpc.aio.AioRpcError` with the router's status code and message.
 """
@@ -18,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from switchyard.auth import BearerKey, aio_bearer_key
 from switchyard.tls import ClientTls, aio_channel, channel
 from switchyard.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -77,10 +79,13 @@ def _request(model: str | None, request: router_pb2.GenerateRequest | None, kw: 
 
 
 class AsyncRouterClient:
-    def __init__(self, address: str, admin_address: str | None = None, *, tls: ClientTls | None = None) -> None:
-        self._channel = aio_channel(address, tls)
+    def __init__(self, address: str, admin_address: str | None = None, *, tls: ClientTls | None = None,
+                 api_key: str | None = None, admin_api_key: str | None = None) -> None:
+        admin_api_key = admin_api_key or api_key
+        self._channel = aio_channel(address, tls, interceptors=aio_bearer_key(api_key) if api_key else ())
         self._stub = router_pb2_grpc.RouterStub(self._channel)
-        self._admin_channel = aio_channel(admin_address, tls) if admin_address else None
+        self._admin_channel = aio_channel(admin_address, tls, interceptors=aio_bearer_key(admin_api_key)
+                                          if admin_api_key else ()) if admin_address else None
         self._admin = router_pb2_grpc.AdminStub(self._admin_channel) if self._admin_channel else None
 
     async def __aenter__(self) -> AsyncRouterClient:
@@ -139,10 +144,13 @@ class AsyncRouterClient:
 class RouterClient:
     """Blocking twin of `AsyncRouterClient` (for scripts and benchmarks that are not async)."""
 
-    def __init__(self, address: str, admin_address: str | None = None, *, tls: ClientTls | None = None) -> None:
-        self._channel = channel(address, tls)
+    def __init__(self, address: str, admin_address: str | None = None, *, tls: ClientTls | None = None,
+                 api_key: str | None = None, admin_api_key: str | None = None) -> None:
+        admin_api_key = admin_api_key or api_key
+        self._channel = channel(address, tls, interceptors=[BearerKey(api_key)] if api_key else ())
         self._stub = router_pb2_grpc.RouterStub(self._channel)
-        self._admin_channel = channel(admin_address, tls) if admin_address else None
+        self._admin_channel = channel(admin_address, tls, interceptors=[BearerKey(admin_api_key)]
+                                      if admin_api_key else ()) if admin_address else None
         self._admin = router_pb2_grpc.AdminStub(self._admin_channel) if self._admin_channel else None
 
     def __enter__(self) -> RouterClient:

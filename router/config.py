@@ -51,6 +51,10 @@ class ServerConfig(_Section):
     tls_key: str = ""
     tls_client_ca: str = ""
     metrics_tls: bool = False
+    # API keys (switchyard/auth.py): a file of keys per service, one per line; "" = no key needed. A call without
+    # one of them ends UNAUTHENTICATED (the health service stays open). Re-read when the file changes.
+    api_keys_file: str = ""
+    admin_api_keys_file: str = ""
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ServerConfig:

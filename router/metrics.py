@@ -42,6 +42,10 @@ class RouterMetrics:
             "switchyard_requests", "Finished requests by model, serving worker and gRPC status",
             ["model", "worker", "status"], registry=r,
         )
+        self.unauthenticated = Counter(
+            "switchyard_unauthenticated", "Calls refused for a missing or unknown API key, by service", ["service"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "switchyard_ttft_seconds", "Arrival at the router to the first token sent", ["model"],
             buckets=LATENCY_BUCKETS_S, registry=r,

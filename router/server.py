@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from switchyard.auth import ApiKeyInterceptor, ApiKeys, AuthError
 from switchyard.router.api import AdminService, RouterService
 from switchyard.router.clock import RealClock
 from switchyard.router.config import ConfigError, RouterConfig, load_config, parse_assignments, to_toml
@@ -219,8 +220,10 @@ class RouterDaemon:
             except TlsError as e:
                 raise StartupError(str(e), EXIT_CONFIG) from None
         server_tls = cfg.tls()
+        keys = self._api_keys(cfg.api_keys_file)
+        admin_keys = self._api_keys(cfg.admin_api_keys_file)
 
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=keys)
         router_pb2_grpc.add_RouterServicer_to_server(
             RouterService(self.registry, self.dispatcher, self.tokenizer_for, self.config.limits.max_tokens,
                           self.clock, self.metrics, self.predictor),
@@ -235,7 +238,7 @@ class RouterDaemon:
         reflection.enable_server_reflection(names, self.server)
         port = self._bind(self.server, cfg.host, cfg.port, server_tls)
 
-        self.admin_server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.admin_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=admin_keys)
         router_pb2_grpc.add_AdminServicer_to_server(AdminService(self.registry), self.admin_server)
         admin_port = self._bind(self.admin_server, cfg.admin_host, cfg.admin_port, server_tls)
 
@@ -270,6 +273,16 @@ class RouterDaemon:
             raise StartupError(str(e), EXIT_CONFIG) from None
         if model is not None:
             self.predictor.attach(model)
+
+    def _api_keys(self, path: str) -> list[ApiKeyInterceptor]:
+        """The interceptor that checks a service's API keys (none without a file); a bad file stops startup."""
+        if not path:
+            return []
+        try:
+            keys = ApiKeys(path)
+        except AuthError as e:
+            raise StartupError(str(e), EXIT_CONFIG) from None
+        return [ApiKeyInterceptor(keys, lambda service: self.metrics.unauthenticated.labels(service).inc())]
 
     @staticmethod
     def _bind(server: grpc.aio.Server, host: str, port: int, server_tls: ServerTls | None) -> int:

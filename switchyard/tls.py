@@ -18,7 +18,7 @@ import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 
@@ -123,7 +123,8 @@ class ServerTls:
         return hello
 
 
-def _stamp(paths: tuple[str, ...]) -> tuple[tuple[int, int, int] | None, ...]:
+def file_stamps(paths: tuple[str, ...]) -> tuple[tuple[int, int, int] | None, ...]:
+    """Per file (mtime_ns, size, inode), None for one missing: a rename over it (a rotation) changes the inode."""
     out: list[tuple[int, int, int] | None] = []
     for path in paths:
         try:
@@ -144,12 +145,12 @@ class _Reloader(Generic[T]):
 
     def __init__(self, tls: ServerTls, load: Callable[[], T]) -> None:
         self._tls, self._load = tls, load
-        self._stamp = _stamp(tls.files())  # taken before the first read: a change during it is read again
+        self._stamp = file_stamps(tls.files())  # taken before the first read: a change during it is read again
         self._logged: tuple[tuple[int, int, int] | None, ...] | None = None
 
     def __call__(self) -> T | None:
         try:
-            stamp = _stamp(self._tls.files())
+            stamp = file_stamps(self._tls.files())
             if stamp == self._stamp:
                 return None
             try:
@@ -200,7 +201,7 @@ class ClientTls:
         """The files as last loaded: read and checked on first use (a TlsError names the file)."""
         loaded = self._loaded
         if loaded.credentials is None:
-            stamp = _stamp(self.files())  # taken before the read: a change during it is read again
+            stamp = file_stamps(self.files())  # taken before the read: a change during it is read again
             loaded.credentials, loaded.stamp, loaded.generation = self._read(), stamp, loaded.generation + 1
         return loaded.credentials
 
@@ -217,7 +218,7 @@ class ClientTls:
         loaded = self._loaded
         if loaded.credentials is None or not self.files():
             return False
-        stamp = _stamp(self.files())
+        stamp = file_stamps(self.files())
         if stamp == loaded.stamp:
             return False
         try:
@@ -251,16 +252,21 @@ def add_port(server: grpc.Server | grpc.aio.Server, address: str, tls: ServerTls
     return server.add_secure_port(address, tls.credentials()) if tls is not None else server.add_insecure_port(address)
 
 
-def aio_channel(address: str, tls: ClientTls | None, options: ChannelOptions = ()) -> grpc.aio.Channel:
+def aio_channel(address: str, tls: ClientTls | None, options: ChannelOptions = (),
+                interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> grpc.aio.Channel:
+    ics = list(interceptors) or None
     if tls is None:
-        return grpc.aio.insecure_channel(address, options=list(options))
-    return grpc.aio.secure_channel(address, tls.credentials, options=[*options, *tls.options()])
+        return grpc.aio.insecure_channel(address, options=list(options), interceptors=ics)
+    return grpc.aio.secure_channel(address, tls.credentials, options=[*options, *tls.options()], interceptors=ics)
 
 
-def channel(address: str, tls: ClientTls | None, options: ChannelOptions = ()) -> grpc.Channel:
+def channel(address: str, tls: ClientTls | None, options: ChannelOptions = (),
+            interceptors: Sequence[Any] = ()) -> grpc.Channel:
     if tls is None:
-        return grpc.insecure_channel(address, options=list(options))
-    return grpc.secure_channel(address, tls.credentials, options=[*options, *tls.options()])
+        ch = grpc.insecure_channel(address, options=list(options))
+    else:
+        ch = grpc.secure_channel(address, tls.credentials, options=[*options, *tls.options()])
+    return grpc.intercept_channel(ch, *interceptors) if interceptors else ch
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
