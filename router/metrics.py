@@ -178,8 +178,7 @@ class RouterMetrics:
         if tls is None:
             server, _thread = start_http_server(port, addr=host, registry=self.registry)
         else:
-            hello = tls.on_hello()  # its stamps first: a rotation while the files are read is read again
-            tls.ssl_context()  # checked here, where a bad file gets its name
+            hello = tls.on_hello()  # reads and checks the files: a bad one gets its name here
             server, _thread = start_http_server(
                 port, addr=host, registry=self.registry, certfile=tls.cert, keyfile=tls.key,
                 client_cafile=tls.client_ca or None, client_auth_required=bool(tls.client_ca),

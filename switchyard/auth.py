@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import grpc
 
-from switchyard.tls import file_stamps
+from switchyard.watched import Watched
 
 log = logging.getLogger(__name__)
 
@@ -49,35 +49,19 @@ def read_keys(path: str) -> frozenset[bytes]:
 
 
 class ApiKeys:
-    """The keys one service accepts, re-read when their file changes (a file that no longer loads keeps the previous
-    keys, with a warning logged once per state of the file)."""
+    """The keys one service accepts, re-read at the next call after their file changes (`Watched`: a file that no
+    longer loads keeps the previous keys, with a warning)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._stamp = file_stamps((path,))  # before the read: a change during it is read again
-        self._digests = read_keys(path)
-        self._logged: object = None
+        self._digests = Watched((path,), lambda: read_keys(path), f"the API keys file {path}", (AuthError,))
 
     def allows(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
-        self._refresh()
+        self._digests.refresh()
         for k, v in metadata or ():
             if k == "authorization" and isinstance(v, str) and v.startswith("Bearer "):
-                return _digest(v[7:]) in self._digests
+                return _digest(v[7:]) in self._digests.value
         return False
-
-    def _refresh(self) -> None:
-        stamp = file_stamps((self.path,))
-        if stamp == self._stamp:
-            return
-        try:
-            digests = read_keys(self.path)
-        except AuthError as e:
-            if stamp != self._logged:
-                self._logged = stamp
-                log.warning("API keys file changed but does not load (the previous keys stay): %s", e)
-            return
-        self._stamp, self._digests = stamp, digests
-        log.info("API keys reloaded from %s (%d keys)", self.path, len(digests))
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

@@ -5,22 +5,23 @@ Why one module: the router, the workers (also inside vLLM's environment) and the
 the same way, and a wrong file fails the same way, at startup, with a message that names it: a certificate and a
 key that do not match, or a CA file that holds no certificate, would otherwise surface only as a failed handshake
 on the first request. Rotated files serve the next handshake and leave live connections as they are: a server's
-files are checked before each handshake (`_Reloader`), the router's own client files before it dials a worker again
-(`ClientTls.reload`).
+files are checked before each handshake, the router's own client files before it dials a worker again
+(`ClientTls.reload`); `switchyard.watched` holds the rules.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import grpc
+
+from switchyard.watched import Watched
 
 ChannelOptions = Sequence[tuple[str, str | int]]
 T = TypeVar("T")
@@ -67,7 +68,7 @@ def _check_ca(ca: str, ctx: ssl.SSLContext | None = None) -> None:
 @dataclass(frozen=True)
 class ServerTls:
     """A server's certificate chain and key; with `client_ca`, clients must present a certificate it signed (mTLS).
-    The files are watched: a rotated certificate, key or CA serves the next handshake (`_Reloader`)."""
+    The files are watched: a rotated certificate, key or CA serves the next handshake (`Watched`)."""
 
     cert: str
     key: str
@@ -87,11 +88,23 @@ class ServerTls:
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=client_ca)
 
     def credentials(self) -> grpc.ServerCredentials:
-        """Read and checked now, then reloaded by each handshake that finds a file changed. One per server: gRPC
-        binds a dynamic credentials object to one server (a second `add_secure_port` fails)."""
-        reloader = _Reloader(self, self.configuration)
-        return grpc.dynamic_ssl_server_credentials(self.configuration(), reloader,
+        """Read and checked now, then reloaded by each handshake that finds a file changed (gRPC calls the fetcher
+        on its own thread before each handshake). One per server: gRPC binds a dynamic credentials object to one
+        server (a second `add_secure_port` fails)."""
+        watched = self._watched(self.configuration)
+
+        def fetch() -> grpc.ServerCertificateConfiguration | None:
+            try:
+                return watched.value if watched.refresh() else None
+            except Exception:  # noqa: BLE001 - raised into gRPC's thread it would fail the handshake, not report
+                log.exception("TLS reload failed; the previous certificate stays")
+                return None
+
+        return grpc.dynamic_ssl_server_credentials(watched.value, fetch,
                                                    require_client_authentication=bool(self.client_ca))
+
+    def _watched(self, load: Callable[[], T]) -> Watched[T]:
+        return Watched(self.files(), load, f"the TLS files of {self.cert}", (TlsError,))
 
     def ssl_context(self) -> ssl.SSLContext:
         """An HTTPS server's context from the files as they are now (a TlsError names the file)."""
@@ -107,75 +120,23 @@ class ServerTls:
 
     def on_hello(self) -> Callable[[ssl.SSLSocket, str | None, ssl.SSLContext], None]:
         """An `sni_callback` that gives an HTTPS server the gRPC servers' reload: OpenSSL calls it at each
-        ClientHello, with or without a server name, and when the files moved and load as a pair, that handshake
-        and the later ones take them (`SSLSocket.context`, switched before the certificate is sent). The base
-        context's verify mode stays (OpenSSL keeps it on a switch), so it must be this one's: mTLS or not."""
-        reloader = _Reloader(self, self.ssl_context)
-        current: list[ssl.SSLContext] = []
+        ClientHello, with or without a server name, and the handshake goes on with the context of the files as
+        they are now (`SSLSocket.context`, switched before the certificate is sent). The files are read and
+        checked here first (a TlsError names a bad one). The base context's verify mode stays (OpenSSL keeps it on
+        a switch), so it must be this one's: mTLS or not."""
+        watched = self._watched(self.ssl_context)
 
         def hello(sock: ssl.SSLSocket, _server_name: str | None, _base: ssl.SSLContext) -> None:
-            fresh = reloader()
-            if fresh is not None:
-                current[:] = [fresh]
-            if current:
-                sock.context = current[0]
+            watched.refresh()
+            sock.context = watched.value
 
         return hello
 
 
-def file_stamps(paths: tuple[str, ...]) -> tuple[tuple[int, int, int] | None, ...]:
-    """Per file (mtime_ns, size, inode), None for one missing: a rename over it (a rotation) changes the inode."""
-    out: list[tuple[int, int, int] | None] = []
-    for path in paths:
-        try:
-            st = os.stat(path)
-        except OSError:
-            out.append(None)  # gone for a moment, mid-rotation
-        else:
-            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
-    return tuple(out)
-
-
-class _Reloader(Generic[T]):
-    """A server calls it before each TLS handshake (gRPC on its own thread, an HTTPS server from `on_hello`): when
-    a file's stamp moved, the files are loaded again (`load`) and what they give serves that handshake on. Why
-    check first: a rotation writes two or three files one after the other, and a certificate with the previous key
-    would fail every handshake; until the files agree, the previous certificate stays (logged once per state of
-    the files)."""
-
-    def __init__(self, tls: ServerTls, load: Callable[[], T]) -> None:
-        self._tls, self._load = tls, load
-        self._stamp = file_stamps(tls.files())  # taken before the first read: a change during it is read again
-        self._logged: tuple[tuple[int, int, int] | None, ...] | None = None
-
-    def __call__(self) -> T | None:
-        try:
-            stamp = file_stamps(self._tls.files())
-            if stamp == self._stamp:
-                return None
-            try:
-                config = self._load()
-            except TlsError as e:
-                if stamp != self._logged:
-                    self._logged = stamp
-                    log.warning("TLS files changed but do not load (the previous certificate stays): %s", e)
-                return None
-            self._stamp = stamp
-            log.info("TLS certificate reloaded from %s", self._tls.cert)
-            return config
-        except Exception:  # noqa: BLE001 - raised into gRPC's thread it would fail the handshake, not report
-            log.exception("TLS reload failed; the previous certificate stays")
-            return None
-
-
 class _Loaded:
-    """What a `ClientTls` last loaded: its credentials, the files' stamps they were read at, and a count of loads."""
+    """A `ClientTls`'s files, once loaded (on first use)."""
 
-    def __init__(self) -> None:
-        self.credentials: grpc.ChannelCredentials | None = None
-        self.stamp: tuple[tuple[int, int, int] | None, ...] = ()
-        self.generation = 0
-        self.logged: tuple[tuple[int, int, int] | None, ...] | None = None
+    watched: Watched[grpc.ChannelCredentials] | None = None
 
 
 @dataclass(frozen=True)
@@ -199,38 +160,23 @@ class ClientTls:
     @property
     def credentials(self) -> grpc.ChannelCredentials:
         """The files as last loaded: read and checked on first use (a TlsError names the file)."""
-        loaded = self._loaded
-        if loaded.credentials is None:
-            stamp = file_stamps(self.files())  # taken before the read: a change during it is read again
-            loaded.credentials, loaded.stamp, loaded.generation = self._read(), stamp, loaded.generation + 1
-        return loaded.credentials
+        return self._watched().value
 
     @property
     def generation(self) -> int:
         """Which load `credentials` is: a channel built from an older one predates a rotation."""
-        self.credentials  # noqa: B018 - loaded on first use
-        return self._loaded.generation
+        return self._watched().generation
 
     def reload(self) -> bool:
-        """Re-read the files if one moved since the last load: True when new credentials were loaded (channels
-        built from now on use them). Files that do not load (a rotation half-written: a new certificate beside
-        the old key) keep the previous credentials, with a warning logged once per state of the files."""
-        loaded = self._loaded
-        if loaded.credentials is None or not self.files():
-            return False
-        stamp = file_stamps(self.files())
-        if stamp == loaded.stamp:
-            return False
-        try:
-            credentials = self._read()
-        except TlsError as e:
-            if stamp != loaded.logged:
-                loaded.logged = stamp
-                log.warning("TLS client files changed but do not load (the previous ones stay): %s", e)
-            return False
-        loaded.credentials, loaded.stamp, loaded.generation = credentials, stamp, loaded.generation + 1
-        log.info("TLS client certificate reloaded from %s", self.cert or self.ca)
-        return True
+        """Once loaded, re-read the files if one moved: True when new credentials were loaded (channels built from
+        now on use them); files that do not load keep the previous credentials (`Watched`)."""
+        watched = self._loaded.watched
+        return watched is not None and watched.refresh()
+
+    def _watched(self) -> Watched[grpc.ChannelCredentials]:
+        if self._loaded.watched is None:
+            self._loaded.watched = Watched(self.files(), self._read, "the TLS client files", (TlsError,))
+        return self._loaded.watched
 
     def _read(self) -> grpc.ChannelCredentials:
         ca = None

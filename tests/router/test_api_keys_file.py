@@ -55,8 +55,8 @@ def test_keys_are_checked_and_reloaded_when_the_file_changes(tmp_path: Path, cap
     write(path, f"{KEY_A}\n{KEY_B}\n")  # a key added
     assert keys.allows(bearer(KEY_B)) and keys.allows(bearer(KEY_A))
     write(path, "")  # a broken edit keeps the previous keys, said once
-    with caplog.at_level("WARNING", logger="switchyard.auth"):
+    with caplog.at_level("WARNING", logger="switchyard.watched"):
         assert keys.allows(bearer(KEY_B)) and keys.allows(bearer(KEY_A))
-    assert len([r for r in caplog.records if "does not load" in r.message]) == 1
+    assert len([r for r in caplog.records if "do not load" in r.message]) == 1
     write(path, f"{KEY_B}\n")  # a key revoked
     assert keys.allows(bearer(KEY_B)) and not keys.allows(bearer(KEY_A))

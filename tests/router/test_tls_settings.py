@@ -76,7 +76,7 @@ def test_client_files_reload_only_when_rotated_and_whole(pki: Pki, tmp_path, cap
     first, generation = tls.credentials, tls.generation
     assert not tls.reload() and tls.credentials is first  # nothing moved
     replace(cert, pki.other_client_cert)  # half a rotation: the new certificate beside the old key
-    with caplog.at_level("WARNING", logger="switchyard.tls"):
+    with caplog.at_level("WARNING", logger="switchyard.watched"):
         assert not tls.reload() and not tls.reload()
     assert tls.credentials is first and tls.generation == generation
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1  # once per state of the files
