@@ -52,8 +52,9 @@ def _check_pair(cert: str, key: str, ctx: ssl.SSLContext | None = None) -> None:
     ctx = ctx or ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     try:
         ctx.load_cert_chain(cert, key, password=_no_password)
-    except ssl.SSLError as e:
-        raise TlsError(f"the certificate {cert!r} and key {key!r} do not load as a pair: {e.reason or e}") from None
+    except OSError as e:  # ssl.SSLError, or a file gone mid-rotation
+        raise TlsError(f"the certificate {cert!r} and key {key!r} do not load as a pair: "
+                       f"{getattr(e, 'reason', None) or e}") from None
 
 
 def _check_ca(ca: str, ctx: ssl.SSLContext | None = None) -> None:
@@ -61,8 +62,8 @@ def _check_ca(ca: str, ctx: ssl.SSLContext | None = None) -> None:
     ctx = ctx or ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     try:
         ctx.load_verify_locations(cafile=ca)
-    except ssl.SSLError as e:
-        raise TlsError(f"the CA file {ca!r} holds no usable certificate: {e.reason or e}") from None
+    except OSError as e:  # ssl.SSLError, or a file gone mid-rotation
+        raise TlsError(f"the CA file {ca!r} holds no usable certificate: {getattr(e, 'reason', None) or e}") from None
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,10 @@ class ServerTls:
         watched = self._watched(self.ssl_context)
 
         def hello(sock: ssl.SSLSocket, _server_name: str | None, _base: ssl.SSLContext) -> None:
-            watched.refresh()
+            try:
+                watched.refresh()
+            except Exception:  # noqa: BLE001 - raised here it would fail the handshake, not report
+                log.exception("TLS reload failed; the previous certificate stays")
             sock.context = watched.value
 
         return hello
