@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from switchyard.auth import BearerKey, aio_bearer_key
+from switchyard.auth import aio_bearer_key, bearer_key
 from switchyard.tls import ClientTls, aio_channel, channel
 from switchyard.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -81,11 +81,10 @@ def _request(model: str | None, request: router_pb2.GenerateRequest | None, kw: 
 class AsyncRouterClient:
     def __init__(self, address: str, admin_address: str | None = None, *, tls: ClientTls | None = None,
                  api_key: str | None = None, admin_api_key: str | None = None) -> None:
-        admin_api_key = admin_api_key or api_key
-        self._channel = aio_channel(address, tls, interceptors=aio_bearer_key(api_key) if api_key else ())
+        self._channel = aio_channel(address, tls, interceptors=aio_bearer_key(api_key))
         self._stub = router_pb2_grpc.RouterStub(self._channel)
-        self._admin_channel = aio_channel(admin_address, tls, interceptors=aio_bearer_key(admin_api_key)
-                                          if admin_api_key else ()) if admin_address else None
+        self._admin_channel = (aio_channel(admin_address, tls, interceptors=aio_bearer_key(admin_api_key or api_key))
+                               if admin_address else None)
         self._admin = router_pb2_grpc.AdminStub(self._admin_channel) if self._admin_channel else None
 
     async def __aenter__(self) -> AsyncRouterClient:
@@ -146,11 +145,10 @@ class RouterClient:
 
     def __init__(self, address: str, admin_address: str | None = None, *, tls: ClientTls | None = None,
                  api_key: str | None = None, admin_api_key: str | None = None) -> None:
-        admin_api_key = admin_api_key or api_key
-        self._channel = channel(address, tls, interceptors=[BearerKey(api_key)] if api_key else ())
+        self._channel = channel(address, tls, interceptors=bearer_key(api_key))
         self._stub = router_pb2_grpc.RouterStub(self._channel)
-        self._admin_channel = channel(admin_address, tls, interceptors=[BearerKey(admin_api_key)]
-                                      if admin_api_key else ()) if admin_address else None
+        self._admin_channel = (channel(admin_address, tls, interceptors=bearer_key(admin_api_key or api_key))
+                               if admin_address else None)
         self._admin = router_pb2_grpc.AdminStub(self._admin_channel) if self._admin_channel else None
 
     def __enter__(self) -> RouterClient:

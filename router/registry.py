@@ -163,8 +163,6 @@ class WorkerRegistry:
                 await asyncio.gather(*(c.first_attempt.wait() for c in conns))
 
     def _add(self, address: str) -> WorkerConn:
-        if self.tls is not None:
-            self.tls.reload()
         channel = aio_channel(address, self.tls, CHANNEL_OPTIONS)
         conn = WorkerConn(address=address, channel=channel, stub=worker_pb2_grpc.WorkerStub(channel),
                           tls_generation=self.tls.generation if self.tls is not None else 0)

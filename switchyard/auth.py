@@ -115,8 +115,7 @@ class _SyncDetails(_CallDetails, grpc.ClientCallDetails):
     pass
 
 
-class BearerKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Adds `authorization: Bearer <key>` to every call of a blocking channel (`grpc.intercept_channel`)."""
+class _BearerKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
 
     def __init__(self, key: str) -> None:
         self._md = ("authorization", f"Bearer {key}")
@@ -150,7 +149,12 @@ class _AioStreamKey(_AioKey, grpc.aio.UnaryStreamClientInterceptor):
         return await continuation(self._with_key(client_call_details), request)
 
 
-def aio_bearer_key(key: str) -> list[grpc.aio.ClientInterceptor]:
-    """Interceptors that add `authorization: Bearer <key>` to every call of an asyncio channel. Two objects: an
-    asyncio channel files an interceptor under the first call type it implements only."""
-    return [_AioUnaryKey(key), _AioStreamKey(key)]
+def bearer_key(key: str | None) -> list[Any]:
+    """Interceptors that add `authorization: Bearer <key>` to every call of a blocking channel; none without a key."""
+    return [_BearerKey(key)] if key else []
+
+
+def aio_bearer_key(key: str | None) -> list[grpc.aio.ClientInterceptor]:
+    """The same for an asyncio channel. Two objects: an asyncio channel files an interceptor under the first call
+    type it implements only."""
+    return [_AioUnaryKey(key), _AioStreamKey(key)] if key else []
