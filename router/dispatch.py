@@ -50,6 +50,11 @@ RETRYABLE_CODES = frozenset(
 )
 
 
+# A client whose deadline passes cancels its stream (RST_STREAM) at its own deadline, which falls a network hop and
+# a header parse before the deadline the router derived from grpc-timeout; a cancel that close to the deadline is
+# the deadline passing, not the caller giving up.
+DEADLINE_SLACK_S = 0.05
+
 class WorkerFailed(Exception):
     def __init__(self, worker_id: WorkerId, code: str, detail: str) -> None:
         super().__init__(f"{code}: {detail}")
@@ -243,7 +248,7 @@ class Dispatcher:
             status = e.code
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            past = fl.deadline_at is not None and self._clock.now() >= fl.deadline_at
+            past = fl.deadline_at is not None and self._clock.now() >= fl.deadline_at - DEADLINE_SLACK_S
             status = grpc.StatusCode.DEADLINE_EXCEEDED if past else grpc.StatusCode.CANCELLED
             raise
         except Exception:
