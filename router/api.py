@@ -7,6 +7,7 @@ Every accepted request ends in a final chunk or an explicit status (`ApiError` -
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from switchyard.auth import cache_salt_for, calling_key
 from switchyard.router.admission import (
     LONG_INPUT,
     AdmittedRequest,
@@ -214,6 +216,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         arrival_s = self._clock.now()
         token_ids, tokenize_s = None, 0.0
         try:
+            try:
+                params = dataclasses.replace(params, cache_salt=cache_salt_for(params.cache_salt, calling_key.get()))
+            except ValueError as e:
+                raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             # a long input is tokenized in a thread, after the checks that need no tokenizer (`admit` checks again:
             # a worker may have left meanwhile)
             if input_size(params) > LONG_INPUT:

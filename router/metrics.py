@@ -46,6 +46,18 @@ class RouterMetrics:
             "switchyard_unauthenticated", "Calls refused for a missing or unknown API key, by service", ["service"],
             registry=r,
         )
+        self.key_calls = Counter(
+            "switchyard_api_key_calls", "Calls admitted under each API key (its name), by service", ["service", "key"],
+            registry=r,
+        )
+        self.key_limited = Counter(
+            "switchyard_api_key_limited", "Calls refused RESOURCE_EXHAUSTED by their API key's limit (max_in_flight, "
+            "rate), by service", ["service", "key", "limit"], registry=r,
+        )
+        self.key_in_flight = Gauge(
+            "switchyard_api_key_in_flight", "Calls in flight under each API key, by service", ["service", "key"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "switchyard_ttft_seconds", "Arrival at the router to the first token sent", ["model"],
             buckets=LATENCY_BUCKETS_S, registry=r,
@@ -192,3 +204,23 @@ class RouterMetrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+class KeyMetrics:
+    """The API key interceptor's events (`switchyard.auth.KeyEvents`) for one service, as the metrics above."""
+
+    def __init__(self, metrics: RouterMetrics, service: str) -> None:
+        self._m, self._service = metrics, service
+
+    def unauthenticated(self, service: str) -> None:
+        self._m.unauthenticated.labels(service).inc()
+
+    def started(self, key: str) -> None:
+        self._m.key_calls.labels(self._service, key).inc()
+        self._m.key_in_flight.labels(self._service, key).inc()
+
+    def limited(self, key: str, limit: str) -> None:
+        self._m.key_limited.labels(self._service, key, limit).inc()
+
+    def ended(self, key: str) -> None:
+        self._m.key_in_flight.labels(self._service, key).dec()

@@ -31,7 +31,7 @@ from switchyard.router.config import ConfigError, RouterConfig, load_config, par
 from switchyard.router.dispatch import Dispatcher
 from switchyard.router.fleet import Fleet
 from switchyard.router.gc_watch import GcWatch
-from switchyard.router.metrics import RouterMetrics
+from switchyard.router.metrics import KeyMetrics, RouterMetrics
 from switchyard.router.policies.registry import make_policy
 from switchyard.router.predictor.onnx_predictor import PredictorLoadError
 from switchyard.router.predictor.service import load_predictor, make_service
@@ -220,8 +220,8 @@ class RouterDaemon:
             except TlsError as e:
                 raise StartupError(str(e), EXIT_CONFIG) from None
         server_tls = cfg.tls()
-        keys = self._api_keys(cfg.api_keys_file)
-        admin_keys = self._api_keys(cfg.admin_api_keys_file)
+        keys = self._api_keys(cfg.api_keys_file, "switchyard.v1.Router")
+        admin_keys = self._api_keys(cfg.admin_api_keys_file, "switchyard.v1.Admin")
 
         self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=keys)
         router_pb2_grpc.add_RouterServicer_to_server(
@@ -274,7 +274,7 @@ class RouterDaemon:
         if model is not None:
             self.predictor.attach(model)
 
-    def _api_keys(self, path: str) -> list[ApiKeyInterceptor]:
+    def _api_keys(self, path: str, service: str) -> list[ApiKeyInterceptor]:
         """The interceptor that checks a service's API keys (none without a file); a bad file stops startup."""
         if not path:
             return []
@@ -282,7 +282,7 @@ class RouterDaemon:
             keys = ApiKeys(path)
         except AuthError as e:
             raise StartupError(str(e), EXIT_CONFIG) from None
-        return [ApiKeyInterceptor(keys, lambda service: self.metrics.unauthenticated.labels(service).inc())]
+        return [ApiKeyInterceptor(keys, KeyMetrics(self.metrics, service))]
 
     @staticmethod
     def _bind(server: grpc.aio.Server, host: str, port: int, server_tls: ServerTls | None) -> int:

@@ -5,15 +5,26 @@ file. Each service (Router, Admin) takes its own file, one key per line; a call 
 <key>` metadata or it ends `UNAUTHENTICATED`. The health service stays open (load balancers' probes carry no key).
 The file is re-read when it changes, checked at the next call, so adding or revoking a key takes no restart. Keys
 are kept only as SHA-256 digests, so the check's time does not depend on how much of a key matched.
+
+A key's line may name its holder and limit it (`KeySpec`): one team's burst or runaway script then ends in
+`RESOURCE_EXHAUSTED` for that team, not in a queue every other team waits behind; and `isolate` keeps the team's
+prompts out of every other caller's prefix cache (a shared cache tells a caller, by its speed, whether someone
+else sent the same prefix).
 """
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
+import inspect
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+import math
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import grpc
 
@@ -33,19 +44,78 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def read_keys(path: str) -> frozenset[bytes]:
-    """The digests of the keys in `path`: one per line, blank lines and `#` comments skipped."""
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+ISOLATED_SALT_PREFIX = "tenant:"  # what an isolated key's cache salts start with; refused from every other caller
+
+
+@dataclass(frozen=True, slots=True)
+class KeySpec:
+    """One key's line: `<key> [name=N] [max_in_flight=N] [rate=R] [burst=B] [isolate=true]`.
+
+    `name` labels its metrics and logs (default `sha256:` and 8 hex digits of its digest, stable across reorderings
+    of the file and no help to a guesser); `max_in_flight` caps its concurrent calls, `rate` its calls per second
+    (a token bucket of `burst` calls, default max(1, ceil(rate))); 0 = no limit. `isolate` prefixes its requests'
+    cache salt with `tenant:<name>:`, so they share prefix-cache blocks only with each other.
+    """
+
+    name: str
+    max_in_flight: int = 0
+    rate: float = 0.0
+    burst: int = 0
+    isolate: bool = False
+
+    @property
+    def limited(self) -> bool:
+        return bool(self.max_in_flight or self.rate)
+
+
+def _spec(fields: list[str], digest: bytes, where: str) -> KeySpec:
+    got: dict[str, str] = {}
+    for f in fields:
+        k, eq, v = f.partition("=")
+        if not eq or k not in ("name", "max_in_flight", "rate", "burst", "isolate") or k in got:
+            raise AuthError(f"{where}: {f!r} is not one of name=, max_in_flight=, rate=, burst=, isolate= (each once)")
+        got[k] = v
+    name = got.get("name", f"sha256:{digest.hex()[:8]}")
+    if "name" in got and not NAME_RE.fullmatch(name):
+        raise AuthError(f"{where}: name {name!r} is not 1-64 letters, digits, '_', '.', '-'")
+    try:
+        max_in_flight = int(got.get("max_in_flight", "0"))
+        rate = float(got.get("rate", "0"))
+        burst = int(got.get("burst", "0"))
+    except ValueError as e:
+        raise AuthError(f"{where}: {e}") from None
+    if max_in_flight < 0 or burst < 0 or not (math.isfinite(rate) and rate >= 0):
+        raise AuthError(f"{where}: max_in_flight, rate and burst must be >= 0 (0 = no limit)")
+    if burst and not rate:
+        raise AuthError(f"{where}: burst= needs rate=")
+    isolate = got.get("isolate", "false").lower()
+    if isolate not in ("true", "false"):
+        raise AuthError(f"{where}: isolate must be true or false, got {isolate!r}")
+    return KeySpec(name, max_in_flight, rate, burst or (max(1, math.ceil(rate)) if rate else 0), isolate == "true")
+
+
+def read_keys(path: str) -> dict[bytes, KeySpec]:
+    """The keys in `path` by digest: one per line (`KeySpec`), blank lines and `#` comments skipped."""
     try:
         lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise AuthError(f"cannot read the API keys file {path!r}: {getattr(e, 'strerror', None) or e}") from None
-    keys = [x.strip() for x in lines if x.strip() and not x.strip().startswith("#")]
-    if not keys:
+    out: dict[bytes, KeySpec] = {}
+    names: set[str] = set()
+    rows = [x.split() for x in lines if x.strip() and not x.strip().startswith("#")]
+    if not rows:
         raise AuthError(f"the API keys file {path!r} holds no key")
-    for n, key in enumerate(keys, 1):
-        if len(key) < MIN_KEY_LEN or not key.isascii() or not key.isprintable() or " " in key:
+    for n, (key, *fields) in enumerate(rows, 1):
+        if len(key) < MIN_KEY_LEN or not key.isascii() or not key.isprintable() or "=" in key:
             raise AuthError(f"key {n} of {path!r} is not {MIN_KEY_LEN}+ printable ASCII characters without spaces")
-    return frozenset(_digest(k) for k in keys)
+        digest = _digest(key)
+        spec = _spec(fields, digest, f"key {n} of {path!r}")
+        if digest in out or spec.name in names:
+            raise AuthError(f"key {n} of {path!r} repeats a key or the name {spec.name!r}")
+        out[digest] = spec
+        names.add(spec.name)
+    return out
 
 
 class ApiKeys:
@@ -54,21 +124,97 @@ class ApiKeys:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._digests = Watched((path,), lambda: read_keys(path), f"the API keys file {path}", (AuthError,))
+        self._specs = Watched((path,), lambda: read_keys(path), f"the API keys file {path}", (AuthError,))
 
-    def allows(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
-        self._digests.refresh()
+    def find(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> KeySpec | None:
+        """The caller's key (its `authorization: Bearer` metadata), None for a missing or unknown one."""
+        self._specs.refresh()
         for k, v in metadata or ():
             if k == "authorization" and isinstance(v, str) and v.startswith("Bearer "):
-                return _digest(v[7:]) in self._digests.value
-        return False
+                return self._specs.value.get(_digest(v[7:]))
+        return None
+
+
+# The key of the call being served (set by ApiKeyInterceptor around the service's handler), None without keys.
+calling_key: contextvars.ContextVar[KeySpec | None] = contextvars.ContextVar("calling_key", default=None)
+
+
+def cache_salt_for(salt: str, key: KeySpec | None) -> str:
+    """The cache salt a request of `key` is served with; ValueError for a salt only an isolated key may use."""
+    if key is not None and key.isolate:
+        return f"{ISOLATED_SALT_PREFIX}{key.name}:{salt}"
+    if salt.startswith(ISOLATED_SALT_PREFIX):
+        raise ValueError(f"cache_salt may not start with {ISOLATED_SALT_PREFIX!r} (kept for isolated API keys)")
+    return salt
+
+
+class KeyLimits:
+    """Each key's calls in flight and token bucket, by name (so they survive a reload of the file).
+
+    Pure: the clock is injected (the token bucket's only input beside the calls)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._in_flight: dict[str, int] = {}
+        self._buckets: dict[str, tuple[float, float]] = {}  # name -> (tokens, when)
+
+    def in_flight(self, name: str) -> int:
+        return self._in_flight.get(name, 0)
+
+    def acquire(self, key: KeySpec) -> str | None:
+        """Take one call for `key`: None when it may start (`release` it at its end), else why not."""
+        n = self._in_flight.get(key.name, 0)
+        if key.max_in_flight and n >= key.max_in_flight:
+            return f"max_in_flight: API key {key.name!r} has {n} calls in flight, its limit"
+        if key.rate:
+            now = self._clock()
+            tokens, at = self._buckets.get(key.name, (float(key.burst), now))
+            tokens = min(float(key.burst), tokens + (now - at) * key.rate)
+            if tokens < 1.0:
+                self._buckets[key.name] = (tokens, now)
+                return (f"rate: API key {key.name!r} is over {key.rate:g} calls/s (burst {key.burst}); "
+                        f"retry in {(1.0 - tokens) / key.rate:.3f} s")
+            self._buckets[key.name] = (tokens - 1.0, now)
+        self._in_flight[key.name] = n + 1
+        return None
+
+    def release(self, key: KeySpec) -> None:
+        n = self._in_flight[key.name] - 1
+        if n:
+            self._in_flight[key.name] = n
+        else:
+            del self._in_flight[key.name]
+
+
+class KeyEvents(Protocol):
+    """What the interceptor reports (the router counts them in its metrics)."""
+
+    def unauthenticated(self, service: str) -> None: ...
+    def started(self, key: str) -> None: ...
+    def limited(self, key: str, limit: str) -> None: ...
+    def ended(self, key: str) -> None: ...
+
+
+class NoEvents:
+    def unauthenticated(self, service: str) -> None:
+        pass
+
+    def started(self, key: str) -> None:
+        pass
+
+    def limited(self, key: str, limit: str) -> None:
+        pass
+
+    def ended(self, key: str) -> None:
+        pass
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Ends a call without a valid key `UNAUTHENTICATED` before it reaches the service; `on_denied(service)` counts it."""
+    """Ends a call without a valid key `UNAUTHENTICATED` and one over its key's limits `RESOURCE_EXHAUSTED`, before
+    it reaches the service; runs the others with `calling_key` set to their key."""
 
-    def __init__(self, keys: ApiKeys, on_denied: Callable[[str], None] = lambda _service: None) -> None:
-        self._keys, self._on_denied = keys, on_denied
+    def __init__(self, keys: ApiKeys, events: KeyEvents | None = None, limits: KeyLimits | None = None) -> None:
+        self._keys, self._events, self._limits = keys, events or NoEvents(), limits or KeyLimits()
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -78,18 +224,73 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         method: str = details.method  # type: ignore[attr-defined]
         if handler is None or method.startswith(OPEN_METHODS):
             return handler
-        if self._keys.allows(details.invocation_metadata):  # type: ignore[attr-defined]
-            return handler
-        self._on_denied(method.split("/")[1] if method.count("/") >= 2 else method)
-        return _denied(handler)
+        key = self._keys.find(details.invocation_metadata)  # type: ignore[attr-defined]
+        if key is None:
+            self._events.unauthenticated(method.split("/")[1] if method.count("/") >= 2 else method)
+            return _ending(handler, grpc.StatusCode.UNAUTHENTICATED,
+                           "missing or unknown API key: send 'authorization: Bearer <key>' metadata")
+        if not (handler.unary_unary or handler.unary_stream):
+            return handler  # a streaming request (server reflection): keyed, neither limited nor isolated
+        return self._as_key(handler, key)
+
+    def _as_key(self, handler: grpc.RpcMethodHandler, key: KeySpec) -> grpc.RpcMethodHandler:
+        """`handler` run with `calling_key` set to `key`, inside one of the key's slots (`KeyLimits`), or ended
+        `RESOURCE_EXHAUSTED` without one.
+
+        NOTE: the slot is taken when the handler starts, not at interception, and given back in its `finally`
+        (grpc.aio cancels the handler's task when the call is cancelled): a call cancelled between the two never
+        holds one."""
+        limits, events = self._limits, self._events
+        codecs = {"request_deserializer": handler.request_deserializer,
+                  "response_serializer": handler.response_serializer}
+
+        async def enter(context: grpc.aio.ServicerContext) -> None:
+            refusal = limits.acquire(key)
+            if refusal is not None:
+                events.limited(key.name, refusal.partition(":")[0])
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+            calling_key.set(key)
+            events.started(key.name)
+
+        def end() -> None:
+            limits.release(key)
+            events.ended(key.name)
+
+        if handler.unary_unary:
+            inner_uu = handler.unary_unary
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                await enter(context)
+                try:
+                    got = inner_uu(request, context)
+                    return await got if inspect.isawaitable(got) else got
+                finally:
+                    end()
+            return grpc.unary_unary_rpc_method_handler(unary, **codecs)
+        inner_us = handler.unary_stream
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await enter(context)
+            try:
+                got = inner_us(request, context)
+                if inspect.isawaitable(got):  # a handler that writes with context.write
+                    await got
+                elif hasattr(got, "__aiter__"):
+                    async for item in got:
+                        yield item
+                else:
+                    for item in got:
+                        yield item
+            finally:
+                end()
+        return grpc.unary_stream_rpc_method_handler(stream, **codecs)
 
 
-def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that only aborts."""
+def _ending(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that only aborts with `code`."""
 
     async def deny(_request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                            "missing or unknown API key: send 'authorization: Bearer <key>' metadata")
+        await context.abort(code, message)
 
     codecs = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
     if handler.unary_unary:

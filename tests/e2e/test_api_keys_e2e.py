@@ -1,5 +1,6 @@
 """API keys end to end: a router process whose Router and Admin services each take their own keys file, a simulated
-worker behind it, and clients with and without keys; revoking a key takes effect without a restart."""
+worker behind it, and clients with and without keys; revoking a key takes effect without a restart; a key's limits
+end its excess calls RESOURCE_EXHAUSTED, and an isolated key shares no prefix cache with other callers."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from polling import until
 from test_router_e2e import metric
 
 from switchyard.bench import procs
@@ -112,3 +114,81 @@ def test_a_bad_keys_file_stops_startup_with_its_name(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "switchyard", *serve_args(weak, tmp_path / "missing.keys")],
                        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
     assert r.returncode == 2 and str(weak) in r.stderr and "16+ printable ASCII" in r.stderr
+
+
+def exhausted(call, limit: str) -> bool:  # type: ignore[no-untyped-def]
+    try:
+        call()
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+        assert (e.details() or "").startswith(f"{limit}: API key"), e.details()
+        return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[procs.Proc, Path]]:
+    """A router in front of a worker in real time (time scale 1), so a long generation stays in flight."""
+    d = tmp_path_factory.mktemp("limits")
+    keys, admin_keys = d / "router.keys", d / "admin.keys"
+    write(keys, f"{USER_KEY} name=team-a max_in_flight=1\n{OTHER_KEY} name=team-b rate=0.001 burst=2\n")
+    write(admin_keys, f"{ADMIN_KEY}\n")
+    worker = procs.start("lw0", ["worker", "sim", "--port", "0", "--worker-id", "lw0"])
+    with procs.running([worker]) as started:
+        started.append(procs.start("router", serve_args(keys, admin_keys, "--worker", worker.address)))
+        yield started[-1], keys
+
+
+def test_a_key_at_max_in_flight_is_refused_until_a_call_ends(limited: tuple[procs.Proc, Path]) -> None:
+    router, _ = limited
+    gauge = {"service": "switchyard.v1.Router", "key": "team-a"}
+    with client(router, USER_KEY) as c, client(router, OTHER_KEY) as other:
+        long = c.generate(MODEL, prompt="a long answer", max_tokens=4000, ignore_eos=True, timeout=120)
+        next(long)  # the first chunk: the call holds the key's one slot
+        assert metric(router, "switchyard_api_key_in_flight", **gauge) == 1
+        assert exhausted(lambda: c.complete(MODEL, prompt="second", max_tokens=1, timeout=30), "max_in_flight")
+        assert exhausted(lambda: list(c.generate(MODEL, prompt="third", max_tokens=1, timeout=30)), "max_in_flight")
+        assert other.complete(MODEL, prompt="another team", max_tokens=1, timeout=30).usage.completion_tokens == 1
+        assert metric(router, "switchyard_api_key_limited_total", limit="max_in_flight", **gauge) == 2
+        long.cancel()  # type: ignore[attr-defined]
+        until(lambda: metric(router, "switchyard_api_key_in_flight", **gauge) == 0, what="the slot given back")
+        assert c.complete(MODEL, prompt="after", max_tokens=1, timeout=30).usage.completion_tokens == 1
+        assert metric(router, "switchyard_api_key_calls_total", **gauge) == 2  # the long call and this one
+    assert metric(router, "switchyard_requests_total", status="resource_exhausted") == 0  # refused before the router
+
+
+def test_a_key_over_its_rate_is_refused_with_a_retry_time(limited: tuple[procs.Proc, Path]) -> None:
+    router, keys = limited
+    try:
+        write(keys, f"{USER_KEY} name=team-a max_in_flight=1\n{OTHER_KEY} name=team-c rate=0.001 burst=2\n")
+        with client(router, OTHER_KEY) as c:  # a fresh bucket (a new name): its burst of 2, then nothing for ~1000 s
+            for _ in range(2):
+                assert c.complete(MODEL, prompt="x", max_tokens=1, timeout=30).usage.completion_tokens == 1
+            with pytest.raises(grpc.RpcError) as e:
+                c.complete(MODEL, prompt="x", max_tokens=1, timeout=30)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry in" in (e.value.details() or "")
+        assert metric(router, "switchyard_api_key_limited_total", key="team-c", limit="rate") == 1
+    finally:
+        write(keys, f"{USER_KEY} name=team-a max_in_flight=1\n{OTHER_KEY} name=team-b rate=0.001 burst=2\n")
+
+
+def test_an_isolated_key_shares_no_prefix_cache(keyed: tuple[procs.Proc, Path]) -> None:
+    router, keys = keyed
+    prompt = "A long shared system prompt that fills several KV blocks of sixteen tokens each. " * 8
+    try:
+        write(keys, f"{USER_KEY} name=team-a isolate=true\n{OTHER_KEY} name=team-b\n")
+
+        def cached(key: str, salt: str = "") -> int:
+            with client(router, key) as c:
+                r = c.complete(MODEL, prompt=prompt, max_tokens=1, cache_salt=salt, timeout=30)
+                return r.usage.cached_prompt_tokens
+
+        cached(OTHER_KEY)
+        assert cached(OTHER_KEY) > 0  # team-b's second call hits its first's blocks
+        assert cached(USER_KEY) == 0  # team-a's first does not
+        assert cached(USER_KEY) > 0  # its second hits its own
+        with client(router, OTHER_KEY) as c, pytest.raises(grpc.RpcError) as e:  # nobody else names team-a's salt
+            c.complete(MODEL, prompt=prompt, max_tokens=1, cache_salt="tenant:team-a:", timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tenant:" in (e.value.details() or "")
+    finally:
+        write(keys, f"{USER_KEY}\n")

@@ -1,4 +1,5 @@
-"""API keys files (switchyard/auth.py): what a file may hold, and a rotated file read at the next call."""
+"""API keys files (switchyard/auth.py): what a file may hold, a rotated file read at the next call, the keys' limits
+and their isolated cache salts."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from switchyard.auth import ApiKeys, AuthError, read_keys
+from switchyard.auth import ApiKeys, AuthError, KeyLimits, KeySpec, cache_salt_for, read_keys
 
 KEY_A = "a" * 24
 KEY_B = "b" * 24
@@ -31,6 +32,17 @@ def bearer(key: str) -> list[tuple[str, str]]:
         ("# only a comment\n\n", "holds no key"),
         ("short\n", r"key 1 of .* is not 16\+ printable ASCII"),
         (f"{KEY_A}\nwith a space in it here\n", "key 2 of"),
+        (f"{KEY_A} rate=1 colour=blue\n", "'colour=blue' is not one of"),
+        (f"{KEY_A} rate=1 rate=2\n", "'rate=2' is not one of .*each once"),
+        (f"{KEY_A} name=has/slash\n", "name 'has/slash' is not"),
+        (f"{KEY_A} max_in_flight=-1\n", "must be >= 0"),
+        (f"{KEY_A} rate=nan\n", "must be >= 0"),
+        (f"{KEY_A} rate=fast\n", "could not convert"),
+        (f"{KEY_A} burst=4\n", "burst= needs rate="),
+        (f"{KEY_A} isolate=yes\n", "isolate must be true or false"),
+        (f"{KEY_A} name=t\n{KEY_B} name=t\n", "key 2 of .* repeats a key or the name 't'"),
+        (f"{KEY_A}\n{KEY_A}\n", "key 2 of .* repeats"),
+        ("name=team-a\n", r"key 1 of .* is not 16\+ printable"),  # fields without the key
     ],
 )
 def test_a_bad_keys_file_is_refused(tmp_path: Path, text: str, message: str) -> None:
@@ -49,14 +61,76 @@ def test_keys_are_checked_and_reloaded_when_the_file_changes(tmp_path: Path, cap
     path = tmp_path / "keys"
     write(path, f"# team a\n{KEY_A}\n")
     keys = ApiKeys(str(path))
-    assert keys.allows(bearer(KEY_A))
-    assert not keys.allows(bearer(KEY_B)) and not keys.allows(None) and not keys.allows([("authorization", KEY_A)])
-    assert not keys.allows(bearer(KEY_A + "x")) and not keys.allows(bearer(KEY_A[:-1]))
+    assert keys.find(bearer(KEY_A))
+    assert not keys.find(bearer(KEY_B)) and not keys.find(None) and not keys.find([("authorization", KEY_A)])
+    assert not keys.find(bearer(KEY_A + "x")) and not keys.find(bearer(KEY_A[:-1]))
     write(path, f"{KEY_A}\n{KEY_B}\n")  # a key added
-    assert keys.allows(bearer(KEY_B)) and keys.allows(bearer(KEY_A))
+    assert keys.find(bearer(KEY_B)) and keys.find(bearer(KEY_A))
     write(path, "")  # a broken edit keeps the previous keys, said once
     with caplog.at_level("WARNING", logger="switchyard.watched"):
-        assert keys.allows(bearer(KEY_B)) and keys.allows(bearer(KEY_A))
+        assert keys.find(bearer(KEY_B)) and keys.find(bearer(KEY_A))
     assert len([r for r in caplog.records if "do not load" in r.message]) == 1
     write(path, f"{KEY_B}\n")  # a key revoked
-    assert keys.allows(bearer(KEY_B)) and not keys.allows(bearer(KEY_A))
+    assert keys.find(bearer(KEY_B)) and not keys.find(bearer(KEY_A))
+
+
+def test_a_line_names_and_limits_its_key(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text(f"{KEY_A} name=team-a max_in_flight=8 rate=2.5 isolate=true\n{KEY_B}\n")
+    keys = ApiKeys(str(path))
+    assert keys.find(bearer(KEY_A)) == KeySpec("team-a", max_in_flight=8, rate=2.5, burst=3, isolate=True)
+    b = keys.find(bearer(KEY_B))
+    assert b is not None and b.name.startswith("sha256:") and len(b.name) == 15 and not b.limited and not b.isolate
+    assert KEY_B not in b.name
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_max_in_flight_counts_calls_until_they_end() -> None:
+    limits, key = KeyLimits(FakeClock()), KeySpec("t", max_in_flight=2)
+    assert limits.acquire(key) is None and limits.acquire(key) is None
+    refusal = limits.acquire(key)
+    assert refusal is not None and refusal.startswith("max_in_flight:") and "'t' has 2 calls in flight" in refusal
+    limits.release(key)
+    assert limits.in_flight("t") == 1 and limits.acquire(key) is None
+    other = KeySpec("u", max_in_flight=1)  # keys are counted apart
+    assert limits.acquire(other) is None and limits.acquire(other) is not None
+
+
+def test_rate_is_a_token_bucket_refilled_by_the_clock() -> None:
+    clock = FakeClock()
+    limits, key = KeyLimits(clock), KeySpec("t", rate=2.0, burst=3)
+    assert [limits.acquire(key) for _ in range(3)] == [None, None, None]  # the burst
+    refusal = limits.acquire(key)
+    assert refusal is not None and refusal.startswith("rate:") and "retry in 0.500 s" in refusal
+    clock.t += 0.25  # half a token: still refused, and the refusal spent nothing
+    refusal = limits.acquire(key)
+    assert refusal is not None and "retry in 0.250 s" in refusal
+    clock.t += 0.25
+    assert limits.acquire(key) is None and limits.acquire(key) is not None
+    clock.t += 60  # a long pause refills the burst, no more
+    assert [limits.acquire(key) is None for _ in range(4)] == [True, True, True, False]
+    assert limits.in_flight("t") == 7  # every admitted call holds its slot until released
+
+
+def test_a_refused_call_holds_no_slot() -> None:
+    limits, key = KeyLimits(FakeClock()), KeySpec("t", max_in_flight=5, rate=1.0, burst=1)
+    assert limits.acquire(key) is None and limits.acquire(key) is not None
+    assert limits.in_flight("t") == 1
+
+
+def test_an_isolated_key_salts_its_requests_apart() -> None:
+    iso = KeySpec("team-a", isolate=True)
+    assert cache_salt_for("", iso) == "tenant:team-a:" and cache_salt_for("s", iso) == "tenant:team-a:s"
+    assert cache_salt_for("s", KeySpec("team-b")) == "s" and cache_salt_for("s", None) == "s"
+    # nobody else can name an isolated key's salt, so nobody else shares its cache
+    with pytest.raises(ValueError, match="may not start with 'tenant:'"):
+        cache_salt_for("tenant:team-a:", None)
+    with pytest.raises(ValueError, match="may not start with 'tenant:'"):
+        cache_salt_for("tenant:team-a:", KeySpec("team-b"))
