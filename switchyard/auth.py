@@ -148,6 +148,15 @@ def cache_salt_for(salt: str, key: KeySpec | None) -> str:
     return salt
 
 
+class Refusal(NamedTuple):
+    """Why a key's call may not start: `limit` (max_in_flight, rate), the status message, and for the rate the
+    milliseconds until a call would pass (sent as the `retry-after-ms` trailer, as a full queue's is)."""
+
+    limit: str
+    message: str
+    retry_after_ms: int | None = None
+
+
 class KeyLimits:
     """Each key's calls in flight and token bucket, by name (so they survive a reload of the file).
 
@@ -161,19 +170,20 @@ class KeyLimits:
     def in_flight(self, name: str) -> int:
         return self._in_flight.get(name, 0)
 
-    def acquire(self, key: KeySpec) -> str | None:
+    def acquire(self, key: KeySpec) -> Refusal | None:
         """Take one call for `key`: None when it may start (`release` it at its end), else why not."""
         n = self._in_flight.get(key.name, 0)
         if key.max_in_flight and n >= key.max_in_flight:
-            return f"max_in_flight: API key {key.name!r} has {n} calls in flight, its limit"
+            return Refusal("max_in_flight", f"max_in_flight: API key {key.name!r} has {n} calls in flight, its limit")
         if key.rate:
             now = self._clock()
             tokens, at = self._buckets.get(key.name, (float(key.burst), now))
             tokens = min(float(key.burst), tokens + (now - at) * key.rate)
             if tokens < 1.0:
                 self._buckets[key.name] = (tokens, now)
-                return (f"rate: API key {key.name!r} is over {key.rate:g} calls/s (burst {key.burst}); "
-                        f"retry in {(1.0 - tokens) / key.rate:.3f} s")
+                wait_s = (1.0 - tokens) / key.rate
+                return Refusal("rate", f"rate: API key {key.name!r} is over {key.rate:g} calls/s (burst {key.burst}); "
+                                       f"retry in {wait_s:.3f} s", math.ceil(wait_s * 1000))
             self._buckets[key.name] = (tokens - 1.0, now)
         self._in_flight[key.name] = n + 1
         return None
@@ -247,8 +257,10 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         async def enter(context: grpc.aio.ServicerContext) -> None:
             refusal = limits.acquire(key)
             if refusal is not None:
-                events.limited(key.name, refusal.partition(":")[0])
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+                events.limited(key.name, refusal.limit)
+                if refusal.retry_after_ms is not None:
+                    context.set_trailing_metadata((("retry-after-ms", str(refusal.retry_after_ms)),))
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message)
             calling_key.set(key)
             events.started(key.name)
 

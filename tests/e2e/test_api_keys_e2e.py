@@ -167,6 +167,8 @@ def test_a_key_over_its_rate_is_refused_with_a_retry_time(limited: tuple[procs.P
             with pytest.raises(grpc.RpcError) as e:
                 c.complete(MODEL, prompt="x", max_tokens=1, timeout=30)
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry in" in (e.value.details() or "")
+            retry_ms = int(dict(e.value.trailing_metadata())["retry-after-ms"])  # type: ignore[attr-defined]
+            assert 900_000 < retry_ms <= 1_000_000  # a token every 1,000 s
         assert metric(router, "switchyard_api_key_limited_total", key="team-c", limit="rate") == 1
     finally:
         write(keys, f"{USER_KEY} name=team-a max_in_flight=1\n{OTHER_KEY} name=team-b rate=0.001 burst=2\n")

@@ -96,7 +96,8 @@ def test_max_in_flight_counts_calls_until_they_end() -> None:
     limits, key = KeyLimits(FakeClock()), KeySpec("t", max_in_flight=2)
     assert limits.acquire(key) is None and limits.acquire(key) is None
     refusal = limits.acquire(key)
-    assert refusal is not None and refusal.startswith("max_in_flight:") and "'t' has 2 calls in flight" in refusal
+    assert refusal is not None and refusal.limit == "max_in_flight" and refusal.retry_after_ms is None
+    assert refusal.message == "max_in_flight: API key 't' has 2 calls in flight, its limit"
     limits.release(key)
     assert limits.in_flight("t") == 1 and limits.acquire(key) is None
     other = KeySpec("u", max_in_flight=1)  # keys are counted apart
@@ -108,10 +109,11 @@ def test_rate_is_a_token_bucket_refilled_by_the_clock() -> None:
     limits, key = KeyLimits(clock), KeySpec("t", rate=2.0, burst=3)
     assert [limits.acquire(key) for _ in range(3)] == [None, None, None]  # the burst
     refusal = limits.acquire(key)
-    assert refusal is not None and refusal.startswith("rate:") and "retry in 0.500 s" in refusal
+    assert refusal is not None and refusal.limit == "rate" and refusal.retry_after_ms == 500
+    assert refusal.message.startswith("rate: API key 't' is over 2 calls/s (burst 3)")
     clock.t += 0.25  # half a token: still refused, and the refusal spent nothing
     refusal = limits.acquire(key)
-    assert refusal is not None and "retry in 0.250 s" in refusal
+    assert refusal is not None and refusal.retry_after_ms == 250 and refusal.message.endswith("retry in 0.250 s")
     clock.t += 0.25
     assert limits.acquire(key) is None and limits.acquire(key) is not None
     clock.t += 60  # a long pause refills the burst, no more
