@@ -95,6 +95,15 @@ def _spec(fields: list[str], digest: bytes, where: str) -> KeySpec:
     return KeySpec(name, max_in_flight, rate, burst or (max(1, math.ceil(rate)) if rate else 0), isolate == "true")
 
 
+def parse_line(words: list[str], where: str) -> tuple[bytes, KeySpec]:
+    """One line of a keys file, split on whitespace: (the key's digest, its spec); AuthError naming `where`."""
+    key, *fields = words
+    if len(key) < MIN_KEY_LEN or not key.isascii() or not key.isprintable() or "=" in key:
+        raise AuthError(f"{where} is not {MIN_KEY_LEN}+ printable ASCII characters without spaces")
+    digest = _digest(key)
+    return digest, _spec(fields, digest, where)
+
+
 def read_keys(path: str) -> dict[bytes, KeySpec]:
     """The keys in `path` by digest: one per line (`KeySpec`), blank lines and `#` comments skipped."""
     try:
@@ -106,11 +115,8 @@ def read_keys(path: str) -> dict[bytes, KeySpec]:
     rows = [x.split() for x in lines if x.strip() and not x.strip().startswith("#")]
     if not rows:
         raise AuthError(f"the API keys file {path!r} holds no key")
-    for n, (key, *fields) in enumerate(rows, 1):
-        if len(key) < MIN_KEY_LEN or not key.isascii() or not key.isprintable() or "=" in key:
-            raise AuthError(f"key {n} of {path!r} is not {MIN_KEY_LEN}+ printable ASCII characters without spaces")
-        digest = _digest(key)
-        spec = _spec(fields, digest, f"key {n} of {path!r}")
+    for n, row in enumerate(rows, 1):
+        digest, spec = parse_line(row, f"key {n} of {path!r}")
         if digest in out or spec.name in names:
             raise AuthError(f"key {n} of {path!r} repeats a key or the name {spec.name!r}")
         out[digest] = spec

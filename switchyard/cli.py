@@ -11,6 +11,7 @@ commands:
   serve              run the router daemon
   worker sim         run a simulated vLLM-like worker
   worker vllm        run vLLM (AsyncLLM, in-process) behind the Worker service; from .venv-vllm (make vllm-env)
+  keys new | check   make an API key's line; check a keys file as the router reads it
   demo               the main job: router + 4 simulated workers + a Mooncake slice, printing a results table
   bench sim          discrete-event simulation of N workers in virtual time
   bench live         router + simulated worker processes over loopback gRPC: router-added latency
@@ -35,6 +36,7 @@ COMMANDS: dict[tuple[str, ...], str] = {
     ("serve",): "switchyard.router.server",
     ("worker", "sim"): "switchyard.workers.sim_worker",
     ("worker", "vllm"): "switchyard.workers.vllm_worker",
+    ("keys",): "switchyard.keys_cli",
     ("demo",): "switchyard.bench.demo",
     ("bench", "sim"): "switchyard.bench.sim",
     ("bench", "live"): "switchyard.bench.live",

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from switchyard import keys_cli
 from switchyard.auth import ApiKeys, AuthError, KeyLimits, KeySpec, cache_salt_for, read_keys
 
 KEY_A = "a" * 24
@@ -136,3 +137,31 @@ def test_an_isolated_key_salts_its_requests_apart() -> None:
         cache_salt_for("tenant:team-a:", None)
     with pytest.raises(ValueError, match="may not start with 'tenant:'"):
         cache_salt_for("tenant:team-a:", KeySpec("team-b"))
+
+
+def test_keys_new_makes_a_line_the_router_reads(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "keys"
+    lines = []
+    for argv in (["new", "--name", "team-a", "--max-in-flight", "4", "--rate", "2.5", "--isolate"], ["new"]):
+        assert keys_cli.main(argv) == 0
+        lines.append(capsys.readouterr().out.strip())
+    assert lines[0] != lines[1] and all(len(line.split()[0]) == 2 * keys_cli.KEY_BYTES for line in lines)
+    path.write_text("\n".join(lines) + "\n")
+    keys = ApiKeys(str(path))
+    assert keys.find(bearer(lines[0].split()[0])) == KeySpec("team-a", 4, 2.5, 3, True)
+    assert keys.find(bearer(lines[1].split()[0])) is not None
+    assert keys_cli.main(["new", "--burst", "3"]) == 2  # a line the router would refuse is not printed
+    out = capsys.readouterr()
+    assert out.out == "" and "burst= needs rate=" in out.err
+
+
+def test_keys_check_says_what_each_key_may_do_or_what_is_wrong(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "keys"
+    path.write_text(f"{KEY_A} name=team-a max_in_flight=4 rate=2 isolate=true\n{KEY_B}\n")
+    assert keys_cli.main(["check", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith(": 2 keys") and out[1].strip() == "team-a: max_in_flight=4, rate=2/s burst=2, isolated cache"
+    assert out[2].strip().startswith("sha256:") and out[2].endswith(": no limits")
+    path.write_text(f"{KEY_A} rate=fast\n")
+    assert keys_cli.main(["check", str(path)]) == 2
+    assert "key 1 of" in capsys.readouterr().err
