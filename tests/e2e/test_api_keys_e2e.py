@@ -37,16 +37,21 @@ def serve_args(keys: Path, admin_keys: Path, *extra: str) -> list[str]:
             "--set", f"server.api_keys_file={keys}", "--set", f"server.admin_api_keys_file={admin_keys}", *extra]
 
 
-@pytest.fixture(scope="module")
-def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[procs.Proc, Path]]:
-    d = tmp_path_factory.mktemp("keys")
+def keyed_router(d: Path, keys_text: str, *worker_args: str) -> Iterator[tuple[procs.Proc, Path]]:
+    """A router whose services take the keys in `keys_text` and ADMIN_KEY, in front of one sim worker."""
     keys, admin_keys = d / "router.keys", d / "admin.keys"
-    write(keys, f"# team a\n{USER_KEY}\n")
+    write(keys, keys_text)
     write(admin_keys, f"{ADMIN_KEY}\n")
-    worker = procs.start("kw0", ["worker", "sim", "--port", "0", "--worker-id", "kw0", "--time-scale", "0.01"])
+    worker = procs.start(d.name, ["worker", "sim", "--port", "0", "--worker-id", d.name, *worker_args])
     with procs.running([worker]) as started:
         started.append(procs.start("router", serve_args(keys, admin_keys, "--worker", worker.address)))
         yield started[-1], keys
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[procs.Proc, Path]]:
+    yield from keyed_router(tmp_path_factory.mktemp("kw", numbered=False), f"# team a\n{USER_KEY}\n",
+                            "--time-scale", "0.01")
 
 
 def client(router: procs.Proc, key: str | None, admin_key: str | None = None) -> RouterClient:
@@ -76,7 +81,7 @@ def test_calls_need_a_key_of_their_service(keyed: tuple[procs.Proc, Path]) -> No
         assert len([ch for ch in c.generate(MODEL, prompt="hi", max_tokens=2, ignore_eos=True, timeout=30)]) >= 1
         assert refused(c.list_workers)  # the user's key is not an admin key
     with client(router, USER_KEY, ADMIN_KEY) as c:
-        assert [s.worker_id for s in c.list_workers()] == ["kw0"]
+        assert [s.worker_id for s in c.list_workers()] == ["kw"]
     with grpc.insecure_channel(router.address) as ch:  # probes carry no key
         status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status
         assert status == health_pb2.HealthCheckResponse.SERVING
@@ -129,14 +134,8 @@ def exhausted(call, limit: str) -> bool:  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[procs.Proc, Path]]:
     """A router in front of a worker in real time (time scale 1), so a long generation stays in flight."""
-    d = tmp_path_factory.mktemp("limits")
-    keys, admin_keys = d / "router.keys", d / "admin.keys"
-    write(keys, f"{USER_KEY} name=team-a max_in_flight=1\n{OTHER_KEY} name=team-b rate=0.001 burst=2\n")
-    write(admin_keys, f"{ADMIN_KEY}\n")
-    worker = procs.start("lw0", ["worker", "sim", "--port", "0", "--worker-id", "lw0"])
-    with procs.running([worker]) as started:
-        started.append(procs.start("router", serve_args(keys, admin_keys, "--worker", worker.address)))
-        yield started[-1], keys
+    yield from keyed_router(tmp_path_factory.mktemp("lw", numbered=False),
+                            f"{USER_KEY} name=team-a max_in_flight=1\n{OTHER_KEY} name=team-b rate=0.001 burst=2\n")
 
 
 def test_a_key_at_max_in_flight_is_refused_until_a_call_ends(limited: tuple[procs.Proc, Path]) -> None:
