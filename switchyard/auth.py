@@ -44,6 +44,7 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+FIELDS = ("name", "max_in_flight", "rate", "burst", "isolate")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 ISOLATED_SALT_PREFIX = "tenant:"  # what an isolated key's cache salts start with; refused from every other caller
 
@@ -64,16 +65,12 @@ class KeySpec:
     burst: int = 0
     isolate: bool = False
 
-    @property
-    def limited(self) -> bool:
-        return bool(self.max_in_flight or self.rate)
-
 
 def _spec(fields: list[str], digest: bytes, where: str) -> KeySpec:
     got: dict[str, str] = {}
     for f in fields:
         k, eq, v = f.partition("=")
-        if not eq or k not in ("name", "max_in_flight", "rate", "burst", "isolate") or k in got:
+        if not eq or k not in FIELDS or k in got:
             raise AuthError(f"{where}: {f!r} is not one of name=, max_in_flight=, rate=, burst=, isolate= (each once)")
         got[k] = v
     name = got.get("name", f"sha256:{digest.hex()[:8]}")
@@ -98,8 +95,10 @@ def _spec(fields: list[str], digest: bytes, where: str) -> KeySpec:
 def parse_line(words: list[str], where: str) -> tuple[bytes, KeySpec]:
     """One line of a keys file, split on whitespace: (the key's digest, its spec); AuthError naming `where`."""
     key, *fields = words
-    if len(key) < MIN_KEY_LEN or not key.isascii() or not key.isprintable() or "=" in key:
+    if len(key) < MIN_KEY_LEN or not key.isascii() or not key.isprintable():
         raise AuthError(f"{where} is not {MIN_KEY_LEN}+ printable ASCII characters without spaces")
+    if key.partition("=")[0] in FIELDS:  # (a base64 key may hold '=')
+        raise AuthError(f"{where} starts with a field, not a key")
     digest = _digest(key)
     return digest, _spec(fields, digest, where)
 
