@@ -55,6 +55,7 @@ RETRYABLE_CODES = frozenset(
 # the deadline passing, not the caller giving up.
 DEADLINE_SLACK_S = 0.05
 
+
 class WorkerFailed(Exception):
     def __init__(self, worker_id: WorkerId, code: str, detail: str) -> None:
         super().__init__(f"{code}: {detail}")
