@@ -217,9 +217,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         token_ids, tokenize_s = None, 0.0
         try:
             try:
-                params = dataclasses.replace(params, cache_salt=cache_salt_for(params.cache_salt, calling_key.get()))
+                salt = cache_salt_for(params.cache_salt, calling_key.get())
             except ValueError as e:
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            if salt != params.cache_salt:  # an isolated key's (a copy of the params only then)
+                params = dataclasses.replace(params, cache_salt=salt)
             # a long input is tokenized in a thread, after the checks that need no tokenizer (`admit` checks again:
             # a worker may have left meanwhile)
             if input_size(params) > LONG_INPUT:

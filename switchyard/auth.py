@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextvars
 import hashlib
-import inspect
 import logging
 import math
 import re
@@ -210,26 +209,12 @@ class KeyEvents(Protocol):
     def ended(self, key: str) -> None: ...
 
 
-class NoEvents:
-    def unauthenticated(self, service: str) -> None:
-        pass
-
-    def started(self, key: str) -> None:
-        pass
-
-    def limited(self, key: str, limit: str) -> None:
-        pass
-
-    def ended(self, key: str) -> None:
-        pass
-
-
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Ends a call without a valid key `UNAUTHENTICATED` and one over its key's limits `RESOURCE_EXHAUSTED`, before
     it reaches the service; runs the others with `calling_key` set to their key."""
 
-    def __init__(self, keys: ApiKeys, events: KeyEvents | None = None, limits: KeyLimits | None = None) -> None:
-        self._keys, self._events, self._limits = keys, events or NoEvents(), limits or KeyLimits()
+    def __init__(self, keys: ApiKeys, events: KeyEvents, limits: KeyLimits | None = None) -> None:
+        self._keys, self._events, self._limits = keys, events, limits or KeyLimits()
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -249,8 +234,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         return self._as_key(handler, key)
 
     def _as_key(self, handler: grpc.RpcMethodHandler, key: KeySpec) -> grpc.RpcMethodHandler:
-        """`handler` run with `calling_key` set to `key`, inside one of the key's slots (`KeyLimits`), or ended
-        `RESOURCE_EXHAUSTED` without one.
+        """`handler` (an async servicer method: the Router's and Admin's all are) run with `calling_key` set to
+        `key`, inside one of the key's slots (`KeyLimits`), or ended `RESOURCE_EXHAUSTED` without one.
 
         NOTE: the slot is taken when the handler starts, not at interception, and given back in its `finally`
         (grpc.aio cancels the handler's task when the call is cancelled): a call cancelled between the two never
@@ -279,8 +264,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 await enter(context)
                 try:
-                    got = inner_uu(request, context)
-                    return await got if inspect.isawaitable(got) else got
+                    return await inner_uu(request, context)
                 finally:
                     end()
             return grpc.unary_unary_rpc_method_handler(unary, **codecs)
@@ -289,15 +273,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             await enter(context)
             try:
-                got = inner_us(request, context)
-                if inspect.isawaitable(got):  # a handler that writes with context.write
-                    await got
-                elif hasattr(got, "__aiter__"):
-                    async for item in got:
-                        yield item
-                else:
-                    for item in got:
-                        yield item
+                async for item in inner_us(request, context):
+                    yield item
             finally:
                 end()
         return grpc.unary_stream_rpc_method_handler(stream, **codecs)
