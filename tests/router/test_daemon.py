@@ -21,7 +21,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from switchyard.router.admission import LONG_INPUT, AdmittedRequest, Sampling
 from switchyard.router.client import AsyncRouterClient
+from switchyard.router.clock import RealClock
 from switchyard.router.config import load_config
+from switchyard.router.dispatch import DEADLINE_SLACK_S
 from switchyard.router.policies.base import WorkerId
 from switchyard.router.policies.preble_e2 import PrebleE2
 from switchyard.router.policies.registry import DEFAULT_POLICY
@@ -215,6 +217,46 @@ async def test_deadline_while_dispatched_aborts_on_the_worker() -> None:
         await w.wait_for(lambda: "d1" in w.cancelled)
         await until(lambda: sample(daemon, "switchyard_deadline_exceeded_total", model="m", stage="dispatched") == 1)
         await until(lambda: daemon.fleet.get(WorkerId("w0")).in_flight == 0)  # type: ignore[union-attr]
+
+
+class _ShiftedClock:
+    """The router's monotonic clock, moved forward on demand: the one fake in this file's deadline tests. A client
+    cancel (RST_STREAM) that arrives a few ms before the router's own deadline happens in the field, but not on
+    demand; moving the clock the dispatcher reads stands it in, and leaves the worker call's real timeout as set."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def now(self) -> float:
+        return RealClock().now() + self.offset
+
+
+async def test_a_cancel_just_before_the_deadline_counts_as_the_deadline() -> None:
+    """A cancel within DEADLINE_SLACK_S of the request's deadline is the deadline passing (the client's own deadline
+    fires a hop before the router's); one well before it is the client giving up."""
+    w = FakeWorker("w0", script=Script(hold_after=1))
+    async with stack([w]) as (daemon, _):
+        clock = _ShiftedClock()
+        daemon.dispatcher._clock = clock
+        assert 0.02 < DEADLINE_SLACK_S < 0.5
+        for rid, before_deadline_s in (("near", 0.02), ("early", 0.5)):
+            req = AdmittedRequest(
+                request_id=rid, model="m", prompt_token_ids=(5, 6, 7), block_hashes=(), sampling=Sampling(max_tokens=4),
+                arrival_s=clock.now(),
+            )
+            chunks = daemon.dispatcher.generate(req, time_remaining_s=30.0)
+            task = asyncio.create_task(anext(chunks))  # type: ignore[arg-type]
+            await w.wait_for(lambda rid=rid: rid in w.active)  # type: ignore[misc]
+            clock.offset += 30.0 - before_deadline_s
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await w.wait_for(lambda rid=rid: rid in w.cancelled)  # type: ignore[misc]
+        assert sample(daemon, "switchyard_deadline_exceeded_total", model="m", stage="dispatched") == 1
+        assert sample(daemon, "switchyard_cancelled_total", model="m", stage="dispatched") == 1
+        statuses = {s.labels["status"]: s.value for m in daemon.metrics.registry.collect()
+                    if m.name == "switchyard_requests" for s in m.samples if s.name.endswith("_total")}
+        assert statuses == {"deadline_exceeded": 1, "cancelled": 1}
 
 
 async def test_queue_holds_releases_and_rejects_when_full() -> None:
