@@ -13,6 +13,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from switchyard.tls import ServerTls
+from switchyard.workers.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 # 10 us .. 1 s: garbage-collector pauses (young generations ~10-100 us, a full one up to hundreds of ms)
 GC_BUCKETS_S = (1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0)
 # output tokens, and |predicted - observed| output tokens
+KV_LAG_BUCKETS_S = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 5.0)
 TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
@@ -127,6 +129,24 @@ class RouterMetrics:
             "switchyard_worker_prefix_cache_hit_ratio",
             "Cumulative prefix-cache hits / queries (tokens) from the worker's Stats", ["worker"], registry=r,
         )
+        # the KV event streams: how the router's view of the workers' caches keeps up with them
+        self.kv_streams = Counter(
+            "switchyard_kv_streams", "KvEvents subscriptions opened to a worker: the first, and one per resume after "
+            "its stream ended (a reconnect, or a fresh snapshot after a health loss)", ["worker"], registry=r,
+        )
+        self.kv_batches = Counter(
+            "switchyard_kv_event_batches", "KV event batches applied to the router's view of a worker's cache",
+            ["worker"], registry=r,
+        )
+        self.kv_blocks = Counter(
+            "switchyard_kv_event_blocks", "Blocks named by applied KV events: stored, removed; cleared counts "
+            "AllBlocksCleared events (one opens every snapshot)", ["worker", "kind"], registry=r,
+        )
+        self.kv_lag = Histogram(
+            "switchyard_kv_event_lag_seconds", "From a worker publishing a KV event batch (its wall clock) to the "
+            "router applying it; across hosts only as good as their clock sync", buckets=KV_LAG_BUCKETS_S, registry=r,
+        )
+        self._kv_children: dict[str, tuple[Any, Any, Any, Any]] = {}
         self.predictions = Counter(
             "switchyard_predictions", "Settled output-length predictions by who answered: model, hint, memo or fallback",
             ["source"], registry=r,
@@ -165,6 +185,34 @@ class RouterMetrics:
         self.worker_waiting.labels(worker).set(num_waiting)
         self.prefix_hit_ratio.labels(worker).set(hits / queries if queries else 0.0)
 
+    def observe_kv_batch(self, worker: str, batch: KvEventBatch, now_wall_s: float) -> None:
+        """One applied batch: its blocks by kind and its lag (series children kept per worker: a stream's batches
+        come one per engine step)."""
+        ch = self._kv_children.get(worker)
+        if ch is None:
+            ch = self._kv_children[worker] = (
+                self.kv_batches.labels(worker), self.kv_blocks.labels(worker, "stored"),
+                self.kv_blocks.labels(worker, "removed"), self.kv_blocks.labels(worker, "cleared"),
+            )
+        batches, stored, removed, cleared = ch
+        batches.inc()
+        n_stored = n_removed = n_cleared = 0
+        for e in batch.events:
+            if type(e) is BlockStored:
+                n_stored += len(e.block_hashes)
+            elif type(e) is BlockRemoved:
+                n_removed += len(e.block_hashes)
+            elif type(e) is AllBlocksCleared:
+                n_cleared += 1
+        if n_stored:
+            stored.inc(n_stored)
+        if n_removed:
+            removed.inc(n_removed)
+        if n_cleared:
+            cleared.inc(n_cleared)
+        if batch.ts:
+            self.kv_lag.observe(max(now_wall_s - batch.ts, 0.0))
+
     def observe_policy_counters(self, policy: str, counts: dict[str, int]) -> None:
         """Advance `switchyard_policy_actions_total` to the policy's cumulative `counts` (each series shows from
         the first call, at 0 until the policy acts)."""
@@ -182,6 +230,13 @@ class RouterMetrics:
         ):
             with contextlib.suppress(KeyError):
                 gauge.remove(worker)
+        self._kv_children.pop(worker, None)
+        for counter in (self.kv_streams, self.kv_batches):
+            with contextlib.suppress(KeyError):
+                counter.remove(worker)
+        for kind in ("stored", "removed", "cleared"):
+            with contextlib.suppress(KeyError):
+                self.kv_blocks.remove(worker, kind)
 
     def serve(self, host: str, port: int, tls: ServerTls | None = None) -> int:
         """Start the HTTP exporter in a daemon thread; returns the bound port (for port 0). With `tls`, HTTPS

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -431,6 +432,7 @@ class WorkerRegistry:
             call = conn.stub.KvEvents(
                 worker_pb2.KvEventsRequest(start_after_seq=rec.last_kv_seq, incarnation=rec.info.incarnation)
             )
+            self._metrics.kv_streams.labels(wid).inc()
             try:
                 async for raw in call:
                     batch = api.kv_batch_from_proto(raw)
@@ -441,6 +443,7 @@ class WorkerRegistry:
                         continue  # replay overlap
                     self._fleet.apply_kv_events(wid, batch)
                     self._policy.on_kv_events(wid, batch)
+                    self._metrics.observe_kv_batch(wid, batch, time.time())
             except grpc.aio.AioRpcError as e:
                 if e.code() is grpc.StatusCode.UNIMPLEMENTED:
                     log.warning("worker %s has no KvEvents: prefix view stays empty for it", wid)

@@ -7,6 +7,7 @@ Runs on the test's own event loop next to an in-process router, so daemon tests 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -108,7 +109,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         if not digests:
             return
         self._kv_seq += 1
-        batch = worker_pb2.KvEventBatch(seq=self._kv_seq, ts=0.0)
+        batch = worker_pb2.KvEventBatch(seq=self._kv_seq, ts=time.time())  # as a worker stamps it
         batch.events.add().stored.block_hashes.extend(to_event_hash(d) for d in digests)
         for q in self._kv_queues:
             q.put_nowait(batch)

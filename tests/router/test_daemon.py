@@ -582,6 +582,17 @@ async def test_kv_events_feed_the_prefix_view() -> None:
         [status] = await client.list_workers()
         assert status.num_resident_blocks == 3
         await until(lambda: sample(daemon, "switchyard_worker_prefix_cache_hit_ratio", worker="w0") == 0.25)
+        # the stream's own metrics: one subscription, the batch that stored the 3 blocks, its lag
+        assert sample(daemon, "switchyard_kv_streams_total", worker="w0") == 1
+        assert sample(daemon, "switchyard_kv_event_batches_total", worker="w0") >= 1
+        assert sample(daemon, "switchyard_kv_event_blocks_total", worker="w0", kind="stored") == 3
+        assert sample(daemon, "switchyard_kv_event_blocks_total", worker="w0", kind="removed") == 0
+        assert sample(daemon, "switchyard_kv_event_lag_seconds_count") == sample(
+            daemon, "switchyard_kv_event_batches_total", worker="w0")
+        await client.deregister_worker("w0")  # a gone worker's series go with it
+        assert daemon.metrics.registry.get_sample_value("switchyard_kv_event_batches_total", {"worker": "w0"}) is None
+        assert daemon.metrics.registry.get_sample_value(
+            "switchyard_kv_event_blocks_total", {"worker": "w0", "kind": "stored"}) is None
 
 
 async def test_collector_pauses_are_measured_and_long_ones_logged(caplog: pytest.LogCaptureFixture) -> None:
