@@ -55,6 +55,7 @@ from switchyard.router.predictor.convert import VOCAB  # noqa: E402
 from switchyard.router.predictor.evaluate import length_metrics  # noqa: E402
 from switchyard.router.predictor.model import LengthRegressor, RegressorConfig  # noqa: E402
 from switchyard.router.predictor.train import TrainConfig, length_batches  # noqa: E402
+from switchyard.router.predictor.train import collate as train_collate  # noqa: E402
 
 assert model_mod.__file__.startswith(str(REPO)) or "ns_switchyard" in model_mod.__file__, model_mod.__file__
 
@@ -93,14 +94,8 @@ def truncate(rows: list[np.ndarray], max_input: int) -> list[np.ndarray]:
 
 
 def collate(rows, device):
-    width = max(len(r) for r in rows)
-    ids = np.zeros((len(rows), width), dtype=np.int64)
-    mask = np.zeros((len(rows), width), dtype=np.int64)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = r
-        mask[i, : len(r)] = 1
-    return (torch.from_numpy(ids).to(device, non_blocking=True),
-            torch.from_numpy(mask).to(device, non_blocking=True))
+    ids, mask = train_collate(rows)  # train.py's padding
+    return ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
 
 
 def build_model(target: str, init_tokens: float, enc_state: dict) -> LengthRegressor:
