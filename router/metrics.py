@@ -32,8 +32,9 @@ PREDICT_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 # 10 us .. 1 s: garbage-collector pauses (young generations ~10-100 us, a full one up to hundreds of ms)
 GC_BUCKETS_S = (1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0)
-# output tokens, and |predicted - observed| output tokens
+# 100 us .. 5 s: a KV event batch from its worker's publish to the router applying it
 KV_LAG_BUCKETS_S = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 5.0)
+# output tokens, and |predicted - observed| output tokens
 TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
