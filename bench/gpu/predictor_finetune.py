@@ -51,11 +51,11 @@ import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from switchyard.router.predictor import model as model_mod  # noqa: E402
-from switchyard.router.predictor.convert import VOCAB  # noqa: E402
 from switchyard.router.predictor.evaluate import length_metrics  # noqa: E402
 from switchyard.router.predictor.model import LengthRegressor, RegressorConfig  # noqa: E402
-from switchyard.router.predictor.train import TrainConfig, length_batches  # noqa: E402
+from switchyard.router.predictor.train import TrainConfig, length_batches, warmup_decay  # noqa: E402
 from switchyard.router.predictor.train import collate as train_collate  # noqa: E402
+from switchyard.router.predictor.train import predict as train_predict  # noqa: E402
 
 assert model_mod.__file__.startswith(str(REPO)) or "ns_switchyard" in model_mod.__file__, model_mod.__file__
 
@@ -99,8 +99,8 @@ def collate(rows, device):
 
 
 def build_model(target: str, init_tokens: float, enc_state: dict) -> LengthRegressor:
-    """LengthRegressor(pretrained=False) + the carried encoder weights; prompts re-drawn from the pretrained word
-    table exactly as model.py draws them with pretrained=True (generator seed 0, rows in [1000, vocab))."""
+    """LengthRegressor(pretrained=False) + the carried encoder weights, prompts drawn from them as pretrained=True
+    draws them."""
     cfg = RegressorConfig(layers=DEFAULTS.teacher_layers, num_prompt_tokens=DEFAULTS.num_prompt_tokens,
                           target=target, target_scale=DEFAULTS.target_scale, init_tokens=init_tokens)
     m = LengthRegressor(cfg, pretrained=False)
@@ -108,11 +108,7 @@ def build_model(target: str, init_tokens: float, enc_state: dict) -> LengthRegre
     missing = [k for k in missing if not k.endswith("position_ids")]
     if missing or unexpected:
         raise RuntimeError(f"state mismatch: missing={missing} unexpected={unexpected}")
-    word = m.encoder.embeddings.word_embeddings.weight
-    gen = torch.Generator().manual_seed(0)
-    rows = torch.randint(1000, VOCAB, (cfg.num_prompt_tokens,), generator=gen)
-    with torch.no_grad():
-        m.prompts.copy_(word.detach()[rows])
+    m.init_prompts()  # the rows pretrained=True draws, now from the loaded table
     return m
 
 
@@ -128,18 +124,9 @@ def set_trainable(m: LengthRegressor, how: str) -> None:
         raise ValueError(how)
 
 
-@torch.no_grad()
-def predict(m, ids, device, batch_size=128):
-    """fp32 (as train.py's predict for the test metrics), length-sorted batches -> clamped tokens."""
-    m.eval()
-    order = np.argsort([len(r) for r in ids], kind="stable")
-    raw = np.zeros(len(ids), dtype=np.float32)
-    for k in range(0, len(order), batch_size):
-        idx = order[k: k + batch_size]
-        a, b = collate([ids[i] for i in idx], device)
-        raw[idx] = m.forward_raw(a, b).float().cpu().numpy()
-    tokens = m.denormalise(torch.from_numpy(raw)).clamp(1, m.config.max_output_tokens).numpy()
-    return tokens
+def predict(m, ids, device):
+    """train.py's predict (fp32, length-sorted batches of 128) on `device`: clamped tokens."""
+    return train_predict(m, ids, batch_size=128, device=device)[1]
 
 
 def train_variant(name, v, data, enc_state, device, args, deadline):
@@ -158,9 +145,7 @@ def train_variant(name, v, data, enc_state, device, args, deadline):
     total = max(1, epochs * steps_per_epoch)
     if args.max_steps:
         total = min(total, args.max_steps)
-    warmup = max(1, total // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / warmup if s < warmup else max(0.1, 1 - 0.9 * (s - warmup) / max(1, total - warmup)))
+    sched = warmup_decay(opt, total)
     trainable = [p for p in m.parameters() if p.requires_grad]
     lengths = [len(r) for r in train_ids]
     rng = random.Random(DEFAULTS.seed)

@@ -65,11 +65,8 @@ class LengthRegressor(nn.Module):
             from transformers import DistilBertModel
 
             self.encoder = DistilBertModel(distilbert_config(config.n_layers, config.dropout))
-        word = self.encoder.embeddings.word_embeddings.weight
-        # Prompt init: random real-vocabulary rows (Lester et al.: better than random noise).
-        gen = torch.Generator().manual_seed(0)
-        rows = torch.randint(1000, word.shape[0], (config.num_prompt_tokens,), generator=gen)
-        self.prompts = nn.Parameter(word.detach()[rows].clone())
+        self.prompts = nn.Parameter(torch.empty(config.num_prompt_tokens, DIM))
+        self.init_prompts()
         self.head = nn.Sequential(
             nn.Linear(DIM, config.head_hidden),
             nn.GELU(),
@@ -80,7 +77,17 @@ class LengthRegressor(nn.Module):
             self.head[3].weight.mul_(0.1)
             self.head[3].bias.fill_(self.normalise(torch.tensor(float(config.init_tokens))).item())
 
+    def init_prompts(self) -> None:
+        """Prompts as random real-vocabulary rows of the word table (Lester et al.: better than random noise); seeded,
+        so a model whose encoder weights are loaded afterwards redraws the same rows by calling this again."""
+        word = self.encoder.embeddings.word_embeddings.weight
+        gen = torch.Generator().manual_seed(0)
+        rows = torch.randint(1000, word.shape[0], (self.config.num_prompt_tokens,), generator=gen)
+        with torch.no_grad():
+            self.prompts.copy_(word.detach()[rows])
+
     # --- target normalisation ---
+
     def normalise(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.config.target == "log":
             return torch.log1p(tokens)

@@ -128,6 +128,19 @@ def tokenize(texts: Sequence[str], max_input_tokens: int) -> list[list[int]]:
 # --- training and prediction -----------------------------------------------------------------------------------
 
 
+def warmup_decay(opt, total_steps: int):
+    """The learning-rate schedule: a 5% linear warm-up, then linear decay to 10% at `total_steps`."""
+    import torch
+
+    warmup = max(1, total_steps // 20)
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: (
+            (s + 1) / warmup if s < warmup else max(0.1, 1 - 0.9 * (s - warmup) / max(1, total_steps - warmup))
+        ),
+    )
+
+
 def fit(
     model,
     ids: Sequence[Sequence[int]],
@@ -148,13 +161,7 @@ def fit(
     opt = torch.optim.AdamW(model.param_groups(lr, prompt_lr))
     steps_per_epoch = math.ceil(len(ids) / cfg.batch_size)
     total = max(1, epochs * steps_per_epoch)
-    warmup = max(1, total // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt,
-        lambda s: (
-            (s + 1) / warmup if s < warmup else max(0.1, 1 - 0.9 * (s - warmup) / max(1, total - warmup))
-        ),
-    )
+    sched = warmup_decay(opt, total)
     y_all = torch.tensor(targets, dtype=torch.float32)
     lengths = [len(r) for r in ids]
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -204,9 +211,11 @@ def _loss(raw, y, kind: str):
 
 
 def predict(
-    model, ids: Sequence[Sequence[int]], batch_size: int = 64, desc: str | None = None, bf16: bool = False
+    model, ids: Sequence[Sequence[int]], batch_size: int = 64, desc: str | None = None, bf16: bool = False,
+    device: str = "cpu",
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(raw target-space outputs, clamped tokens) for every row, length-sorted batches; fp32 unless bf16."""
+    """(raw target-space outputs, clamped tokens) for every row, length-sorted batches, on the model's `device`;
+    fp32 unless bf16."""
     import torch
     from tqdm import tqdm
 
@@ -217,8 +226,8 @@ def predict(
     with torch.no_grad():
         for idx in tqdm(batches, desc=desc, unit="batch", disable=desc is None, mininterval=2.0):
             input_ids, mask = collate([ids[i] for i in idx])
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                raw[idx] = model.forward_raw(input_ids, mask).float().numpy()
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+                raw[idx] = model.forward_raw(input_ids.to(device), mask.to(device)).float().cpu().numpy()
     tokens = model.denormalise(torch.from_numpy(raw)).clamp(1, model.config.max_output_tokens).numpy()
     return raw, tokens
 
