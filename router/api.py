@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from switchyard.auth import cache_salt_for, calling_key
+from switchyard.auth import KeyEvents, KeyLimits, KeySpec, cache_salt_for, calling_key
 from switchyard.router.admission import (
     LONG_INPUT,
     AdmittedRequest,
@@ -186,6 +186,26 @@ def kv_batch_from_proto(b: worker_pb2.KvEventBatch) -> KvEventBatch:
 
 
 # ---------------------------------------------------------------------- servicers
+@dataclasses.dataclass(slots=True)
+class TokenCharge:
+    """A request's reservation against its API key's `tokens_per_min` (prompt + max_tokens), and what it used:
+    its prompt once it ran (a chunk came back), and each output token streamed."""
+
+    key: KeySpec
+    prompt: int
+    reserved: int
+    ran: bool = False
+    output: int = 0
+
+    def seen(self, chunk: router_pb2.GenerateChunk) -> None:
+        self.ran = True
+        self.output += len(chunk.token_ids)
+
+    @property
+    def used(self) -> int:
+        return (self.prompt if self.ran else 0) + self.output
+
+
 async def _abort(context: grpc.aio.ServicerContext, err: ApiError) -> None:
     if err.trailing:
         context.set_trailing_metadata(err.trailing)
@@ -202,9 +222,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
         clock: Clock,
         metrics: RouterMetrics,
         predictor: PredictorService | None = None,
+        key_limits: KeyLimits | None = None,
+        key_events: KeyEvents | None = None,
     ) -> None:
         self._registry = registry
         self._predictor = predictor
+        self._key_limits, self._key_events = key_limits, key_events  # the Router service's API keys' (or None)
         self._dispatcher = dispatcher
         self._tokenizer_for = tokenizer_for
         self._max_tokens_cap = max_tokens_cap
@@ -243,13 +266,45 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._metrics.tokenize_time.labels(admitted.model).observe(admitted.tokenize_s)
         return admitted
 
+    def _reserve(self, admitted: AdmittedRequest) -> TokenCharge | None:
+        """Reserve the request's tokens under its API key's `tokens_per_min` (None without one), or end it
+        RESOURCE_EXHAUSTED (with `retry-after-ms` where waiting will do)."""
+        key = calling_key.get()
+        if key is None or not key.tokens_per_min or self._key_limits is None:
+            return None
+        prompt = len(admitted.prompt_token_ids)
+        reserved = prompt + admitted.sampling.max_tokens
+        refusal = self._key_limits.reserve_tokens(key, reserved)
+        if refusal is not None:
+            if self._key_events is not None:
+                self._key_events.limited(key.name, refusal.limit)
+            log.info("request %s refused: %s", admitted.request_id, refusal.message)
+            trailing = (("retry-after-ms", str(refusal.retry_after_ms)),) if refusal.retry_after_ms is not None else ()
+            raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message, trailing)
+        return TokenCharge(key, prompt, reserved)
+
+    def _settle(self, charge: TokenCharge) -> None:
+        """The request ended (a result, an error or a cancel): what it did not use goes back to its key."""
+        assert self._key_limits is not None
+        used = charge.used
+        self._key_limits.refund_tokens(charge.key, charge.reserved - used)
+        if self._key_events is not None:
+            self._key_events.tokens(charge.key.name, used)
+
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateChunk]:
         try:
             admitted = await self._admit(request)
-            async for chunk in self._dispatcher.generate(admitted, context.time_remaining()):
-                yield chunk
+            charge = self._reserve(admitted)
+            try:
+                async for chunk in self._dispatcher.generate(admitted, context.time_remaining()):
+                    if charge is not None:
+                        charge.seen(chunk)
+                    yield chunk
+            finally:
+                if charge is not None:
+                    self._settle(charge)
         except ApiError as e:
             await _abort(context, e)
 
@@ -258,13 +313,20 @@ class RouterService(router_pb2_grpc.RouterServicer):
     ) -> router_pb2.CompleteResponse:
         try:
             admitted = await self._admit(request)
+            charge = self._reserve(admitted)
             token_ids: list[int] = []
             texts: list[str] = []
             last = None
-            async for chunk in self._dispatcher.generate(admitted, context.time_remaining()):
-                token_ids.extend(chunk.token_ids)
-                texts.append(chunk.text)
-                last = chunk
+            try:
+                async for chunk in self._dispatcher.generate(admitted, context.time_remaining()):
+                    if charge is not None:
+                        charge.seen(chunk)
+                    token_ids.extend(chunk.token_ids)
+                    texts.append(chunk.text)
+                    last = chunk
+            finally:
+                if charge is not None:
+                    self._settle(charge)
         except ApiError as e:
             await _abort(context, e)
             raise  # unreachable: abort raises

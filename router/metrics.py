@@ -55,7 +55,11 @@ class RouterMetrics:
         )
         self.key_limited = Counter(
             "switchyard_api_key_limited", "Calls refused RESOURCE_EXHAUSTED by their API key's limit (max_in_flight, "
-            "rate), by service", ["service", "key", "limit"], registry=r,
+            "rate, tokens_per_min), by service", ["service", "key", "limit"], registry=r,
+        )
+        self.key_tokens = Counter(
+            "switchyard_api_key_tokens", "Model tokens (prompt + output) used by the requests of each API key with a "
+            "tokens_per_min limit, by service", ["service", "key"], registry=r,
         )
         self.key_in_flight = Gauge(
             "switchyard_api_key_in_flight", "Calls in flight under each API key, by service", ["service", "key"],
@@ -280,3 +284,6 @@ class KeyMetrics:
 
     def ended(self, key: str) -> None:
         self._m.key_in_flight.labels(self._service, key).dec()
+
+    def tokens(self, key: str, n: int) -> None:
+        self._m.key_tokens.labels(self._service, key).inc(n)

@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from switchyard.auth import ApiKeyInterceptor, ApiKeys, AuthError
+from switchyard.auth import ApiKeyInterceptor, ApiKeys, AuthError, KeyLimits
 from switchyard.router.api import AdminService, RouterService
 from switchyard.router.clock import RealClock
 from switchyard.router.config import ConfigError, RouterConfig, load_config, parse_assignments, to_toml
@@ -220,13 +220,14 @@ class RouterDaemon:
             except TlsError as e:
                 raise StartupError(str(e), EXIT_CONFIG) from None
         server_tls = cfg.tls()
-        keys = self._api_keys(cfg.api_keys_file, "switchyard.v1.Router")
-        admin_keys = self._api_keys(cfg.admin_api_keys_file, "switchyard.v1.Admin")
+        router_limits, router_events = KeyLimits(), KeyMetrics(self.metrics, "switchyard.v1.Router")
+        keys = self._api_keys(cfg.api_keys_file, router_limits, router_events)
+        admin_keys = self._api_keys(cfg.admin_api_keys_file, KeyLimits(), KeyMetrics(self.metrics, "switchyard.v1.Admin"))
 
         self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=keys)
         router_pb2_grpc.add_RouterServicer_to_server(
             RouterService(self.registry, self.dispatcher, self.tokenizer_for, self.config.limits.max_tokens,
-                          self.clock, self.metrics, self.predictor),
+                          self.clock, self.metrics, self.predictor, router_limits, router_events),
             self.server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -274,7 +275,8 @@ class RouterDaemon:
         if model is not None:
             self.predictor.attach(model)
 
-    def _api_keys(self, path: str, service: str) -> list[ApiKeyInterceptor]:
+    @staticmethod
+    def _api_keys(path: str, limits: KeyLimits, events: KeyMetrics) -> list[ApiKeyInterceptor]:
         """The interceptor that checks a service's API keys (none without a file); a bad file stops startup."""
         if not path:
             return []
@@ -282,7 +284,7 @@ class RouterDaemon:
             keys = ApiKeys(path)
         except AuthError as e:
             raise StartupError(str(e), EXIT_CONFIG) from None
-        return [ApiKeyInterceptor(keys, KeyMetrics(self.metrics, service))]
+        return [ApiKeyInterceptor(keys, events, limits)]
 
     @staticmethod
     def _bind(server: grpc.aio.Server, host: str, port: int, server_tls: ServerTls | None) -> int:

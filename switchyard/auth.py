@@ -9,7 +9,8 @@ are kept only as SHA-256 digests, so the check's time does not depend on how muc
 A key's line may name its holder and limit it (`KeySpec`): one team's burst or runaway script then ends in
 `RESOURCE_EXHAUSTED` for that team, not in a queue every other team waits behind; and `isolate` keeps the team's
 prompts out of every other caller's prefix cache (a shared cache tells a caller, by its speed, whether someone
-else sent the same prefix).
+else sent the same prefix). Calls and rate count calls; `tokens_per_min` counts what the GPUs do (a 30k-token
+prompt is not one call's worth of work), charged by the Router service once a prompt is tokenized.
 """
 
 from __future__ import annotations
@@ -43,19 +44,20 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-FIELDS = ("name", "max_in_flight", "rate", "burst", "isolate")
+FIELDS = ("name", "max_in_flight", "rate", "burst", "tokens_per_min", "isolate")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 ISOLATED_SALT_PREFIX = "tenant:"  # what an isolated key's cache salts start with; refused from every other caller
 
 
 @dataclass(frozen=True, slots=True)
 class KeySpec:
-    """One key's line: `<key> [name=N] [max_in_flight=N] [rate=R] [burst=B] [isolate=true]`.
+    """One key's line: `<key> [name=N] [max_in_flight=N] [rate=R] [burst=B] [tokens_per_min=T] [isolate=true]`.
 
     `name` labels its metrics and logs (default `sha256:` and 8 hex digits of its digest, stable across reorderings
     of the file and no help to a guesser); `max_in_flight` caps its concurrent calls, `rate` its calls per second
-    (a token bucket of `burst` calls, default max(1, ceil(rate))); 0 = no limit. `isolate` prefixes its requests'
-    cache salt with `tenant:<name>:`, so they share prefix-cache blocks only with each other.
+    (a token bucket of `burst` calls, default max(1, ceil(rate))), `tokens_per_min` its model tokens (prompt plus
+    output: `KeyLimits.reserve_tokens`); 0 = no limit. `isolate` prefixes its requests' cache salt with
+    `tenant:<name>:`, so they share prefix-cache blocks only with each other.
     """
 
     name: str
@@ -63,6 +65,7 @@ class KeySpec:
     rate: float = 0.0
     burst: int = 0
     isolate: bool = False
+    tokens_per_min: int = 0
 
 
 def _spec(fields: list[str], digest: bytes, where: str) -> KeySpec:
@@ -70,7 +73,8 @@ def _spec(fields: list[str], digest: bytes, where: str) -> KeySpec:
     for f in fields:
         k, eq, v = f.partition("=")
         if not eq or k not in FIELDS or k in got:
-            raise AuthError(f"{where}: {f!r} is not one of name=, max_in_flight=, rate=, burst=, isolate= (each once)")
+            raise AuthError(f"{where}: {f!r} is not one of name=, max_in_flight=, rate=, burst=, tokens_per_min=, "
+                            "isolate= (each once)")
         got[k] = v
     name = got.get("name", f"sha256:{digest.hex()[:8]}")
     if "name" in got and not NAME_RE.fullmatch(name):
@@ -79,16 +83,18 @@ def _spec(fields: list[str], digest: bytes, where: str) -> KeySpec:
         max_in_flight = int(got.get("max_in_flight", "0"))
         rate = float(got.get("rate", "0"))
         burst = int(got.get("burst", "0"))
+        tokens_per_min = int(got.get("tokens_per_min", "0"))
     except ValueError as e:
         raise AuthError(f"{where}: {e}") from None
-    if max_in_flight < 0 or burst < 0 or not (math.isfinite(rate) and rate >= 0):
-        raise AuthError(f"{where}: max_in_flight, rate and burst must be >= 0 (0 = no limit)")
+    if max_in_flight < 0 or burst < 0 or tokens_per_min < 0 or not (math.isfinite(rate) and rate >= 0):
+        raise AuthError(f"{where}: max_in_flight, rate, burst and tokens_per_min must be >= 0 (0 = no limit)")
     if burst and not rate:
         raise AuthError(f"{where}: burst= needs rate=")
     isolate = got.get("isolate", "false").lower()
     if isolate not in ("true", "false"):
         raise AuthError(f"{where}: isolate must be true or false, got {isolate!r}")
-    return KeySpec(name, max_in_flight, rate, burst or (max(1, math.ceil(rate)) if rate else 0), isolate == "true")
+    return KeySpec(name, max_in_flight, rate, burst or (max(1, math.ceil(rate)) if rate else 0), isolate == "true",
+                   tokens_per_min)
 
 
 def parse_line(words: list[str], where: str) -> tuple[bytes, KeySpec]:
@@ -153,8 +159,9 @@ def cache_salt_for(salt: str, key: KeySpec | None) -> str:
 
 
 class Refusal(NamedTuple):
-    """Why a key's call may not start: `limit` (max_in_flight, rate), the status message, and for the rate the
-    milliseconds until a call would pass (sent as the `retry-after-ms` trailer, as a full queue's is)."""
+    """Why a key's call may not start: `limit` (max_in_flight, rate, tokens_per_min), the status message, and for
+    the rate and tokens the milliseconds until the call would pass (sent as the `retry-after-ms` trailer, as a full
+    queue's is; none where no wait will do)."""
 
     limit: str
     message: str
@@ -170,6 +177,7 @@ class KeyLimits:
         self._clock = clock
         self._in_flight: dict[str, int] = {}
         self._buckets: dict[str, tuple[float, float]] = {}  # name -> (tokens, when)
+        self._model_tokens: dict[str, tuple[float, float]] = {}  # name -> (model tokens left, when)
 
     def in_flight(self, name: str) -> int:
         return self._in_flight.get(name, 0)
@@ -192,6 +200,44 @@ class KeyLimits:
         self._in_flight[key.name] = n + 1
         return None
 
+    def tokens_left(self, key: KeySpec) -> float:
+        """The model tokens `key` may reserve now (inf without a `tokens_per_min`)."""
+        return self._refill(key)[0] if key.tokens_per_min else math.inf
+
+    def _refill(self, key: KeySpec) -> tuple[float, float]:
+        """(tokens in key's bucket now, now): a minute's worth at most, refilled at tokens_per_min / 60 a second."""
+        now = self._clock()
+        cap = float(key.tokens_per_min)
+        left, at = self._model_tokens.get(key.name, (cap, now))
+        return min(cap, left + (now - at) * cap / 60.0), now
+
+    def reserve_tokens(self, key: KeySpec, tokens: int) -> Refusal | None:
+        """Take `tokens` model tokens (a request's prompt plus its max_tokens) from key's bucket: None when they
+        were there (`refund_tokens` what the request did not use), else why not, with the wait until they
+        would be. A request larger than a minute's worth never passes, and says so."""
+        if not key.tokens_per_min:
+            return None
+        if tokens > key.tokens_per_min:
+            return Refusal("tokens_per_min", f"tokens_per_min: API key {key.name!r} may use {key.tokens_per_min} tokens "
+                                             f"a minute; this request needs {tokens} (prompt + max_tokens): lower "
+                                             "max_tokens or split the prompt")
+        left, now = self._refill(key)
+        if left < tokens:
+            self._model_tokens[key.name] = (left, now)
+            wait_s = (tokens - left) * 60.0 / key.tokens_per_min
+            return Refusal("tokens_per_min", f"tokens_per_min: API key {key.name!r} is over {key.tokens_per_min} "
+                                             f"tokens/min ({tokens} asked, {left:.0f} left); retry in {wait_s:.3f} s",
+                           math.ceil(wait_s * 1000))
+        self._model_tokens[key.name] = (left - tokens, now)
+        return None
+
+    def refund_tokens(self, key: KeySpec, tokens: int) -> None:
+        """Give back reserved tokens a request did not use (its output stopped short of max_tokens, or it never
+        ran); the bucket never holds more than a minute's worth."""
+        if key.tokens_per_min and tokens > 0:
+            left, now = self._refill(key)
+            self._model_tokens[key.name] = (min(float(key.tokens_per_min), left + tokens), now)
+
     def release(self, key: KeySpec) -> None:
         n = self._in_flight[key.name] - 1
         if n:
@@ -207,6 +253,7 @@ class KeyEvents(Protocol):
     def started(self, key: str) -> None: ...
     def limited(self, key: str, limit: str) -> None: ...
     def ended(self, key: str) -> None: ...
+    def tokens(self, key: str, n: int) -> None: ...  # model tokens a request of the key used (tokens_per_min keys)
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

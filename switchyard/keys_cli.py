@@ -20,6 +20,8 @@ def describe(spec: KeySpec) -> str:
     limits = [f"max_in_flight={spec.max_in_flight}"] if spec.max_in_flight else []
     if spec.rate:
         limits.append(f"rate={spec.rate:g}/s burst={spec.burst}")
+    if spec.tokens_per_min:
+        limits.append(f"tokens_per_min={spec.tokens_per_min}")
     if spec.isolate:
         limits.append("isolated cache")
     return f"{spec.name}: {', '.join(limits) or 'no limits'}"
@@ -33,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     new.add_argument("--max-in-flight", type=int, default=0)
     new.add_argument("--rate", type=float, default=0.0, help="calls per second (0 = no limit)")
     new.add_argument("--burst", type=int, default=0, help="calls at once past the rate (default ceil(rate))")
+    new.add_argument("--tokens-per-min", type=int, default=0,
+                     help="model tokens (prompt + max_tokens, the unused output given back) a minute (0 = no limit)")
     new.add_argument("--isolate", action="store_true", help="a prefix cache of its own")
     check = sub.add_parser("check", help="check a keys file as the router reads it; exit 2 naming what is wrong")
     check.add_argument("file")
@@ -42,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         fields += [f"max_in_flight={args.max_in_flight}"] if args.max_in_flight else []
         fields += [f"rate={args.rate:g}"] if args.rate else []
         fields += [f"burst={args.burst}"] if args.burst else []
+        fields += [f"tokens_per_min={args.tokens_per_min}"] if args.tokens_per_min else []
         fields += ["isolate=true"] if args.isolate else []
         line = " ".join([secrets.token_hex(KEY_BYTES), *fields])
         try:  # the line as the router will read it

@@ -1,6 +1,7 @@
 """API keys end to end: a router process whose Router and Admin services each take their own keys file, a simulated
 worker behind it, and clients with and without keys; revoking a key takes effect without a restart; a key's limits
-end its excess calls RESOURCE_EXHAUSTED, and an isolated key shares no prefix cache with other callers."""
+(calls in flight, calls per second, model tokens per minute) end its excess calls RESOURCE_EXHAUSTED, and an
+isolated key shares no prefix cache with other callers."""
 
 from __future__ import annotations
 
@@ -169,6 +170,39 @@ def test_a_key_over_its_rate_is_refused_with_a_retry_time(limited: tuple[procs.P
             retry_ms = int(dict(e.value.trailing_metadata())["retry-after-ms"])  # type: ignore[attr-defined]
             assert 900_000 < retry_ms <= 1_000_000  # a token every 1,000 s
         assert metric(router, "switchyard_api_key_limited_total", key="team-c", limit="rate") == 1
+    finally:
+        write(keys, f"{USER_KEY} name=team-a max_in_flight=1\n{OTHER_KEY} name=team-b rate=0.001 burst=2\n")
+
+
+def test_a_key_over_its_tokens_per_min_is_refused_until_its_unused_output_returns(
+    limited: tuple[procs.Proc, Path],
+) -> None:
+    router, keys = limited
+    team = {"service": "switchyard.v1.Router", "key": "team-d"}
+    try:  # a fresh bucket (a new name) of 1,000 tokens a minute: ~17 a second come back
+        write(keys, f"{USER_KEY} name=team-a max_in_flight=1\n{OTHER_KEY} name=team-d tokens_per_min=1000\n")
+        with client(router, OTHER_KEY) as c:
+            with pytest.raises(grpc.RpcError) as e:  # more than a minute's worth never fits: no retry time
+                c.complete(MODEL, prompt="x", max_tokens=1000, timeout=30)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "lower max_tokens" in (e.value.details() or "")
+            assert "retry-after-ms" not in dict(e.value.trailing_metadata())  # type: ignore[attr-defined]
+            long = c.generate(MODEL, prompt="x", max_tokens=900, ignore_eos=True, timeout=120)
+            next(long)  # admitted: its prompt + 900 reserved, ~100 left
+            with pytest.raises(grpc.RpcError) as e:
+                c.complete(MODEL, prompt="x", max_tokens=600, timeout=30)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+            assert (e.value.details() or "").startswith("tokens_per_min: API key 'team-d' is over 1000 tokens/min")
+            retry_ms = int(dict(e.value.trailing_metadata())["retry-after-ms"])  # type: ignore[attr-defined]
+            assert 0 < retry_ms <= 610 * 60  # the missing tokens at 1,000 a minute
+            long.cancel()  # type: ignore[attr-defined]
+            until(lambda: metric(router, "switchyard_api_key_tokens_total", **team) > 0, what="the cancelled call settled")
+            used = metric(router, "switchyard_api_key_tokens_total", **team)
+            assert used < 900  # charged its prompt and the tokens it streamed, not its reservation
+            # the unused output came back: the same request now fits, long before the refill alone would allow it
+            again = c.generate(MODEL, prompt="x", max_tokens=600, timeout=120)
+            assert len(next(again).token_ids) > 0
+            again.cancel()  # type: ignore[attr-defined]
+        assert metric(router, "switchyard_api_key_limited_total", limit="tokens_per_min", **team) == 2
     finally:
         write(keys, f"{USER_KEY} name=team-a max_in_flight=1\n{OTHER_KEY} name=team-b rate=0.001 burst=2\n")
 

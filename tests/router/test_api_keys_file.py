@@ -39,6 +39,8 @@ def bearer(key: str) -> list[tuple[str, str]]:
         (f"{KEY_A} name=has/slash\n", "name 'has/slash' is not"),
         (f"{KEY_A} max_in_flight=-1\n", "must be >= 0"),
         (f"{KEY_A} rate=nan\n", "must be >= 0"),
+        (f"{KEY_A} tokens_per_min=-5\n", "tokens_per_min must be >= 0"),
+        (f"{KEY_A} tokens_per_min=1.5\n", "invalid literal"),
         (f"{KEY_A} rate=fast\n", "could not convert"),
         (f"{KEY_A} burst=4\n", "burst= needs rate="),
         (f"{KEY_A} isolate=yes\n", "isolate must be true or false"),
@@ -79,9 +81,10 @@ def test_keys_are_checked_and_reloaded_when_the_file_changes(tmp_path: Path, cap
 
 def test_a_line_names_and_limits_its_key(tmp_path: Path) -> None:
     path = tmp_path / "keys"
-    path.write_text(f"{KEY_A} name=team-a max_in_flight=8 rate=2.5 isolate=true\n{KEY_B}\n")
+    path.write_text(f"{KEY_A} name=team-a max_in_flight=8 rate=2.5 tokens_per_min=9000 isolate=true\n{KEY_B}\n")
     keys = ApiKeys(str(path))
-    assert keys.find(bearer(KEY_A)) == KeySpec("team-a", max_in_flight=8, rate=2.5, burst=3, isolate=True)
+    assert keys.find(bearer(KEY_A)) == KeySpec("team-a", max_in_flight=8, rate=2.5, burst=3, isolate=True,
+                                               tokens_per_min=9000)
     b = keys.find(bearer(KEY_B))
     assert b == KeySpec(f"sha256:{hashlib.sha256(KEY_B.encode()).hexdigest()[:8]}")
     b64 = "c2VjcmV0LWtleS1vZi10ZWFtLWM="  # a base64 key keeps its '=' padding
@@ -127,6 +130,28 @@ def test_rate_is_a_token_bucket_refilled_by_the_clock() -> None:
     assert limits.in_flight("t") == 7  # every admitted call holds its slot until released
 
 
+def test_tokens_per_min_reserves_refunds_and_refills() -> None:
+    clock = FakeClock()
+    limits, key = KeyLimits(clock), KeySpec("t", tokens_per_min=600)  # 10 tokens a second
+    assert limits.tokens_left(KeySpec("u")) == float("inf")  # no limit, no bucket
+    assert limits.reserve_tokens(key, 500) is None and limits.tokens_left(key) == 100
+    refusal = limits.reserve_tokens(key, 150)
+    assert refusal is not None and refusal.limit == "tokens_per_min" and refusal.retry_after_ms == 5000
+    assert refusal.message == "tokens_per_min: API key 't' is over 600 tokens/min (150 asked, 100 left); retry in 5.000 s"
+    limits.refund_tokens(key, 400)  # the request's output stopped 400 short of its max_tokens
+    assert limits.tokens_left(key) == 500 and limits.reserve_tokens(key, 150) is None
+    clock.t += 2.0
+    assert limits.tokens_left(key) == 370  # refilled at 10 a second
+    limits.refund_tokens(key, 10_000)
+    clock.t += 600
+    assert limits.tokens_left(key) == 600  # never more than a minute's worth
+    big = limits.reserve_tokens(key, 601)
+    assert big is not None and big.retry_after_ms is None and "lower max_tokens" in big.message
+    assert limits.tokens_left(key) == 600  # a refusal takes nothing
+    assert limits.reserve_tokens(KeySpec("u"), 10**9) is None
+    assert limits.in_flight("t") == 0  # tokens and call slots are counted apart
+
+
 def test_a_refused_call_holds_no_slot() -> None:
     limits, key = KeyLimits(FakeClock()), KeySpec("t", max_in_flight=5, rate=1.0, burst=1)
     assert limits.acquire(key) is None and limits.acquire(key) is not None
@@ -147,13 +172,14 @@ def test_an_isolated_key_salts_its_requests_apart() -> None:
 def test_keys_new_makes_a_line_the_router_reads(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "keys"
     lines = []
-    for argv in (["new", "--name", "team-a", "--max-in-flight", "4", "--rate", "2.5", "--isolate"], ["new"]):
+    for argv in (["new", "--name", "team-a", "--max-in-flight", "4", "--rate", "2.5", "--tokens-per-min", "500",
+                  "--isolate"], ["new"]):
         assert keys_cli.main(argv) == 0
         lines.append(capsys.readouterr().out.strip())
     assert lines[0] != lines[1] and all(len(line.split()[0]) == 2 * keys_cli.KEY_BYTES for line in lines)
     path.write_text("\n".join(lines) + "\n")
     keys = ApiKeys(str(path))
-    assert keys.find(bearer(lines[0].split()[0])) == KeySpec("team-a", 4, 2.5, 3, True)
+    assert keys.find(bearer(lines[0].split()[0])) == KeySpec("team-a", 4, 2.5, 3, True, 500)
     assert keys.find(bearer(lines[1].split()[0])) is not None
     assert keys_cli.main(["new", "--burst", "3"]) == 2  # a line the router would refuse is not printed
     out = capsys.readouterr()
@@ -162,10 +188,11 @@ def test_keys_new_makes_a_line_the_router_reads(tmp_path: Path, capsys) -> None:
 
 def test_keys_check_says_what_each_key_may_do_or_what_is_wrong(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "keys"
-    path.write_text(f"{KEY_A} name=team-a max_in_flight=4 rate=2 isolate=true\n{KEY_B}\n")
+    path.write_text(f"{KEY_A} name=team-a max_in_flight=4 rate=2 tokens_per_min=900 isolate=true\n{KEY_B}\n")
     assert keys_cli.main(["check", str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].endswith(": 2 keys") and out[1].strip() == "team-a: max_in_flight=4, rate=2/s burst=2, isolated cache"
+    assert out[0].endswith(": 2 keys")
+    assert out[1].strip() == "team-a: max_in_flight=4, rate=2/s burst=2, tokens_per_min=900, isolated cache"
     assert out[2].strip().startswith("sha256:") and out[2].endswith(": no limits")
     path.write_text(f"{KEY_A} rate=fast\n")
     assert keys_cli.main(["check", str(path)]) == 2
