@@ -1,4 +1,5 @@
-"""End to end with real vLLM (the CPU build): the router in front of 2 `switchyard worker vllm` processes.
+"""End to end with real vLLM (the CPU build): the router in front of 2 `switchyard worker vllm` processes, over
+mutual TLS (the workers take only clients whose certificate the test CA signed: the router and these tests).
 
 The workers run from vLLM's own environment (`make vllm-env` builds `.venv-vllm`; `SWITCHYARD_VLLM_PYTHON`
 overrides the interpreter) and serve the tiny random Llama (`workers/tiny_model.py`, built here if missing),
@@ -25,10 +26,12 @@ from pathlib import Path
 import grpc
 import pytest
 from polling import until
+from tls_certs import Pki
 
 from switchyard.bench import procs
 from switchyard.ext.blockhash import block_digests, to_event_hash
 from switchyard.router.client import RouterClient
+from switchyard.tls import ClientTls, channel
 from switchyard.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from switchyard.workers.tokenizer import load_tokenizer
 
@@ -52,15 +55,19 @@ class VllmProc:
     popen: subprocess.Popen[str]
     address: str
     log_path: Path
+    tls: ClientTls | None = None  # how this test dials the worker (mTLS)
+
+    def channel(self) -> grpc.Channel:
+        return channel(self.address, self.tls)
 
     # NOTE: generous deadlines: they only guard against a hang. vLLM's EngineCore spins its core between steps,
     # and on a loaded 2-core box the worker's event loop answered a Stats call in over 10 s once.
     def stats(self) -> worker_pb2.WorkerStats:
-        with grpc.insecure_channel(self.address) as ch:
+        with self.channel() as ch:
             return worker_pb2_grpc.WorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=60)
 
     def info(self) -> worker_pb2.WorkerInfo:
-        with grpc.insecure_channel(self.address) as ch:
+        with self.channel() as ch:
             return worker_pb2_grpc.WorkerStub(ch).Info(worker_pb2.InfoRequest(), timeout=60)
 
     def freeze(self) -> None:
@@ -144,7 +151,7 @@ def deprioritise_session(pid: int) -> None:
         Path(f"/proc/{pid}/autogroup").write_text("10")
 
 
-def launch_worker(name: str, core: int, tmp: Path) -> tuple[subprocess.Popen[str], Path]:
+def launch_worker(name: str, core: int, tmp: Path, pki: Pki) -> tuple[subprocess.Popen[str], Path]:
     """Start one vLLM worker in its own session (so a kill takes its EngineCore with it)."""
     workdir = tmp / name
     workdir.mkdir(parents=True, exist_ok=True)
@@ -182,6 +189,12 @@ def launch_worker(name: str, core: int, tmp: Path) -> tuple[subprocess.Popen[str
             str(KV_BLOCKS),
             "--max-num-seqs",
             "16",
+            "--tls-cert",
+            pki.server_cert,
+            "--tls-key",
+            pki.server_key,
+            "--tls-client-ca",
+            pki.ca,
         ],
         stdout=subprocess.PIPE,
         stderr=open(log_path, "w"),  # noqa: SIM115 - owned by the child
@@ -213,7 +226,7 @@ def wait_ready(name: str, popen: subprocess.Popen[str], log_path: Path, timeout_
         sel.close()
 
 @pytest.fixture(scope="module")
-def vllm_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmProc]]:
+def vllm_workers(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[list[VllmProc]]:
     if not VLLM_PYTHON.exists():
         pytest.skip(f"vLLM environment missing ({VLLM_PYTHON}); run `make vllm-env`")
     subprocess.run(
@@ -223,12 +236,13 @@ def vllm_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Vllm
         timeout=300,
     )
     tmp = tmp_path_factory.mktemp("vllm")
-    started = [(name, *launch_worker(name, core, tmp)) for core, name in enumerate(("v0", "v1"))]
+    started = [(name, *launch_worker(name, core, tmp, pki)) for core, name in enumerate(("v0", "v1"))]
     workers: list[VllmProc] = []
+    tls = ClientTls(pki.ca, pki.client_cert, pki.client_key)
     try:
         for name, popen, log_path in started:
             workers.append(
-                VllmProc(name, popen, wait_ready(name, popen, log_path, START_TIMEOUT_S), log_path)
+                VllmProc(name, popen, wait_ready(name, popen, log_path, START_TIMEOUT_S), log_path, tls)
             )
         yield workers
     finally:
@@ -237,8 +251,10 @@ def vllm_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Vllm
 
 
 @pytest.fixture
-def router_factory() -> Iterator[Callable[..., procs.Proc]]:
+def router_factory(pki: Pki) -> Iterator[Callable[..., procs.Proc]]:
     started: list[procs.Proc] = []
+    tls = {"workers.tls": "true", "workers.tls_ca": pki.ca, "workers.tls_cert": pki.client_cert,
+           "workers.tls_key": pki.client_key}
 
     def make(workers: list[VllmProc], *extra: str) -> procs.Proc:
         args = [
@@ -254,6 +270,7 @@ def router_factory() -> Iterator[Callable[..., procs.Proc]]:
             "--tokenizer",
             str(TOKENIZER),
         ]
+        args += [a for k, v in tls.items() for a in ("--set", f"{k}={v}")]  # it dials its workers over mTLS
         for w in workers:
             args += ["--worker", w.address]
         r = procs.start("router", [*args, *extra], timeout_s=60)
@@ -292,6 +309,15 @@ def test_info_matches_the_router_recipe(vllm_workers: list[VllmProc]) -> None:
         assert info.tokenizer_id == tok.tokenizer_id
         assert info.state == worker_pb2.LIFECYCLE_STATE_READY
         assert info.incarnation and w.stats().incarnation == info.incarnation  # a restart shows as a new one
+
+
+def test_the_vllm_workers_serve_only_clients_with_a_certificate(vllm_workers: list[VllmProc], pki: Pki) -> None:
+    w = vllm_workers[0]
+    for tls in (None, ClientTls(pki.ca), ClientTls(pki.ca, pki.other_client_cert, pki.other_client_key)):
+        with channel(w.address, tls) as ch, pytest.raises(grpc.RpcError) as e:  # plaintext, no or a foreign cert
+            worker_pb2_grpc.WorkerStub(ch).Info(worker_pb2.InfoRequest(), timeout=30)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert w.info().worker_id == "v0"  # with the CA's client certificate
 
 
 def test_streaming_generation_through_the_router(vllm_workers: list[VllmProc], router_factory) -> None:  # type: ignore[no-untyped-def]
@@ -342,7 +368,7 @@ def test_streaming_generation_through_the_router(vllm_workers: list[VllmProc], r
             sampling=common_pb2.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]),
         )
         w = next(w for w in vllm_workers if w.name == final.timings.worker_id)
-        with grpc.insecure_channel(w.address) as ch:
+        with w.channel() as ch:
             got = list(worker_pb2_grpc.WorkerStub(ch).Generate(req, timeout=60))
         cut = "".join(g.text for g in got)
         assert got[-1].finish_reason == common_pb2.FINISH_REASON_STOP
@@ -360,7 +386,7 @@ def test_kv_events_carry_the_routers_block_hashes(vllm_workers: list[VllmProc], 
     ids = tok.encode(prompt)
     expected = [to_event_hash(d) for d in block_digests(ids, BLOCK, "sha256")]
     assert len(expected) >= 4
-    with grpc.insecure_channel(w0.address) as ch, client_for(router) as c:
+    with w0.channel() as ch, client_for(router) as c:
         events = worker_pb2_grpc.WorkerStub(ch).KvEvents(worker_pb2.KvEventsRequest(), timeout=120)
         first = next(events)  # the snapshot: AllBlocksCleared, then every resident block
         assert first.events[0].WhichOneof("event") == "cleared"
