@@ -190,6 +190,7 @@ class RouterDaemon:
             predictor=self.predictor,
         )
         self.registry.add_listener(self.dispatcher.schedule_pump)
+        self.key_limits = KeyLimits()  # the Router service's API keys' calls in flight, rates and token buckets
         self.health = health.aio.HealthServicer()
         self.gc_watch = GcWatch(self.metrics.gc_pauses, config.server.gc_warn_ms / 1000)
         self.server: grpc.aio.Server | None = None
@@ -220,14 +221,14 @@ class RouterDaemon:
             except TlsError as e:
                 raise StartupError(str(e), EXIT_CONFIG) from None
         server_tls = cfg.tls()
-        router_limits, router_events = KeyLimits(), KeyMetrics(self.metrics, "switchyard.v1.Router")
-        keys = self._api_keys(cfg.api_keys_file, router_limits, router_events)
+        router_events = KeyMetrics(self.metrics, "switchyard.v1.Router")
+        keys = self._api_keys(cfg.api_keys_file, self.key_limits, router_events)
         admin_keys = self._api_keys(cfg.admin_api_keys_file, KeyLimits(), KeyMetrics(self.metrics, "switchyard.v1.Admin"))
 
         self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=keys)
         router_pb2_grpc.add_RouterServicer_to_server(
             RouterService(self.registry, self.dispatcher, self.tokenizer_for, self.config.limits.max_tokens,
-                          self.clock, self.metrics, self.predictor, router_limits, router_events),
+                          self.clock, self.metrics, self.predictor, self.key_limits, router_events),
             self.server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -19,6 +19,7 @@ from factories import make_stats
 from fake_worker import FakeWorker, Script
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from switchyard.auth import KeySpec
 from switchyard.router.admission import LONG_INPUT, AdmittedRequest, Sampling
 from switchyard.router.client import AsyncRouterClient
 from switchyard.router.clock import RealClock
@@ -35,7 +36,8 @@ TOK = load_tokenizer(None)
 
 
 @asynccontextmanager
-async def stack(fakes: list[FakeWorker], **sections: dict) -> AsyncIterator[tuple[RouterDaemon, AsyncRouterClient]]:  # type: ignore[type-arg]
+async def stack(fakes: list[FakeWorker], api_key: str | None = None,
+                **sections: dict) -> AsyncIterator[tuple[RouterDaemon, AsyncRouterClient]]:  # type: ignore[type-arg]
     addresses = [await w.start() for w in fakes]
     overrides: dict[str, dict] = {  # type: ignore[type-arg]
         # not frozen: this process runs many daemons and must go on collecting their objects
@@ -46,7 +48,7 @@ async def stack(fakes: list[FakeWorker], **sections: dict) -> AsyncIterator[tupl
         overrides.setdefault(name, {}).update(body)
     daemon = RouterDaemon(load_config(environ={}, overrides=overrides))
     bound = await daemon.start()
-    client = AsyncRouterClient(f"127.0.0.1:{bound.port}", admin_address=bound.admin)
+    client = AsyncRouterClient(f"127.0.0.1:{bound.port}", admin_address=bound.admin, api_key=api_key)
     try:
         yield daemon, client
     finally:
@@ -159,6 +161,35 @@ async def test_worker_failing_mid_stream_ends_with_unavailable_and_the_token_cou
         assert e.value.code() is grpc.StatusCode.UNAVAILABLE
         assert "after 3 tokens were delivered" in e.value.details()
         assert len(w.received) == 1  # never retried once tokens went out
+
+
+async def test_a_token_quota_is_charged_what_each_request_used(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A `tokens_per_min` key's reservation (prompt + max_tokens) settled on each way a request ends: a natural
+    stop short of max_tokens, a worker failing mid-stream, and one failing before any token (the faults come
+    from the fake worker: they cannot be caused on demand otherwise)."""
+    key = "k" * 32
+    (tmp_path / "keys").write_text(f"{key} name=team tokens_per_min=600\n")  # 10 tokens a second come back
+    spec = KeySpec("team", tokens_per_min=600)
+    w = FakeWorker("w0")
+    async with stack([w], api_key=key, server={"api_keys_file": str(tmp_path / "keys")},
+                     retries={"max_attempts": 1}) as (daemon, client):
+        def used() -> float:
+            return sample(daemon, "switchyard_api_key_tokens_total", service="switchyard.v1.Router", key="team")
+
+        w.script = Script(stop_after=2)
+        r = await client.complete("m", prompt="x", max_tokens=150)
+        prompt = r.usage.prompt_tokens
+        assert r.usage.completion_tokens == 2 and used() == prompt + 2
+        w.script = Script(fail_after_tokens=3)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.complete("m", prompt="x", max_tokens=150)
+        assert e.value.code() is grpc.StatusCode.UNAVAILABLE and used() == 2 * prompt + 5
+        w.script = Script(fail_before_first=True)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.complete("m", prompt="x", max_tokens=150)
+        assert e.value.code() is grpc.StatusCode.UNAVAILABLE and used() == 2 * prompt + 5  # it never ran
+        # every unused token came back (reserved: 3 x (prompt + 150); kept: the first two's use, plus the refill)
+        assert 600 - (2 * prompt + 5) <= daemon.key_limits.tokens_left(spec) <= 600
 
 
 async def test_worker_errors_that_are_the_requests_fault_pass_through() -> None:
