@@ -5,10 +5,11 @@ Specs: specs/preble.md §5.1-5.2, §11 (E2's Q/R/M, the radix tree, eviction); s
 anticipator, predicted lengths, T_mem). Every term is seconds priced with the worker's own iteration-time model
 (`preble_cost`: its named `PerfProfile`, or the online TTFT/TPOT fit of a real vLLM worker), so terms add
 without exchange rates. Own-latency terms weigh 1; terms that are other requests' latency weigh λ (the
-externality weight, an exchange rate between a second of someone else's decode and a second of r's own), except
-M and O, kept at E2's and PreServe's weight 1. For r (P prompt tokens, D predicted output tokens) on worker w:
+externality weight, an exchange rate between a second of someone else's decode and a second of r's own), M
+included (E2 weighs it 1: below), except O, kept at PreServe's weight 1. For r (P prompt tokens, D predicted
+output tokens) on worker w:
 
-    cost_w = Q + R + M + (D_self + D_in + λ·D_out) + λ·(I + B) + β·O + W                         [seconds]
+    cost_w = Q + R + λ·M + (D_self + D_in + λ·D_out) + λ·(I + B) + β·O + W                       [seconds]
 
   own latency (TTFT and decode of r)
     Q_w      wait for r's first token beyond its own prefill. The T missed tokens queued on w (this router's
@@ -36,6 +37,11 @@ M and O, kept at E2's and PreServe's weight 1. For r (P prompt tokens, D predict
   others' latency
     M_w      E2's eviction cost: when r's missed blocks exceed w's free blocks, the blocks w's LRU would evict,
              each PT_j × N_j (recompute of node j's evicted tokens × requests through j on w in W; errata E3).
+             Others pay it, if they come back: weighed λ like the rest of this group. At E2's weight 1 it held
+             long-document traffic on full workers to spare their caches (bench sim, 4 workers, seeds 0-2, ×
+             the best peer policy's: LooGLE at 2 req/s TTFT mean ×1.09 → ×0.85 and E2E p99 ×1.36 → ×0.71 with
+             λ·M, VideoQA ×1.02 → ×0.95, Azure mix ×0.97 → ×0.94, Mooncake ×0.83 → ×0.88; the tool, agent and
+             programming workloads, where M is rarely priced, unchanged: README).
     D_out_w  w's batch slowed by r: Σ_x decode_marginal_s(m_x, P + (m_x − 1)/2), the other half of the sharing.
     I_w      prefill-decode interference: r's prefill rides in iterations that carry w's n decoders (chunked
              prefill) and delays each by what it adds to the step: I_w = n × max(0, R_w − PREFILLTIME(0, 0)).
@@ -161,7 +167,7 @@ class SwitchyardConfig(E2Config):
     placement: Literal["argmin", "e2"] = "argmin"
     queue_weight: float = Field(default=1.0, ge=0)  # q: weight of Q_w
     prefix_weight: float = Field(default=1.0, ge=0)  # p: weight of R_w
-    eviction_weight: float = Field(default=1.0, ge=0)  # e: weight of M_w
+    eviction_weight: float = Field(default=1.0, ge=0)  # e: weight of M_w on top of λ (0 drops it)
     decode_weight: float = Field(default=1.0, ge=0)  # d: weight of D_self + D_in + λ·D_out
     interference_weight: float = Field(default=1.0, ge=0)  # i: weight of I_w on top of λ (0 drops it)
     # λ: what a second of other requests' latency (D_out, I) is worth against a second of r's own
@@ -541,12 +547,12 @@ class Switchyard(PrebleE2):
         interference = (len(running) + len(queued)) * gain
         # the requests that reach w before r's prefill is done wait behind it (FCFS admission), each by its step
         behind = arrivals_per_s * (queue + r) * gain
-        # the total's sum, left to right: head + e·M + d·D + λ·(i·I + b·B) + β·O + W (the same float as one
+        # the total's sum, left to right: head + λe·M + d·D + λ·(i·I + b·B) + β·O + W (the same float as one
         # expression); the checks against `beat` price the terms not known yet at 0, in the same sum
         head = load + cfg.queue_weight * queue + cfg.prefix_weight * r
         dec = cfg.decode_weight * (d_self + d_in + lam * d_out)
         inter = lam * (cfg.interference_weight * interference + cfg.behind_weight * behind)
-        ew, ow, kw = cfg.eviction_weight, cfg.overflow_weight, cfg.kv_wait_weight
+        ew, ow, kw = lam * cfg.eviction_weight, cfg.overflow_weight, cfg.kv_wait_weight
         if beat is not None and head + ew * 0.0 + dec + inter + ow * 0.0 + kw * 0.0 > beat:
             return None  # loses before M, O and W are priced
         kv_p = missed if cfg.discount_shared_prefix else p
@@ -641,7 +647,7 @@ class Switchyard(PrebleE2):
                 t.queue_s,
                 cfg.prefix_weight,
                 t.prefill_s,
-                cfg.eviction_weight,
+                cfg.eviction_weight * lam,
                 t.evict_s,
                 cfg.decode_weight,
                 t.decode_self_s,

@@ -331,8 +331,8 @@ def test_shared_prefix_is_not_counted_twice_in_the_map() -> None:
 LAM = SwitchyardConfig().externality_weight  # λ: others' seconds are worth λ of r's own
 DROPPED = {
     "switchyard-no_queue": lambda t: t.queue_s,
-    "switchyard-no_prefix": lambda t: t.prefill_s + t.evict_s,
-    "switchyard-no_evict": lambda t: t.evict_s,
+    "switchyard-no_prefix": lambda t: t.prefill_s + LAM * t.evict_s,
+    "switchyard-no_evict": lambda t: LAM * t.evict_s,
     "switchyard-no_decode": lambda t: t.decode_self_s + t.decode_in_s + LAM * t.decode_out_s,
     "switchyard-no_interference": lambda t: LAM * t.interference_s,
     "switchyard-no_behind": lambda t: LAM * t.behind_s,
@@ -385,8 +385,8 @@ def test_total_is_own_latency_plus_weighted_externalities() -> None:
     p, fleet = policy(kv_capacity_blocks=100)
     t = terms(p, fleet, _loaded(p, fleet))[W0]
     own = t.queue_s + t.prefill_s + t.decode_self_s + t.decode_in_s + t.kv_wait_s
-    others = t.evict_s + LAM * (t.decode_out_s + t.interference_s + t.behind_s) + t.overflow_s
-    assert t.total_s == pytest.approx(own + others)
+    others = LAM * (t.evict_s + t.decode_out_s + t.interference_s + t.behind_s) + t.overflow_s  # M: others' too
+    assert t.evict_s > 0 and t.total_s == pytest.approx(own + others)
     assert LAM == 0.1
 
 
