@@ -170,7 +170,7 @@ class SwitchyardConfig(E2Config):
     eviction_weight: float = Field(default=1.0, ge=0)  # e: weight of M_w on top of λ (0 drops it)
     decode_weight: float = Field(default=1.0, ge=0)  # d: weight of D_self + D_in + λ·D_out
     interference_weight: float = Field(default=1.0, ge=0)  # i: weight of I_w on top of λ (0 drops it)
-    # λ: what a second of other requests' latency (D_out, I) is worth against a second of r's own
+    # λ: what a second of other requests' latency (D_out, I, B, M) is worth against a second of r's own
     externality_weight: float = Field(default=0.1, ge=0)
     behind_weight: float = Field(default=1.0, ge=0)  # weight of B_w on top of λ (0 drops it)
     arrival_window_s: float = Field(default=10.0, gt=0)  # B_w's arrival rate: dispatches over this window
