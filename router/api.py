@@ -291,20 +291,28 @@ class RouterService(router_pb2_grpc.RouterServicer):
         if self._key_events is not None:
             self._key_events.tokens(charge.key.name, used)
 
+    async def _chunks(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateChunk]:
+        """The request admitted, charged to its API key's token quota (`_reserve`), and streamed by the
+        dispatcher; the charge is settled however the stream ends."""
+        admitted = await self._admit(request)
+        charge = self._reserve(admitted)
+        try:
+            async for chunk in self._dispatcher.generate(admitted, context.time_remaining()):
+                if charge is not None:
+                    charge.seen(chunk)
+                yield chunk
+        finally:
+            if charge is not None:
+                self._settle(charge)
+
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateChunk]:
         try:
-            admitted = await self._admit(request)
-            charge = self._reserve(admitted)
-            try:
-                async for chunk in self._dispatcher.generate(admitted, context.time_remaining()):
-                    if charge is not None:
-                        charge.seen(chunk)
-                    yield chunk
-            finally:
-                if charge is not None:
-                    self._settle(charge)
+            async for chunk in self._chunks(request, context):
+                yield chunk
         except ApiError as e:
             await _abort(context, e)
 
@@ -312,21 +320,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.CompleteResponse:
         try:
-            admitted = await self._admit(request)
-            charge = self._reserve(admitted)
             token_ids: list[int] = []
             texts: list[str] = []
             last = None
-            try:
-                async for chunk in self._dispatcher.generate(admitted, context.time_remaining()):
-                    if charge is not None:
-                        charge.seen(chunk)
-                    token_ids.extend(chunk.token_ids)
-                    texts.append(chunk.text)
-                    last = chunk
-            finally:
-                if charge is not None:
-                    self._settle(charge)
+            async for chunk in self._chunks(request, context):
+                token_ids.extend(chunk.token_ids)
+                texts.append(chunk.text)
+                last = chunk
         except ApiError as e:
             await _abort(context, e)
             raise  # unreachable: abort raises

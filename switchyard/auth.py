@@ -169,9 +169,10 @@ class Refusal(NamedTuple):
 
 
 class KeyLimits:
-    """Each key's calls in flight and token bucket, by name (so they survive a reload of the file).
+    """Each key's calls in flight and its two token buckets (calls per second, model tokens per minute), by name
+    (so they survive a reload of the file).
 
-    Pure: the clock is injected (the token bucket's only input beside the calls)."""
+    Pure: the clock is injected (the buckets' only input beside the calls)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -188,9 +189,7 @@ class KeyLimits:
         if key.max_in_flight and n >= key.max_in_flight:
             return Refusal("max_in_flight", f"max_in_flight: API key {key.name!r} has {n} calls in flight, its limit")
         if key.rate:
-            now = self._clock()
-            tokens, at = self._buckets.get(key.name, (float(key.burst), now))
-            tokens = min(float(key.burst), tokens + (now - at) * key.rate)
+            tokens, now = self._fill(self._buckets, key.name, float(key.burst), key.rate)
             if tokens < 1.0:
                 self._buckets[key.name] = (tokens, now)
                 wait_s = (1.0 - tokens) / key.rate
@@ -205,11 +204,15 @@ class KeyLimits:
         return self._refill(key)[0] if key.tokens_per_min else math.inf
 
     def _refill(self, key: KeySpec) -> tuple[float, float]:
-        """(tokens in key's bucket now, now): a minute's worth at most, refilled at tokens_per_min / 60 a second."""
+        """(model tokens in key's bucket now, now): a minute's worth at most, refilled continuously."""
+        return self._fill(self._model_tokens, key.name, float(key.tokens_per_min), key.tokens_per_min / 60.0)
+
+    def _fill(self, buckets: dict[str, tuple[float, float]], name: str, cap: float,
+              per_s: float) -> tuple[float, float]:
+        """(what `name`'s bucket of `buckets` holds now, now): full when new, refilled at `per_s` up to `cap`."""
         now = self._clock()
-        cap = float(key.tokens_per_min)
-        left, at = self._model_tokens.get(key.name, (cap, now))
-        return min(cap, left + (now - at) * cap / 60.0), now
+        left, at = buckets.get(name, (cap, now))
+        return min(cap, left + (now - at) * per_s), now
 
     def reserve_tokens(self, key: KeySpec, tokens: int) -> Refusal | None:
         """Take `tokens` model tokens (a request's prompt plus its max_tokens) from key's bucket: None when they
