@@ -91,10 +91,11 @@ def terms(p: Switchyard, fleet: Fleet, ctx: RoutingContext) -> dict[str, Terms]:
     m = p.tree.match(ctx.block_hashes)
     d = p.predicted_tokens(ctx)
     pool = fleet.routable(ctx.model)
-    per_worker = p.arrival_rate("m").rate(NOW) / len(pool)  # B's arrival rate, as select passes it
+    per_worker = p.arrival_rate("m").rate(NOW) / len(pool)  # B's arrival rate and ρ_w, as select passes them
     return {
         w.worker_id: p.terms(w, ctx, p._cached_blocks(w.worker_id, m, ctx.block_hashes), m.path, d, NOW,
-                             arrivals_per_s=per_worker)
+                             arrivals_per_s=per_worker,
+                             prefill_load=p.prefill_load(w.worker_id, NOW) if p.sy.busy_period else 0.0)
         for w in pool
     }
 
@@ -698,7 +699,7 @@ def test_bound_pass_equals_the_terms_it_bounds(overrides: dict) -> None:  # type
 
 # ---------------------------------------------------------------------------------------------- arrivals behind
 def test_arrivals_behind_is_the_step_of_every_request_expected_before_rs_first_token() -> None:
-    p, fleet = policy(kv_capacity_blocks=100)
+    p, fleet = policy(kv_capacity_blocks=100, busy_period=False)
     t = terms(p, fleet, _loaded(p, fleet))[W0]
     rate = p.arrival_rate("m").rate(NOW)
     assert rate == 3.0  # a, x and q over the 1 s since the first of them
@@ -707,6 +708,82 @@ def test_arrivals_behind_is_the_step_of_every_request_expected_before_rs_first_t
     assert t.queue_s > 0 and step > 0
     # an even share of the arrivals (2 workers) reaches w0 before r's first token, each delayed one step
     assert t.behind_s == pytest.approx(rate / 2 * (t.queue_s + t.prefill_s) * step)
+
+
+def test_arrivals_behind_under_prefill_load_count_the_busy_period() -> None:
+    """w0's prefill queue was busy half of the 2 s the router has known it (ρ_w0 = 0.5): the requests behind r
+    keep arriving until its backlog drains, so B counts the arrivals over the busy period (Q + R) / (1 − ρ), twice
+    those before r's first token."""
+    p, fleet = policy()
+    dispatch(p, fleet, req("a", 2048), W0, now=NOW - 2.0)
+    p.on_first_token("a", W0, NOW - 1.0)
+    dispatch(p, fleet, req("b", 512), W0)
+    assert p.prefill_load(W0, NOW) == 0.5 and p.prefill_load(W1, NOW) == 0.0
+    t = terms(p, fleet, req("r", 512))
+    w0 = fleet.get(W0)
+    step = p.prefill_step_gain_s(w0, COST, t[W0].prefill_s, Switchyard.missed_tokens(w0, 0, 512))
+    rate = p.arrival_rate("m").rate(NOW)
+    backlog = t[W0].queue_s + t[W0].prefill_s
+    assert 0 < backlog / 0.5 < p.sy.arrival_window_s
+    assert t[W0].behind_s == pytest.approx(rate / 2 * backlog / 0.5 * step)
+    w1 = fleet.get(W1)  # idle (ρ = 0): the arrivals before r's first token only
+    step1 = p.prefill_step_gain_s(w1, COST, t[W1].prefill_s, Switchyard.missed_tokens(w1, 0, 512))
+    assert t[W1].behind_s == pytest.approx(rate / 2 * (t[W1].queue_s + t[W1].prefill_s) * step1)
+
+
+def test_busy_period_is_the_backlog_over_one_minus_the_load_within_the_window() -> None:
+    p, _ = policy()  # arrival_window_s = 10
+    assert p.busy_s(2.0, 0.0) == 2.0  # idle: the arrivals before r's first token only
+    assert p.busy_s(2.0, 0.5) == pytest.approx(4.0)  # M/G/1: backlog / (1 − ρ)
+    assert p.busy_s(2.0, 0.9) == 10.0  # at most the window the rates are measured over
+    assert p.busy_s(2.0, 1.5) == 10.0  # overloaded: a backlog that does not drain within it
+    assert p.busy_s(12.0, 0.5) == 12.0  # never less than the backlog itself
+
+
+def test_prefill_load_is_the_fraction_of_the_window_a_request_waited_for_its_first_token() -> None:
+    """ρ_w: the time w had this router's requests without a first token (its prefill queue busy), over the last
+    window (or the time since the router first dispatched there); a finish, abort or retry elsewhere before the
+    first token ends the busy time too, and a lost worker starts afresh."""
+    p, fleet = policy()
+    dispatch(p, fleet, req("a", 512), W0, now=0.0)
+    p.on_first_token("a", W0, 1.0)  # busy [0, 1]
+    dispatch(p, fleet, req("b", 512), W0, now=3.0)
+    p.on_abort("b", W0, 4.0)  # busy [3, 4]
+    assert p.prefill_load(W0, 5.0) == pytest.approx(2 / 5)
+    assert p.prefill_load(W1, 5.0) == 0.0  # never dispatched to
+    assert p.prefill_load(W0, 12.5) == pytest.approx(1 / 10)  # [0, 1] left the 10-s window
+    c = req("c", 512)
+    dispatch(p, fleet, c, W0, now=12.0)
+    dispatch(p, fleet, dataclasses.replace(c, attempt=1), W1, now=12.5)  # its retry: w0 is idle again
+    assert p.prefill_load(W0, 13.0) == pytest.approx(1.5 / 10)  # [3, 4] and [12, 12.5]
+    assert p.prefill_load(W1, 13.0) == 1.0  # busy since the router first dispatched there
+    fleet.remove_worker(W1)
+    p.on_worker_change(W1, 13.0)
+    assert p.prefill_load(W1, 13.0) == 0.0
+
+
+@pytest.mark.parametrize(("busy_period", "expected"), [(False, W1), (True, W0)])
+def test_a_busy_fleet_keeps_a_follow_up_on_its_prefix_holder(busy_period: bool, expected: WorkerId) -> None:
+    """The follow-up test above at a third of the arrivals (4 req/s): counting only those before r's first token,
+    B is too small to hold r on w0 and it recomputes the prefix on w1. But w1's prefill queue has been busy 9.5 of
+    the last 10 s, so its backlog drains slowly and every request reaching it meanwhile waits for r's recompute:
+    with the busy period r stays on w0."""
+    p, fleet = policy(busy_period=busy_period)
+    rate = p.arrival_rate("m")
+    for i in range(34):  # with the 6 dispatches below, 40 arrivals over the last 10 s
+        rate.add(NOW - 10.0 + i * 10.0 / 34)
+    dispatch(p, fleet, req("e0", 64), W0, running=True, now=NOW - 10.0)  # both known for 10 s
+    dispatch(p, fleet, req("e1", 64), W1, running=True, now=NOW - 10.0)
+    dispatch(p, fleet, req("o", 2048), W1, now=NOW - 9.5)  # w1's queue busy from here on
+    dispatch(p, fleet, req("c1", 2048, shared=2048), W0)
+    dispatch(p, fleet, req("h", 2048), W0)
+    dispatch(p, fleet, req("h2", 1024), W0)
+    assert rate.rate(NOW) == pytest.approx(4.0)
+    assert p.prefill_load(W1, NOW) == pytest.approx(0.95) and p.prefill_load(W0, NOW) == 0.0
+    follow_up = req("r", 2048 + 64, shared=2048)
+    t = terms(p, fleet, follow_up)
+    assert t[W1].prefill_s > 4 * t[W0].prefill_s and t[W1].queue_s < t[W0].queue_s
+    assert p.select(follow_up, fleet, NOW).worker_id == expected
 
 
 def test_arrival_rate_counts_first_attempts_over_its_window() -> None:
