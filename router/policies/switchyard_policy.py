@@ -68,15 +68,17 @@ output tokens) on worker w:
              Busy period (`busy_period`, on since 2026-11-27): requests keep arriving, and waiting behind r's
              step, until w's prefill backlog drains, not only until r's first token. An M/G/1 queue at
              utilisation ρ drains a backlog V in the busy period V / (1 − ρ), so
-                 B_w = a_w × min(window, (Q_w + R_w) / (1 − ρ_w)) × step_w     (never under ρ = 0's B_w)
+                 B_w = a_w × min(S_w, (Q_w + R_w) / (1 − ρ_w)) × step_w     (never under ρ = 0's B_w)
              ρ_w = the fraction of the arrival window during which w had this router's requests waiting for
-             their first token (`BusyFraction`: measured, so it sees decode-slowed prefills and bursts); the
-             window caps a backlog that would not drain (ρ >= 1). Near capacity a recompute on a busy worker
-             delays every later request there, which B at ρ = 0 priced as a light load's. Measured (bench sim,
-             4 workers, seeds 0-2, × the best peer policy; README "Busy period"): VideoQA at 1.5× the suite's
-             load TTFT mean ×1.09 → ×0.92 and hit ratio 0.582 → 0.614, LooGLE ×0.76 → ×0.72; over 80 cells
-             ×0.927 → ×0.914; cold-start TTFT p99 worse on bursty traces at 1.5× (Zipf toolbench ×1.29 → ×1.51,
-             agent ×1.02 → ×1.13, programming ×0.93 → ×1.24), their warm p99 better except programming's.
+             their first token (`BusyFraction`: measured, so it sees decode-slowed prefills and bursts), S_w the
+             span it was measured over (the window, or the time since the router's first dispatch to w): a
+             busy period is not extrapolated past what was seen, so a backlog that would not drain (ρ >= 1)
+             counts the window's arrivals, and a cold start, with every queue busy for its first seconds, only
+             those seconds'. Near capacity a recompute on a busy worker delays every later request there, which
+             B at ρ = 0 priced as a light load's. Measured (bench sim, 4 workers, seeds 0-2, × the best peer
+             policy; README "Busy period"): over 80 cells ×0.927 → ×0.901; VideoQA at 1.5× the suite's load
+             TTFT mean ×1.09 → ×0.93 and hit ratio 0.582 → 0.610, LooGLE ×0.76 → ×0.72; Zipf toolbench's
+             whole-run TTFT p99 at 1.5× ×1.29 → ×1.56 (its warm p99 ×0.87 → ×0.83).
     O_w      overflow risk: U_k = max_{j<l} (U'[j] + (P_priv + j)·[j < D]) / M_kv, the virtual peak over the next
              l iterations of the anticipated occupancy U' = the anticipator's map + the requests queued ahead
              (P_x + j for j < D_x from offset 0: PreServe leaves them out, but they will be admitted before r);
@@ -333,7 +335,8 @@ class ArrivalRate:
 class BusyFraction:
     """ρ_w for B's busy period: the fraction of the last `window_s` during which w had requests waiting for their
     first token (this router's dispatches), i.e. its prefill queue was not empty: an M/G/1 queue is busy a
-    fraction ρ of the time. Measured, not modelled: it sees decode-slowed prefills and bursts as they were."""
+    fraction ρ of the time. Measured, not modelled: it sees decode-slowed prefills and bursts as they were. With
+    it, the span it covers: the window, or less while the router has known w for less."""
 
     __slots__ = ("window_s", "closed", "total", "since", "first")
 
@@ -358,9 +361,9 @@ class BusyFraction:
                 a, b = closed.popleft()
                 self.total -= b - a
 
-    def fraction(self, now: float) -> float:
-        """Read-only (select is pure): the intervals reaching back past the window are only stepped over,
-        O(expired); `set_busy` drops them."""
+    def load(self, now: float) -> tuple[float, float]:
+        """(ρ, the span it was measured over). Read-only (select is pure): the intervals reaching back past the
+        window are only stepped over, O(expired); `set_busy` drops them."""
         start = now - self.window_s
         if start < self.first:
             start = self.first
@@ -374,7 +377,7 @@ class BusyFraction:
             busy -= (b if b < start else start) - a
         if self.since is not None:
             busy += now - (self.since if self.since > start else start)
-        return busy / span
+        return busy / span, span
 
 
 class Switchyard(PrebleE2):
@@ -502,13 +505,14 @@ class Switchyard(PrebleE2):
             wait = j * self.iteration_s(cost, k, mean_ctx)
         return over, wait, peak / cap
 
-    def busy_s(self, backlog_s: float, rho: float) -> float:
+    def busy_s(self, backlog_s: float, rho: float, span_s: float | None = None) -> float:
         """How long w stays busy with `backlog_s` of prefill queued (r's included) while work keeps arriving at
-        utilisation ρ: the M/G/1 busy period backlog / (1 − ρ), at most the arrival window the rates are measured
-        over (ρ >= 1: a backlog that does not drain within it), never less than the backlog itself."""
+        utilisation ρ: the M/G/1 busy period backlog / (1 − ρ), at most the span ρ was measured over (the
+        arrival window once it is full; ρ >= 1: a backlog that does not drain within it), never less than the
+        backlog itself."""
         if rho <= 0.0:
             return backlog_s
-        horizon = self.sy.arrival_window_s
+        horizon = self.sy.arrival_window_s if span_s is None else span_s
         if rho < 1.0 and backlog_s < horizon * (1.0 - rho):
             horizon = backlog_s / (1.0 - rho)
         return backlog_s if backlog_s > horizon else horizon
@@ -594,7 +598,7 @@ class Switchyard(PrebleE2):
     def terms(
         self, w: WorkerView, ctx: RoutingContext, cached_blocks: int, path: list[Any], d: int, now: float,
         beat: float | None = None, ant: Anticipator | None = None, arrivals_per_s: float = 0.0,
-        prefill_load: float = 0.0,
+        prefill_load: float = 0.0, load_span_s: float | None = None,
     ) -> Terms | None:
         """Every term of w's cost; None when `beat` is given and the cost already exceeds it without M, or without
         M, O and W (M, an LRU eviction simulation, is the dearest term, then O and W's walk over the occupancy;
@@ -626,7 +630,7 @@ class Switchyard(PrebleE2):
         interference = (len(running) + len(queued)) * gain
         # the requests that reach w before r's prefill is done wait behind it (FCFS admission), each by its step;
         # under prefill load ρ they keep arriving until w's backlog drains (busy period: module docstring)
-        behind = arrivals_per_s * self.busy_s(queue + r, prefill_load) * gain
+        behind = arrivals_per_s * self.busy_s(queue + r, prefill_load, load_span_s) * gain
         # the total's sum, left to right: head + λe·M + d·D + λ·(i·I + b·B) + β·O + W (the same float as one
         # expression); the checks against `beat` price the terms not known yet at 0, in the same sum
         head = load + cfg.queue_weight * queue + cfg.prefix_weight * r
@@ -705,7 +709,7 @@ class Switchyard(PrebleE2):
             w = pool[i]
             wb = busy.get(w.worker_id)
             got = self.terms(w, ctx, cached[w.worker_id], path, d, now, beat if self.sy.prune else None, ants[i],
-                             per_worker, wb.fraction(now) if wb is not None else 0.0)
+                             per_worker, *(wb.load(now) if wb is not None else (0.0, None)))
             if got is None:
                 continue  # its cost without M (or M, O and W) already exceeds the best: they are not priced
             t = terms[w.worker_id] = got
@@ -846,7 +850,7 @@ class Switchyard(PrebleE2):
     def prefill_load(self, w: WorkerId, now: float) -> float:
         """ρ_w for B's busy period: the fraction of the window w's prefill queue was busy (0 if never seen)."""
         b = self.busy.get(w)
-        return b.fraction(now) if b is not None else 0.0
+        return b.load(now)[0] if b is not None else 0.0
 
 
 def _variant(key: str, doc: str, **overrides: Any) -> Callable[[], Policy]:

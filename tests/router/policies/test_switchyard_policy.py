@@ -95,9 +95,16 @@ def terms(p: Switchyard, fleet: Fleet, ctx: RoutingContext) -> dict[str, Terms]:
     return {
         w.worker_id: p.terms(w, ctx, p._cached_blocks(w.worker_id, m, ctx.block_hashes), m.path, d, NOW,
                              arrivals_per_s=per_worker,
-                             prefill_load=p.prefill_load(w.worker_id, NOW) if p.sy.busy_period else 0.0)
+                             **busy_load(p, w.worker_id))
         for w in pool
     }
+
+
+def busy_load(p: Switchyard, w: WorkerId) -> dict[str, float | None]:
+    """B's ρ_w and the span it was measured over, as select passes them."""
+    b = p.busy.get(w) if p.sy.busy_period else None
+    rho, span = b.load(NOW) if b is not None else (0.0, None)
+    return {"prefill_load": rho, "load_span_s": span}
 
 
 def policy(n: int = 2, kv_capacity_blocks: int = 1000, **cfg: object) -> tuple[Switchyard, Fleet]:
@@ -724,7 +731,7 @@ def test_arrivals_behind_under_prefill_load_count_the_busy_period() -> None:
     step = p.prefill_step_gain_s(w0, COST, t[W0].prefill_s, Switchyard.missed_tokens(w0, 0, 512))
     rate = p.arrival_rate("m").rate(NOW)
     backlog = t[W0].queue_s + t[W0].prefill_s
-    assert 0 < backlog / 0.5 < p.sy.arrival_window_s
+    assert 0 < backlog / 0.5 < 2.0  # within the 2 s ρ_w0 was measured over
     assert t[W0].behind_s == pytest.approx(rate / 2 * backlog / 0.5 * step)
     w1 = fleet.get(W1)  # idle (ρ = 0): the arrivals before r's first token only
     step1 = p.prefill_step_gain_s(w1, COST, t[W1].prefill_s, Switchyard.missed_tokens(w1, 0, 512))
@@ -738,6 +745,23 @@ def test_busy_period_is_the_backlog_over_one_minus_the_load_within_the_window() 
     assert p.busy_s(2.0, 0.9) == 10.0  # at most the window the rates are measured over
     assert p.busy_s(2.0, 1.5) == 10.0  # overloaded: a backlog that does not drain within it
     assert p.busy_s(12.0, 0.5) == 12.0  # never less than the backlog itself
+    # ... and at most the span ρ was measured over, while the window is not full yet: 3 s of a busy queue say
+    # nothing of the next 10
+    assert p.busy_s(2.0, 0.9, 3.0) == 3.0 and p.busy_s(2.0, 0.5, 3.0) == 3.0 and p.busy_s(1.0, 0.5, 3.0) == 2.0
+    assert p.busy_s(4.0, 0.9, 3.0) == 4.0
+
+
+def test_a_new_workers_busy_period_reaches_no_further_than_its_measured_span() -> None:
+    """w0 was first dispatched to 0.5 s ago and has been busy since (ρ_w0 = 1): B counts the arrivals over those
+    0.5 s (or the backlog, if longer), not over the whole 10-s window: the cold start of every cache."""
+    p, fleet = policy()
+    dispatch(p, fleet, req("a", 2048), W0, now=NOW - 0.5)
+    assert p.busy[W0].load(NOW) == (1.0, 0.5)
+    t = terms(p, fleet, req("r", 512))[W0]
+    w0 = fleet.get(W0)
+    step = p.prefill_step_gain_s(w0, COST, t.prefill_s, Switchyard.missed_tokens(w0, 0, 512))
+    rate = p.arrival_rate("m").rate(NOW)
+    assert t.behind_s == pytest.approx(rate / 2 * max(0.5, t.queue_s + t.prefill_s) * step)
 
 
 def test_prefill_load_is_the_fraction_of_the_window_a_request_waited_for_its_first_token() -> None:
