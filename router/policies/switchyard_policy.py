@@ -188,8 +188,8 @@ class SwitchyardConfig(E2Config):
     externality_weight: float = Field(default=0.1, ge=0)
     behind_weight: float = Field(default=1.0, ge=0)  # weight of B_w on top of λ (0 drops it)
     arrival_window_s: float = Field(default=10.0, gt=0)  # B_w's arrival rate: dispatches over this window
-    # B_w counts the arrivals until w's prefill backlog drains under the fleet's prefill load ρ (the busy period
-    # (Q + R) / (1 − ρ)), not only until r's first token
+    # B_w counts the arrivals until w's prefill backlog drains at w's measured load ρ_w (the busy period
+    # (Q + R) / (1 − ρ_w)), not only until r's first token
     busy_period: bool = True
     overflow_weight: float = Field(default=1.0, ge=0)  # β: weight of O_w (PreServe β = 1)
     # O_w: the preempted requests' wait for KV (the area of U' above T_mem) besides their re-prefill
@@ -262,12 +262,12 @@ class _Window:
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
-        self.events: deque[tuple[float, float]] = deque()  # (t, amount), t non-decreasing: the expired are a prefix
-        self.total = 0.0  # Σ amounts
+        self.events: deque[tuple[float, int]] = deque()  # (t, count), t non-decreasing: the expired are a prefix
+        self.total = 0  # Σ counts
         self.first: float | None = None
 
-    def add(self, now: float, k: float = 1) -> None:
-        """`k` events (or an amount, e.g. seconds of work) at `now` (k = 0 only opens the window)."""
+    def add(self, now: float, k: int = 1) -> None:
+        """`k` events at `now` (k = 0 only opens the window)."""
         if self.first is None:
             self.first = now
         if k:
@@ -278,21 +278,17 @@ class _Window:
         while events and events[0][0] < cutoff:
             self.total -= events.popleft()[1]
 
-    def sum(self, now: float) -> float:
-        """Σ amounts within the window. Read-only (select is pure): the expired head is only stepped over,
-        O(expired); `add` drops it."""
+    def rate(self, now: float) -> float:
+        """Read-only (select is pure): the expired head is only stepped over, O(expired); `add` drops it."""
+        if self.first is None:
+            return 0.0
         cutoff = now - self.window_s
         n = self.total
         for t, k in self.events:
             if t >= cutoff:
                 break
             n -= k
-        return n
-
-    def rate(self, now: float) -> float:
-        if self.first is None:
-            return 0.0
-        return self.sum(now) / min(self.window_s, max(self.MIN_SPAN_S, now - self.first))
+        return n / min(self.window_s, max(self.MIN_SPAN_S, now - self.first))
 
 
 class ArrivalRate:
@@ -348,18 +344,22 @@ class BusyFraction:
         self.first = now  # the router's first dispatch to w: the span until the window fills (>= MIN_SPAN_S)
 
     def set_busy(self, busy: bool, now: float) -> None:
-        if busy and self.since is None:
+        """At each change of w's state; the intervals that left the window are dropped then."""
+        since = self.since
+        if busy == (since is not None):
+            return
+        if since is None:
             self.since = now
-        elif not busy and self.since is not None:
-            if now > self.since:
-                self.closed.append((self.since, now))
-                self.total += now - self.since
+        else:
+            if now > since:
+                self.closed.append((since, now))
+                self.total += now - since
             self.since = None
-            cutoff = now - self.window_s
-            closed = self.closed
-            while closed and closed[0][1] <= cutoff:
-                a, b = closed.popleft()
-                self.total -= b - a
+        cutoff = now - self.window_s
+        closed = self.closed
+        while closed and closed[0][1] <= cutoff:
+            a, b = closed.popleft()
+            self.total -= b - a
 
     def load(self, now: float) -> tuple[float, float]:
         """(ρ, the span it was measured over). Read-only (select is pure): the intervals reaching back past the
