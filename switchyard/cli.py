@@ -16,6 +16,7 @@ commands:
   bench sim          discrete-event simulation of N workers in virtual time
   bench live         router + simulated worker processes over loopback gRPC: router-added latency
   bench relay        a bare gRPC relay with no routing logic (bench live's floor of a Python gRPC router)
+  bench soak         router + simulated workers under sustained load: memory (RSS) and CPU over time
   bench profiles     fit error of each performance profile against the measured tables
   bench radix        micro-benchmark of the global prefix radix tree (match, insert; Cython vs Python)
   bench decisions    routing decisions/s and select latency of each policy alone, vs Preble's 634/245/2931
@@ -41,6 +42,7 @@ COMMANDS: dict[tuple[str, ...], str] = {
     ("bench", "sim"): "switchyard.bench.sim",
     ("bench", "live"): "switchyard.bench.live",
     ("bench", "relay"): "switchyard.bench.relay",
+    ("bench", "soak"): "switchyard.bench.soak",
     ("bench", "profiles"): "switchyard.bench.profiles",
     ("bench", "radix"): "switchyard.bench.micro.radix",
     ("bench", "decisions"): "switchyard.bench.micro.decisions",
