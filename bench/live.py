@@ -30,6 +30,7 @@ import itertools
 import json
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -542,22 +543,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def run_and_write(
+    run_fn: Callable[[argparse.Namespace], Awaitable[dict[str, Any]]],
+    args: argparse.Namespace,
+    markdown_fn: Callable[[dict[str, Any]], str],
+    plot_fn: Callable[[dict[str, Any], Path], Path],
+) -> int:
+    """Run a loopback benchmark on uvloop (the daemon's loop; asyncio without it), write results.json, results.md
+    and its plot under `args.out`, and print the markdown (`bench live`, `bench soak`)."""
+    try:
+        import uvloop
+
+        result = uvloop.run(run_fn(args))
+    except ImportError:
+        result = asyncio.run(run_fn(args))  # type: ignore[arg-type]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    md = markdown_fn(result)
+    (out / "results.md").write_text(md)
+    png = plot_fn(result, out)
+    print(md)
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {png}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.policy is None:
         args.policy = "switchyard" if args.peers else "least_request"
-    try:
-        import uvloop
-
-        result = uvloop.run(run(args))
-    except ImportError:
-        result = asyncio.run(run(args))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2))
-    md = markdown(result)
-    (out / "results.md").write_text(md)
-    png = plot(result, out)
-    print(md)
-    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {png}")
-    return 0
+    return run_and_write(run, args, markdown, plot)

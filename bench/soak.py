@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from switchyard.bench import procs
-from switchyard.bench.live import MODEL, Sample, _via_router, _wait_routable
+from switchyard.bench.live import MODEL, Sample, _via_router, _wait_routable, run_and_write
 from switchyard.router.client import AsyncRouterClient
 
 
@@ -209,19 +208,4 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        import uvloop
-
-        result = uvloop.run(run(args))
-    except ImportError:
-        result = asyncio.run(run(args))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2))
-    md = markdown(result)
-    (out / "results.md").write_text(md)
-    png = plot(result, out)
-    print(md)
-    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {png}")
-    return 0
+    return run_and_write(run, build_parser().parse_args(argv), markdown, plot)
