@@ -33,6 +33,12 @@ def _get(metrics: dict[str, Any], path: tuple[str, ...]) -> Any:
     return v
 
 
+def run_label(run: dict[str, Any]) -> str:
+    """The run's row name: the policy, and how many router replicas shared the workers when not one."""
+    k = run.get("router_replicas", 1)
+    return run["policy"] if k == 1 else f"{run['policy']} x{k} routers"
+
+
 def _load_key(run: dict[str, Any]) -> str:
     kind, value = next(iter(run["load"].items()))
     return f"{kind}={value:g}"
@@ -49,7 +55,7 @@ def markdown_table(result: dict[str, Any]) -> str:
     for run in runs:
         m = run["metrics"]
         base = baseline[_load_key(run)]
-        cells = [run["policy"], _load_key(run), f"{run['rate']:.2f}", f"{m['num_completed']}/{m['num_requests']}"]
+        cells = [run_label(run), _load_key(run), f"{run['rate']:.2f}", f"{m['num_completed']}/{m['num_requests']}"]
         for header, path, fmt, ratio in COLUMNS:
             v = _get(m, path)
             shown = v * 1000 if header in _MS else v
@@ -71,7 +77,7 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
 
     by_policy: dict[str, list[dict[str, Any]]] = {}
     for run in result["runs"]:
-        by_policy.setdefault(run["policy"], []).append(run)
+        by_policy.setdefault(run_label(run), []).append(run)
     paths: list[Path] = []
     for metric, label in (("ttft_s", "TTFT"), ("e2e_s", "E2E latency")):
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))

@@ -49,6 +49,7 @@ from switchyard.bench.workloads import ARRIVALS, WorkloadSpec, make_workload
 from switchyard.router.clock import VirtualClock
 from switchyard.router.config import split_assignment
 from switchyard.router.fleet import Fleet, StatsSample, WorkerInfo
+from switchyard.router.peer_mirror import PeerMirror
 from switchyard.router.policies.base import Policy, RoutingContext, WorkerId
 from switchyard.router.policies.oracle_partition import OraclePartition
 from switchyard.router.policies.preble_cost import profile_cost
@@ -57,7 +58,13 @@ from switchyard.router.policies.registry import POLICIES, make_policy
 from switchyard.router.predictor.fallback import LengthFallback
 from switchyard.router.queue import QueueEntry, QueueFull, RequestQueue, should_hold
 from switchyard.workers.engine.core import SCHEDULINGS
-from switchyard.workers.engine.kv_events import KvEventBatch
+from switchyard.workers.engine.kv_events import (
+    KvEventBatch,
+    RequestAdmitted,
+    RequestEnded,
+    RequestEvent,
+    RequestFirstToken,
+)
 from switchyard.workers.engine.types import EngineRequest, StepResult
 
 log = logging.getLogger(__name__)
@@ -71,6 +78,7 @@ PREDICTORS = ("none", "oracle", "fallback", "table")
 # Heap event kinds; the number is also the tie-break order at equal times.
 _STEP_DONE = 0
 _KV_DELIVERY = 1
+_REQ_DELIVERY = 2  # a worker's request event (admitted, first token, ended) reaching the router replicas
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +102,10 @@ class SimConfig:
     # (request id -> tokens, precomputed offline; passed to the Simulator as `predictions`).
     predictor: str = "none"
     policy_params: dict[str, Any] = field(default_factory=dict)  # the policy's knobs (`make_policy`'s params)
+    # Router replicas side by side over the same workers, each with its own policy, fleet view, queue and
+    # predictor; arrivals reach them in turn (a round-robin load balancer in front). Each sees every worker's
+    # Stats and KV events but only its own dispatches, first tokens and finishes, as live.
+    router_replicas: int = 1
 
 
 # ---------------------------------------------------------------------------------------------------- predictors
@@ -239,6 +251,25 @@ def _stats_sample(s: Any, prev_gen_tokens: int, interval_s: float) -> StatsSampl
 
 
 # ---------------------------------------------------------------------------------------------------- simulator
+@dataclass(slots=True)
+class RouterReplica:
+    """One router's own state: what it decides with and what only it knows (its dispatches and their ends)."""
+
+    policy: Policy
+    fleet: Fleet
+    queue: RequestQueue
+    lengths: LengthSource
+    mirror: PeerMirror  # the other replicas' requests, from the workers' request events
+
+
+def _sum_counters(routers: Sequence[RouterReplica]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in routers:
+        for k, v in r.policy.counters().items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
 class Simulator:
     """One run: a trace, a fleet of engines, one policy. `run()` once."""
 
@@ -250,18 +281,30 @@ class Simulator:
         policy: Policy | None = None,
         predictions: Mapping[str, int] | None = None,
     ) -> None:
-        """`policy` overrides `cfg.policy` (tests pass a spy); `prompts` may be shared between runs (its memo);
-        `predictions` (request id -> predicted output tokens) is the table of `cfg.predictor == "table"`."""
+        """`policy` overrides `cfg.policy` (tests pass a spy; one router only); `prompts` may be shared between
+        runs (its memo); `predictions` (request id -> predicted output tokens) is the table of
+        `cfg.predictor == "table"`."""
+        if cfg.router_replicas < 1:
+            raise ValueError(f"router_replicas must be >= 1, not {cfg.router_replicas}")
+        if policy is not None and cfg.router_replicas != 1:
+            raise ValueError("a given policy object is one router's: router_replicas must be 1")
         self.trace = trace
         self.cfg = cfg
         self.prompts = prompts or PromptFactory(cfg.block_size, seed=cfg.seed)
-        self.policy: Policy = policy if policy is not None else make_policy(cfg.policy, cfg.policy_params)
-        if isinstance(self.policy, OraclePartition):  # the baseline's offline oracle: this very trace's key portions
-            self.policy.set_partition(preble.oracle_partition_table(trace))
-        self.lengths = make_length_source(cfg.predictor, predictions)
-        self.clock = VirtualClock()  # the router's clock; advanced by the event loop
-        self.fleet = Fleet()
-        self.queue = RequestQueue(cfg.queue_max_size)
+        self.routers: list[RouterReplica] = []
+        for i in range(cfg.router_replicas):
+            pol = policy if policy is not None else make_policy(cfg.policy, cfg.policy_params)
+            if isinstance(pol, OraclePartition):  # the baseline's offline oracle: this very trace's key portions
+                pol.set_partition(preble.oracle_partition_table(trace))
+            self.routers.append(RouterReplica(
+                pol, Fleet(), RequestQueue(cfg.queue_max_size), make_length_source(cfg.predictor, predictions),
+                PeerMirror(f"r{i}", pol),
+            ))
+        self._peers = cfg.router_replicas > 1  # workers' request events matter only to another replica
+        first = self.routers[0]
+        self.policy, self.fleet, self.queue, self.lengths = first.policy, first.fleet, first.queue, first.lengths
+        self._router_of: dict[str, RouterReplica] = {}  # request id -> the replica that took it
+        self.clock = VirtualClock()  # the routers' clock; advanced by the event loop
         self.cores: list[Any] = []
         self.worker_ids: list[WorkerId] = []
         for i in range(cfg.num_workers):
@@ -280,8 +323,9 @@ class Simulator:
                 max_num_batched_tokens=c.max_num_batched_tokens,
                 perf_profile=cfg.profile,
             )
-            self.fleet.add_worker(info)
-            self.policy.on_worker_change(wid, 0.0)
+            for r in self.routers:
+                r.fleet.add_worker(info)
+                r.policy.on_worker_change(wid, 0.0)
             self.cores.append(core)
             self.worker_ids.append(wid)
         c0 = self.cores[0]
@@ -299,7 +343,7 @@ class Simulator:
         self._busy = [False] * cfg.num_workers
         self._kick: set[int] = set()  # workers to (re)start once all events at the current time ran
         self._kv_seq = [0] * cfg.num_workers
-        self._prev_gen = [0] * cfg.num_workers
+        self._prev_gen = [[0] * cfg.num_workers for _ in self.routers]  # per replica: its last poll's counters
         self._records: dict[str, RequestRecord] = {}
         self._next_arrival_s = INF
         self._next_periodic_s = 0.0  # the next Stats poll or policy tick
@@ -332,21 +376,27 @@ class Simulator:
         n = len(reqs)
         ai = 0
         self._next_arrival_s = reqs[0].arrival_s if n else INF
-        next_stats = 0.0  # the daemon polls Stats on connect, then every interval
-        next_tick = self.cfg.tick_interval_s
+        # Each replica polls Stats on connect, then every interval, and ticks on its own timer: replica i's timers
+        # run i/K of a period after replica 0's (live they are not in step; in step, every replica would release
+        # its held requests at the same instant, none seeing the others' dispatches yet).
+        k = len(self.routers)
+        stats_s, tick_s = self.cfg.stats_interval_s, self.cfg.tick_interval_s
+        next_stats = [stats_s * i / k for i in range(k)]
+        next_tick = [tick_s * (1 + i / k) for i in range(k)]
         heap = self._heap
         now = 0.0
         idle_polls = 0  # stats polls with held requests but nothing running or arriving (stuck guard)
         while True:
             t_heap = heap[0][0] if heap else INF
             t_arr = self._next_arrival_s
-            self._next_periodic_s = min(next_stats, next_tick)
+            t_stats, t_tick = min(next_stats), min(next_tick)
+            self._next_periodic_s = min(t_stats, t_tick)
             t = min(t_heap, t_arr, self._next_periodic_s)
             idle = t_heap == INF and t_arr == INF
             if self._kick and (t > now or idle):
                 self._run_kicks(now)  # all events at `now` ran: start the engines that got work
                 continue
-            if idle and not len(self.queue):
+            if idle and not self._num_held():
                 break  # no work left anywhere: every engine is idle (a busy one has a STEP_DONE queued)
             now = t
             self.clock.advance_to(now)
@@ -355,20 +405,27 @@ class Simulator:
                 _, kind, _, w, payload = heapq.heappop(heap)
                 if kind == _STEP_DONE:
                     self._on_step_done(w, payload, now)
-                else:
+                elif kind == _KV_DELIVERY:
                     self._on_kv_delivery(w, payload, now)
-            elif next_stats <= t:
-                self._on_stats_poll(now)
-                next_stats = now + self.cfg.stats_interval_s
-                idle_polls = idle_polls + 1 if idle else 0
+                else:
+                    self._on_request_event(w, payload, now)
+            elif t_stats <= t:
+                i = next_stats.index(t_stats)
+                self._on_stats_poll(i, now)
+                next_stats[i] = now + stats_s
+                if i == 0:
+                    idle_polls = idle_polls + 1 if idle else 0
                 if idle_polls > 10:
                     log.warning("held requests with an idle fleet at t=%.3f: releasing them", now)
-                    self._drain_queue(now, force=True)
-            elif next_tick <= t:
-                self.fleet.set_time(now)
-                self.policy.on_tick(now)
-                self._drain_queue(now)
-                next_tick = now + self.cfg.tick_interval_s
+                    for r in self.routers:
+                        self._drain_queue(r, now, force=True)
+            elif t_tick <= t:
+                i = next_tick.index(t_tick)
+                r = self.routers[i]
+                r.fleet.set_time(now)
+                r.policy.on_tick(now)
+                self._drain_queue(r, now)
+                next_tick[i] = now + tick_s
             else:
                 req = reqs[ai]
                 ai += 1
@@ -389,17 +446,20 @@ class Simulator:
             num_events=self.num_events,
             num_engine_steps=self.num_engine_steps,
             num_engine_iterations=self.num_engine_iterations,
-            policy_counters=self.policy.counters(),
+            policy_counters=_sum_counters(self.routers),
         )
 
     # -------------------------------------------------------------------- engines
     def _horizon(self, now: float) -> float:
         """Until when an engine may fast-forward: the next moment a request could be dispatched to it."""
         h = self._next_arrival_s
-        if len(self.queue):
+        if self._num_held():
             # a held request may be released by any event (a finish, a Stats poll, a tick)
             h = min(h, self._next_periodic_s, self._heap[0][0] if self._heap else INF)
         return h
+
+    def _num_held(self) -> int:
+        return sum(len(r.queue) for r in self.routers)
 
     def _run_kicks(self, now: float) -> None:
         if not self._kick:
@@ -433,12 +493,14 @@ class Simulator:
         self._busy[w] = False
         wid = self.worker_ids[w]
         records = self._records
-        policy = self.policy
-        finished = False
+        router_of = self._router_of
+        finished: list[RouterReplica] = []
         for out in res.outputs:
             rec = records.get(out.request_id)
             if rec is None:
                 continue
+            r = router_of[out.request_id]
+            policy = r.policy
             if out.new_token_ids and rec.first_token_s < 0:
                 # a fast-forwarded result is decode-only, so a first token comes from a 1-iteration step;
                 # if not, it appeared at the end of the first iteration
@@ -446,34 +508,50 @@ class Simulator:
                 rec.first_token_s = first
                 rec.num_cached_tokens = out.num_cached_tokens
                 policy.on_first_token(out.request_id, wid, now)
+                if self._peers:
+                    self._announce(w, RequestFirstToken(out.request_id, r.mirror.origin), now)
             if out.finish_reason is not None:
                 rec.finish_s = now
                 rec.num_output_tokens = out.num_output_tokens
                 if rec.first_token_s < 0:
                     rec.first_token_s = now
-                finished = True
-                self.lengths.observe(out.request_id, rec.num_prompt_tokens, out.num_output_tokens)
-                self.fleet.set_time(now)
-                self.fleet.note_done(wid)  # the daemon's order (dispatch._end_attempt): note_done, on_finish
+                if r not in finished:
+                    finished.append(r)
+                r.lengths.observe(out.request_id, rec.num_prompt_tokens, out.num_output_tokens)
+                r.fleet.set_time(now)
+                r.fleet.note_done(wid)  # the daemon's order (dispatch._end_attempt): note_done, on_finish
                 policy.on_finish(out.request_id, wid, now, out.num_output_tokens)
-        if finished:
-            self._drain_queue(now)  # the daemon pumps the queue after a finish
+                if self._peers:
+                    self._announce(w, RequestEnded(out.request_id, r.mirror.origin, out.num_output_tokens, True), now)
+        for r in finished:
+            self._drain_queue(r, now)  # the daemon pumps its queue after a finish of its own
         self._kick.add(w)
 
     def _on_kv_delivery(self, w: int, batch: KvEventBatch, now: float) -> None:
         wid = self.worker_ids[w]
-        self.fleet.apply_kv_events(wid, batch)
-        self.policy.on_kv_events(wid, batch)
+        for r in self.routers:  # every replica subscribes to every worker's events
+            r.fleet.apply_kv_events(wid, batch)
+            r.policy.on_kv_events(wid, batch)
 
-    def _on_stats_poll(self, now: float) -> None:
-        fleet = self.fleet
-        fleet.set_time(now)
+    def _announce(self, w: int, event: RequestEvent, now: float) -> None:
+        """Worker w's request event, reaching every replica one event lag later (live: in its KV event stream)."""
+        self._push(now + self.cfg.event_lag_s, _REQ_DELIVERY, w, event)
+
+    def _on_request_event(self, w: int, event: RequestEvent, now: float) -> None:
+        wid = self.worker_ids[w]
+        for r in self.routers:
+            r.mirror.apply(wid, MODEL, (event,), now)  # skips the replica that sent it
+
+    def _on_stats_poll(self, i: int, now: float) -> None:
+        """Replica i polls every worker."""
+        r = self.routers[i]
+        prev = self._prev_gen[i]
+        r.fleet.set_time(now)
         for w, core in enumerate(self.cores):
             s = core.stats()
-            sample = _stats_sample(s, self._prev_gen[w], self.cfg.stats_interval_s)
-            self._prev_gen[w] = s.generation_tokens_total
-            fleet.apply_stats(self.worker_ids[w], sample, now)
-        self._drain_queue(now)
+            r.fleet.apply_stats(self.worker_ids[w], _stats_sample(s, prev[w], self.cfg.stats_interval_s), now)
+            prev[w] = s.generation_tokens_total
+        self._drain_queue(r, now)
 
     # -------------------------------------------------------------------- router side
     def _on_arrival(self, req: TraceRequest, now: float) -> None:
@@ -484,6 +562,9 @@ class Simulator:
             rec.status = REJECTED_TOO_LONG  # the daemon's admission rejects it before routing
             return
         rec.max_tokens = max(1, min(max_tokens, self.max_model_len - req.num_prompt_tokens))
+        routers = self.routers
+        r = routers[len(self._router_of) % len(routers)]  # in turn, as a round-robin load balancer
+        self._router_of[req.request_id] = r
         tokens = self.prompts.tokens(req)
         ctx = RoutingContext(
             request_id=req.request_id,
@@ -493,45 +574,46 @@ class Simulator:
             max_tokens=rec.max_tokens,
             arrival_s=now,
             # predicted as soon as the request is tokenized (before any queue wait), as in the daemon
-            predicted_output_tokens=self.lengths.predict(req.request_id, len(tokens), rec.max_tokens),
+            predicted_output_tokens=r.lengths.predict(req.request_id, len(tokens), rec.max_tokens),
         )
-        self.fleet.set_time(now)
+        r.fleet.set_time(now)
         if self.cfg.use_queue and (
-            len(self.queue) or should_hold(self.fleet.routable(MODEL), self.cfg.kv_usage_hold_frac)
+            len(r.queue) or should_hold(r.fleet.routable(MODEL), self.cfg.kv_usage_hold_frac)
         ):
             try:
                 # it waits for the next pump (a Stats poll, a finish, a tick), as in the daemon
-                self.queue.push(QueueEntry(req.request_id, MODEL, now, payload=(ctx, rec)))
+                r.queue.push(QueueEntry(req.request_id, MODEL, now, payload=(ctx, rec)))
             except QueueFull:
                 rec.status = REJECTED_QUEUE_FULL
             return
-        self._dispatch(ctx, rec, now)
+        self._dispatch(r, ctx, rec, now)
 
     def _hold(self, eligible: Sequence[Any]) -> bool:
         return should_hold(eligible, self.cfg.kv_usage_hold_frac)
 
-    def _drain_queue(self, now: float, force: bool = False) -> None:
-        """Release held requests, head first, while the hold condition is false (the daemon's dispatcher loop)."""
-        if not len(self.queue):
+    def _drain_queue(self, r: RouterReplica, now: float, force: bool = False) -> None:
+        """Release r's held requests, head first, while the hold condition is false (the daemon's dispatcher
+        loop)."""
+        if not len(r.queue):
             return
-        self.fleet.set_time(now)
+        r.fleet.set_time(now)
         hold = (lambda eligible: False) if force else self._hold
         while True:
-            entry = self.queue.release(MODEL, self.fleet.routable(MODEL), hold)
+            entry = r.queue.release(MODEL, r.fleet.routable(MODEL), hold)
             if entry is None:
                 return
             ctx, rec = entry.payload
-            self._dispatch(ctx, rec, now)
+            self._dispatch(r, ctx, rec, now)
 
-    def _dispatch(self, ctx: RoutingContext, rec: RequestRecord, now: float) -> None:
-        decision = self.policy.select(ctx, self.fleet, now)
-        target = self.fleet.get(decision.worker_id) if decision is not None else None
+    def _dispatch(self, r: RouterReplica, ctx: RoutingContext, rec: RequestRecord, now: float) -> None:
+        decision = r.policy.select(ctx, r.fleet, now)
+        target = r.fleet.get(decision.worker_id) if decision is not None else None
         if decision is None or target is None or not target.is_routable:
             rec.status = NO_WORKER  # the daemon answers UNAVAILABLE
             return
         wid = decision.worker_id
-        self.fleet.note_dispatch(wid)  # the daemon's order (dispatch._bind): note_dispatch, on_dispatch
-        self.policy.on_dispatch(ctx, decision, now)
+        r.fleet.note_dispatch(wid)  # the daemon's order (dispatch._bind): note_dispatch, on_dispatch
+        r.policy.on_dispatch(ctx, decision, now)
         rec.status = OK
         rec.worker_id = wid
         rec.dispatch_s = now
@@ -541,9 +623,14 @@ class Simulator:
         except ValueError as e:  # e.g. prompt + output can never fit this worker's KV cache
             log.warning("request %s rejected by worker %s: %s", ctx.request_id, wid, e)
             rec.status = REJECTED_TOO_LONG
-            self.policy.on_abort(ctx.request_id, wid, now)
-            self.fleet.note_done(wid)
+            r.policy.on_abort(ctx.request_id, wid, now)
+            r.fleet.note_done(wid)
             return
+        if self._peers:
+            self._announce(w, RequestAdmitted(
+                ctx.request_id, r.mirror.origin, ctx.block_hashes, ctx.num_prompt_tokens, ctx.max_tokens,
+                decision.predicted_output_tokens, ctx.lora_name, ctx.cache_salt,
+            ), now)
         self._kick.add(w)
 
     def _engine_request(self, ctx: RoutingContext, decision: Any, now: float) -> EngineRequest:
@@ -609,6 +696,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--event-lag", type=float, default=0.005, help="KV event delivery lag, s")
     g.add_argument("--tick-interval", type=float, default=0.1, help="policy on_tick period, s")
     g.add_argument("--no-queue", action="store_true", help="route at arrival; never hold in the router queue")
+    g.add_argument(
+        "--router-replicas", default="1", metavar="K[,K...]",
+        help="router replicas side by side over the same workers, arrivals to them in turn; a list runs every "
+        "policy at each K (rows 'POLICY xK routers')",
+    )
     g.add_argument(
         "--param", action="append", default=[], metavar="POLICY.KEY=VALUE",
         help="set one knob of one policy of --policies (its config's field), e.g. switchyard.externality_weight=1",
@@ -733,7 +825,20 @@ def parse_params(items: Sequence[str], policies: Sequence[str]) -> dict[str, dic
     return out
 
 
-def _sim_config(args: argparse.Namespace, policy: str, params: Mapping[str, str] | None = None) -> SimConfig:
+def parse_replicas(spec: str) -> list[int]:
+    """`--router-replicas` "1,3" -> [1, 3]."""
+    try:
+        ks = [int(k) for k in spec.split(",") if k.strip()]
+    except ValueError:
+        raise ValueError(f"--router-replicas {spec!r}: comma-separated integers") from None
+    if not ks or min(ks) < 1:
+        raise ValueError(f"--router-replicas {spec!r}: each K must be >= 1")
+    return ks
+
+
+def _sim_config(
+    args: argparse.Namespace, policy: str, params: Mapping[str, str] | None = None, replicas: int = 1
+) -> SimConfig:
     """The run's SimConfig; `params`: this policy's checked `--param` knobs (`parse_params`)."""
     overrides: dict[str, Any] = {}
     if args.max_num_seqs:
@@ -759,6 +864,7 @@ def _sim_config(args: argparse.Namespace, policy: str, params: Mapping[str, str]
         engine_overrides=overrides,
         predictor=args.predictor,
         policy_params=dict(params or {}),
+        router_replicas=replicas,
     )
 
 
@@ -769,18 +875,21 @@ def run_one(
     load: tuple[str, float],
     prompts: PromptFactory | None,
     params: Mapping[str, str] | None = None,
+    replicas: int = 1,
 ) -> dict[str, Any]:
-    """One (policy, load) run -> its report entry (module-level so a process pool can call it)."""
-    res = Simulator(trace, _sim_config(args, policy, params), prompts).run()
+    """One (policy, load, replicas) run -> its report entry (module-level so a process pool can call it)."""
+    res = Simulator(trace, _sim_config(args, policy, params, replicas), prompts).run()
     sim_s = res.sim_end_s
     speed = sim_s / res.wall_s if res.wall_s > 0 else 0.0
+    entry: dict[str, Any] = {"policy": policy}
+    if replicas != 1:
+        entry["router_replicas"] = replicas
     print(
-        f"  {policy:<16} rate={trace.mean_rate:6.2f} req/s  {len(trace.requests)} req  "
+        f"  {report.run_label(entry):<16} rate={trace.mean_rate:6.2f} req/s  {len(trace.requests)} req  "
         f"simulated {sim_s:8.1f} s in {res.wall_s:6.1f} s wall = {speed:7.1f}x",
         flush=True,
     )
-    return {
-        "policy": policy,
+    return entry | {
         "rate": trace.mean_rate,
         "load": {load[0]: load[1]},
         "metrics": res.summary(args.slo_ttft, args.slo_tpot),
@@ -809,6 +918,7 @@ def run_sweep(args: argparse.Namespace, base: Trace) -> dict[str, Any]:
     """Every (load, policy) pair on the same trace slice; returns the report's data."""
     policies = parse_policies(args.policies)
     params = parse_params(args.param, policies)  # checked once, not per run
+    replicas = parse_replicas(args.router_replicas)
     # --rates / --rate rescale to a mean rate and take precedence over --time-scale; a synthetic trace is
     # generated at --rate, so there --rate is not a rescale
     if args.rates:
@@ -818,17 +928,18 @@ def run_sweep(args: argparse.Namespace, base: Trace) -> dict[str, Any]:
     else:
         loads = [("time_scale", args.time_scale or 1.0)]
     jobs = [
-        (scale_to_rate(base, v) if k == "rate" else scale_time(base, v), policy, (k, v))
+        (scale_to_rate(base, v) if k == "rate" else scale_time(base, v), policy, (k, v), n)
         for k, v in loads
         for policy in policies
+        for n in replicas
     ]
     if args.jobs > 1 and len(jobs) > 1:
         runs = parallel_map(
-            run_one, [(args, t, p, load, None, params.get(p)) for t, p, load in jobs], args.jobs
+            run_one, [(args, t, p, load, None, params.get(p), n) for t, p, load, n in jobs], args.jobs
         )
     else:
         prompts = PromptFactory(args.block_size, seed=args.seed)  # shared: its hash memo carries over
-        runs = [run_one(args, t, p, load, prompts, params.get(p)) for t, p, load in jobs]
+        runs = [run_one(args, t, p, load, prompts, params.get(p), n) for t, p, load, n in jobs]
     return {
         "trace": {
             "name": base.name,
@@ -846,6 +957,7 @@ def run_sweep(args: argparse.Namespace, base: Trace) -> dict[str, Any]:
             "event_lag_s": args.event_lag,
             "tick_interval_s": args.tick_interval,
             "use_queue": not args.no_queue,
+            "router_replicas": replicas,
             "predictor": args.predictor,
             "engine_scheduling": args.engine_scheduling or "fcfs",
             "policies": policies,
@@ -861,6 +973,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         parse_params(args.param, parse_policies(args.policies))
+        parse_replicas(args.router_replicas)
         base = load_workload(args)
     except (FileNotFoundError, ValueError) as e:
         print(f"bench sim: {e}", file=sys.stderr)

@@ -37,6 +37,10 @@ from switchyard.workers.engine.kv_events import (
     BlockStored,
     KvEvent,
     KvEventBatch,
+    RequestAdmitted,
+    RequestEnded,
+    RequestEvent,
+    RequestFirstToken,
 )
 from switchyard.workers.tokenizer import ChatMessage
 
@@ -95,11 +99,13 @@ def params_from_proto(req: router_pb2.GenerateRequest) -> GenerateParams:
 
 # ---------------------------------------------------------------------- worker protocol
 def worker_request(
-    req: AdmittedRequest, decision: Decision, predicted_output_tokens: int | None = None
+    req: AdmittedRequest, decision: Decision, predicted_output_tokens: int | None = None, origin: str = ""
 ) -> worker_pb2.WorkerGenerateRequest:
     """Token ids only, so the worker caches exactly the blocks the router hashed. Hints: the policy's win, then
-    the router's settled prediction (`predicted_output_tokens`), then the client's."""
+    the router's settled prediction (`predicted_output_tokens`), then the client's. `origin`: this router replica
+    (the worker's request events name it)."""
     return worker_pb2.WorkerGenerateRequest(
+        origin=origin,
         request_id=req.request_id,
         prompt_token_ids=req.prompt_token_ids,
         sampling=sampling_to_proto(req.sampling),
@@ -178,11 +184,27 @@ def _event_from_proto(e: worker_pb2.KvEvent) -> KvEvent | None:
     return None  # an event kind this router does not know: ignored
 
 
+def _request_event_from_proto(e: worker_pb2.RequestEvent) -> RequestEvent | None:
+    which = e.WhichOneof("event")
+    if which == "admitted":
+        a = e.admitted
+        return RequestAdmitted(
+            e.request_id, e.origin, tuple(a.block_hashes), a.num_prompt_tokens, a.max_tokens,
+            a.predicted_output_tokens, a.lora_name or None, a.cache_salt or None,
+        )
+    if which == "first_token":
+        return RequestFirstToken(e.request_id, e.origin)
+    if which == "ended":
+        return RequestEnded(e.request_id, e.origin, e.ended.num_output_tokens, e.ended.finished)
+    return None  # a kind this router does not know: ignored
+
+
 def kv_batch_from_proto(b: worker_pb2.KvEventBatch) -> KvEventBatch:
     """The batch as the router uses it: BlockStored events keep hashes, parent, size and LoRA but not their
     token ids, which nothing in the router reads (a full cache's snapshot carries ~1M: 50-70 ms to decode)."""
     events = tuple(ev for ev in map(_event_from_proto, b.events) if ev is not None)
-    return KvEventBatch(seq=b.seq, ts=b.ts, events=events)
+    requests = tuple(ev for ev in map(_request_event_from_proto, b.requests) if ev is not None)
+    return KvEventBatch(seq=b.seq, ts=b.ts, events=events, requests=requests, snapshot=b.snapshot)
 
 
 # ---------------------------------------------------------------------- servicers

@@ -289,7 +289,8 @@ class Dispatcher:
         timeout = fl.remaining_s(self._clock.now())
         if timeout is not None and timeout <= 0:
             raise ApiError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before dispatch")
-        call = stub.Generate(api.worker_request(fl.req, decision, fl.predicted_output_tokens), timeout=timeout)
+        request = api.worker_request(fl.req, decision, fl.predicted_output_tokens, self._registry.origin)
+        call = stub.Generate(request, timeout=timeout)
         fl.call, fl.last_chunk_at, fl.stalled = call, self._clock.now(), False
         if self._idle_s:
             fl.watchdog = asyncio.get_running_loop().call_later(self._idle_s, self._check_stall, fl, call)

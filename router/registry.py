@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ from switchyard.router.clock import Clock
 from switchyard.router.config import WorkersConfig
 from switchyard.router.fleet import Fleet, WorkerInfo, WorkerState
 from switchyard.router.metrics import RouterMetrics
+from switchyard.router.peer_mirror import PeerMirror
 from switchyard.router.policies.base import Policy, WorkerId
 from switchyard.tls import aio_channel
 from switchyard.v1 import router_pb2, worker_pb2, worker_pb2_grpc
@@ -91,6 +93,10 @@ class WorkerRegistry:
         self._clock = clock
         self._metrics = metrics
         self._close_grace_s = channel_close_grace_s
+        # this replica, as the workers' request events name it (random per process: a restarted router is another
+        # replica, whose predecessor's requests the workers ended), and the other replicas' requests from them
+        self.origin = uuid.uuid4().hex[:16]
+        self.mirror = PeerMirror(self.origin, policy)
         self._conns: dict[str, WorkerConn] = {}  # address -> connection
         self._listeners: list[Callable[[], None]] = []  # called after stats / worker changes (queue pump)
         self._background: set[asyncio.Task[None]] = set()
@@ -150,6 +156,7 @@ class WorkerRegistry:
             out.stats_age_s = max(0.0, self._clock.now() - rec.stats_at) if rec.stats_at > float("-inf") else -1.0
             index = self._fleet.prefix_index(rec.model)
             out.num_resident_blocks = index.num_blocks(rec.worker_id) if index else 0
+            out.peer_in_flight = self.mirror.count(rec.worker_id)
         return out
 
     def statuses(self) -> list[router_pb2.WorkerStatus]:
@@ -242,8 +249,11 @@ class WorkerRegistry:
         task.add_done_callback(self._background.discard)
 
     def _changed(self, worker_id: WorkerId) -> None:
-        self._policy.on_worker_change(worker_id, self._clock.now())
+        now = self._clock.now()
         rec = self._fleet.get(worker_id)
+        if rec is None or not rec.healthy:  # its stream resumes with a snapshot, which re-announces its open requests
+            self.mirror.forget_worker(worker_id, now)
+        self._policy.on_worker_change(worker_id, now)
         if rec is not None:
             self._metrics.worker_healthy.labels(worker_id).set(1.0 if rec.is_routable else 0.0)
         self._notify()
@@ -441,6 +451,10 @@ class WorkerRegistry:
                         break
                     if batch.seq and batch.seq <= rec.last_kv_seq:
                         continue  # replay overlap
+                    if batch.snapshot:  # its requests are every one open there: forget what a gap may have left
+                        self.mirror.forget_worker(wid, self._clock.now())
+                    if batch.requests:  # before the blocks: an admission precedes what its prefill stores
+                        self.mirror.apply(wid, rec.model, batch.requests, self._clock.now())
                     self._fleet.apply_kv_events(wid, batch)
                     self._policy.on_kv_events(wid, batch)
                     self._metrics.observe_kv_batch(wid, batch, time.time())

@@ -145,6 +145,8 @@ class _Stream:
         "num_emitted_chars",
         "is_finished",
         "is_engine_done",
+        "origin",
+        "finish",
     )
 
     def __init__(self, request_id: str, received_at: float, detok: IncrementalDetokenizer, stops: list[str]):
@@ -163,6 +165,15 @@ class _Stream:
         self.num_emitted_chars = 0
         self.is_finished = False  # the final chunk was built
         self.is_engine_done = False  # the engine finished or aborted the request itself
+        self.origin = ""  # the router replica that sent it (its request events name it)
+        self.finish: FinishReason | None = None  # the final chunk's
+
+    def ended(self) -> kv.RequestEnded:
+        """Its end, for the request events (at the RPC's end: finished, or aborted, cancelled or failed)."""
+        return kv.RequestEnded(
+            self.request_id, self.origin, self.num_output_tokens,
+            self.finish is not None and self.finish is not FinishReason.ABORT,
+        )
 
     async def take(self) -> list[RequestOutput | _Aborted | _Failed]:
         """Wait for the next output, then take everything queued behind it (one chunk per wake-up)."""
@@ -238,6 +249,7 @@ class _Stream:
         )
         if finish is not None:
             self.is_finished = True
+            self.finish = finish
             chunk.finish_reason = _FINISH_TO_PROTO[finish]
             chunk.usage.prompt_tokens = self.num_prompt_tokens
             chunk.usage.completion_tokens = self.num_output_tokens
@@ -261,6 +273,21 @@ def event_to_proto(event: kv.KvEvent) -> worker_pb2.KvEvent:
     return worker_pb2.KvEvent(cleared=worker_pb2.AllBlocksCleared())
 
 
+def request_event_to_proto(event: kv.RequestEvent) -> worker_pb2.RequestEvent:
+    out = worker_pb2.RequestEvent(request_id=event.request_id, origin=event.origin)
+    if isinstance(event, kv.RequestAdmitted):
+        out.admitted.CopyFrom(worker_pb2.RequestAdmitted(
+            block_hashes=event.block_hashes, num_prompt_tokens=event.num_prompt_tokens, max_tokens=event.max_tokens,
+            predicted_output_tokens=event.predicted_output_tokens, lora_name=event.lora_name or "",
+            cache_salt=event.cache_salt or "",
+        ))
+    elif isinstance(event, kv.RequestFirstToken):
+        out.first_token.SetInParent()
+    else:
+        out.ended.CopyFrom(worker_pb2.RequestEnded(num_output_tokens=event.num_output_tokens, finished=event.finished))
+    return out
+
+
 class _Subscriber:
     __slots__ = ("queue", "is_overflowed")
 
@@ -273,6 +300,8 @@ class KvEventHub:
     """Numbers KV event batches, keeps the last REPLAY_BATCHES for resuming subscribers, fans out live ones.
 
     Publishing never blocks: a subscriber whose queue is full is dropped (its stream ends RESOURCE_EXHAUSTED).
+    Request events (`announce`) ride the same stream: they wait for the next batch (`publish`, `flush_requests`),
+    and the open requests' admissions are kept for new subscribers' snapshots.
     """
 
     def __init__(self, capture: Callable[[], Callable[[], list[kv.KvEvent]]]) -> None:
@@ -284,14 +313,35 @@ class KvEventHub:
         # deque, not list: O(1) eviction of the oldest batch
         self._buffer: collections.deque[worker_pb2.KvEventBatch] = collections.deque(maxlen=REPLAY_BATCHES)
         self._subscribers: set[_Subscriber] = set()
+        self._pending: list[worker_pb2.RequestEvent] = []  # request events for the next batch
+        # (origin, request id) -> its admission and first-token events, while open (snapshots re-announce them)
+        self._open: dict[tuple[str, str], list[worker_pb2.RequestEvent]] = {}
 
     @property
     def seq(self) -> int:
         return self._seq
 
+    def announce(self, event: kv.RequestEvent) -> None:
+        """Queue a request event for the next batch."""
+        pe = request_event_to_proto(event)
+        key = (event.origin, event.request_id)
+        if isinstance(event, kv.RequestEnded):
+            self._open.pop(key, None)
+        else:
+            self._open.setdefault(key, []).append(pe)
+        self._pending.append(pe)
+
+    def flush_requests(self, ts: float) -> None:
+        """Publish the queued request events now, in a batch of their own (none queued: nothing)."""
+        if self._pending:
+            self.publish((), ts)
+
     def publish(self, events: Sequence[kv.KvEvent], ts: float) -> None:
         self._seq += 1
-        batch = worker_pb2.KvEventBatch(seq=self._seq, ts=ts, events=[event_to_proto(e) for e in events])
+        batch = worker_pb2.KvEventBatch(
+            seq=self._seq, ts=ts, events=[event_to_proto(e) for e in events], requests=self._pending
+        )
+        self._pending = []
         self._buffer.append(batch)
         for sub in list(self._subscribers):
             try:
@@ -320,6 +370,8 @@ class KvEventHub:
             return sub, lambda: replay
         # a fresh subscriber, one older than the buffer, or one from another incarnation of this worker
         build, seq = self._capture(), self._seq
+        # the open requests as of now; later events queue up behind the snapshot
+        open_requests = [e for events in self._open.values() for e in events]
 
         def snapshot() -> list[worker_pb2.KvEventBatch]:
             parts = kv.split_stored([kv.AllBlocksCleared(), *build()], SNAPSHOT_BATCH_BLOCKS)
@@ -327,7 +379,8 @@ class KvEventHub:
             # with a fresh snapshot rather than from a half-applied one
             return [
                 worker_pb2.KvEventBatch(
-                    seq=seq if i == len(parts) - 1 else 0, ts=ts, events=[event_to_proto(e) for e in part]
+                    seq=seq if i == len(parts) - 1 else 0, ts=ts, events=[event_to_proto(e) for e in part],
+                    requests=open_requests if i == 0 else (), snapshot=i == 0,
                 )
                 for i, part in enumerate(parts)
             ]
@@ -425,6 +478,7 @@ class SimWorker:
                 continue
             if result is None:  # nothing schedulable until a request arrives or is aborted
                 busy_until = None
+                self._flush_kv_events()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -445,15 +499,19 @@ class SimWorker:
                 continue  # the client went away after this step was scheduled
             if out.new_token_ids and not stream.first_token_at:
                 stream.first_token_at = t
+                self.hub.announce(kv.RequestFirstToken(out.request_id, stream.origin))
             stream.queue.put_nowait(out)
 
     def _flush_kv_events(self) -> None:
+        """The step's KV events and the request events queued since the last batch, in one batch."""
         events = self.core.take_kv_events()
+        ts = time.time()
         if events:
-            ts = time.time()
             self.hub.publish(events, ts)
             for sink in self.kv_sinks:
                 sink(events, ts)
+        else:
+            self.hub.flush_requests(ts)
 
     def _fail_all(self) -> None:
         for rid, stream in list(self.streams.items()):
@@ -462,13 +520,21 @@ class SimWorker:
 
     # ---------------------------------------------------------------- requests
 
-    def add(self, request: EngineRequest, stops: list[str], received_at: float) -> _Stream:
-        """Register a stream and queue the request in the engine (ValueError from the engine propagates)."""
+    def add(self, request: EngineRequest, stops: list[str], received_at: float, origin: str = "") -> _Stream:
+        """Register a stream and queue the request in the engine (ValueError from the engine propagates); announce
+        it to every KV event subscriber at once (the router replicas that did not send it learn of it there)."""
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
         stream = _Stream(request.request_id, received_at, detok, stops)
         stream.num_prompt_tokens = len(request.prompt_token_ids)
+        stream.origin = origin
         self.core.add_request(request)
-        self.streams[request.request_id] = stream
+        rid = request.request_id
+        self.hub.announce(kv.RequestAdmitted(
+            rid, origin, self.core.prompt_block_hashes(rid), stream.num_prompt_tokens, request.max_tokens,
+            request.predicted_output_tokens, request.lora_name, request.cache_salt,
+        ))
+        self.hub.flush_requests(time.time())
+        self.streams[rid] = stream
         self.idle.clear()
         self._last_arrival_s = request.arrival_s
         self._wake.set()
@@ -479,6 +545,7 @@ class SimWorker:
         if not stream.is_engine_done:
             self.core.abort_request(stream.request_id)
         self.streams.pop(stream.request_id, None)
+        self.hub.announce(stream.ended())  # published with the next batch (the loop is woken below)
         if self.timings_log is not None:
             self._log_timings(stream)
         if not self.streams:
@@ -595,7 +662,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             cache_salt=request.cache_salt or None,
         )
         try:
-            stream = w.add(engine_request, list(sp.stop), received_at)
+            stream = w.add(engine_request, list(sp.stop), received_at, request.origin)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         log.debug(

@@ -36,6 +36,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from switchyard.ext.blockhash import block_digests, to_event_hash
 from switchyard.tls import add_server_args
 from switchyard.v1 import worker_pb2, worker_pb2_grpc
 from switchyard.workers import sim_worker
@@ -269,9 +270,20 @@ class VllmWorker:
         stops: list[str],
         priority: int,
         received_at: float,
+        origin: str = "",
+        predicted_output_tokens: int = 0,
     ) -> _Stream:
         stream = _Stream(rid, received_at, IncrementalDetokenizer(self.tokenizer, prompt_ids), stops)
         stream.num_prompt_tokens = len(prompt_ids)
+        stream.origin = origin
+        # every KV event subscriber (the router replicas that did not send it) learns of it at once; the hashes are
+        # the ones vLLM's BlockStored will carry (its recipe, reported in Info)
+        hashes = tuple(to_event_hash(d) for d in block_digests(list(prompt_ids), self.block_size, self.hash_algo,
+                                                               seed=self.hash_seed))
+        self.hub.announce(kv.RequestAdmitted(
+            rid, origin, hashes, len(prompt_ids), params.max_tokens, predicted_output_tokens,
+        ))
+        self.hub.flush_requests(time.time())
         self.streams[rid] = stream
         self.num_requests_received += 1
         self.idle.clear()
@@ -298,6 +310,8 @@ class VllmWorker:
                 num_out += len(new)
                 if new and not stream.first_token_at:
                     stream.first_token_at = time.time()
+                    self.hub.announce(kv.RequestFirstToken(rid, stream.origin))
+                    self.hub.flush_requests(stream.first_token_at)
                 finish = None
                 if out.finished:
                     finish = _FINISH.get(co.finish_reason or "stop", FinishReason.STOP)
@@ -334,6 +348,8 @@ class VllmWorker:
         if pump is not None and not pump.done():
             pump.cancel()
         self.streams.pop(rid, None)
+        self.hub.announce(stream.ended())
+        self.hub.flush_requests(time.time())
         if not self.streams:
             self.idle.set()
 
@@ -428,7 +444,8 @@ class VllmServicer(sim_worker.WorkerServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         stream = w.add(
-            rid, request.prompt_token_ids, params, list(request.sampling.stop), request.priority, received_at
+            rid, request.prompt_token_ids, params, list(request.sampling.stop), request.priority, received_at,
+            request.origin, max(0, request.predicted_output_tokens),
         )
         try:
             while True:

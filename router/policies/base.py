@@ -34,10 +34,14 @@ class RoutingContext:
     app_id: str | None = None
     attempt: int = 0  # 0 for the first dispatch, > 0 for a retry
     excluded_workers: frozenset[WorkerId] = field(default_factory=frozenset)  # failed earlier attempts
+    # the prompt's length where its token ids are not carried (another replica's request, from a worker's event:
+    # `router.peer_mirror`); -1: len(prompt_token_ids)
+    prompt_len: int = -1
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        n = self.prompt_len
+        return n if n >= 0 else len(self.prompt_token_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +106,9 @@ class Policy:
     name = "base"
     # the most workers whose state it can hold at once (None: no limit); the registry refuses workers past it
     max_workers: int | None = None
+    # True: other router replicas' requests reach its hooks too (`router.peer_mirror`), request ids namespaced by
+    # replica, so replicas side by side keep the same state; False: it knows only its own dispatches
+    mirrors_peers: bool = False
 
     def select(self, ctx: RoutingContext, fleet: FleetView, now: float) -> Decision | None:
         """Choose a worker among `fleet.routable(ctx.model)` minus `ctx.excluded_workers`; None if none."""

@@ -159,6 +159,9 @@ class E2Config(BaseModel):
     decode_ratio: Literal["hit_ratio", "decode_tokens"] = "decode_tokens"  # DECODERATIO (errata E9)
     pd_pick: Literal["argmax", "lightest"] = "lightest"  # among workers over IMBALR
     decode_pricing: Literal["single", "marginal"] = "marginal"  # DT in L: Alg 2's single-request, or batched
+    # other router replicas' requests, from the workers' events, enter the tree, H and Q as ours do (`peer_mirror`);
+    # Preble has one scheduler, so nothing to say there
+    mirror_peers: bool = True
 
     @classmethod
     def paper(cls, **overrides: Any) -> E2Config:
@@ -230,6 +233,7 @@ class PrebleE2(Policy):
 
     def __init__(self, config: E2Config | None = None) -> None:
         self.cfg = config or E2Config()
+        self.mirrors_peers = self.cfg.mirror_peers
         self.tree = RadixTree()  # one tree: hashes are chained, and only a request's candidates are read
         self.history: dict[WorkerId, WorkerHistory] = {}
         self.hit_ratio: dict[WorkerId, HitRatioWindow] = {}

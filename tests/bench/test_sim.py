@@ -178,3 +178,33 @@ def test_param_sets_one_policys_knob_and_is_recorded(tmp_path, capsys):
     assert data["config"]["policy_params"] == {"e2": {"history_window_s": "30"}}
     assert sim.main(["--trace", "poisson", "--policies", "e2", "--param", "e2.nope=1"]) == 2
     assert "policy 'e2': nope: Extra inputs are not permitted" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mirror", [True, False])
+def test_router_replicas_each_take_arrivals_in_turn_and_learn_the_others_from_the_workers(mirror):
+    """Three replicas over the same workers: arrivals reach them in turn, each request is served once, and with
+    the mirror each replica's E2 load history H holds every request the fleet served (its own by id, the others'
+    from the workers' request events, namespaced); without it, only its own third."""
+    from switchyard.router.peer_mirror import peer_key
+
+    trace = _workload(n=30)  # 30 requests over ~4 s, inside H (180 s): nothing expires
+    s = sim.Simulator(trace, _cfg(policy="e2", router_replicas=3, policy_params={"mirror_peers": mirror}))
+    res = s.run()
+    assert all(r.status == OK for r in res.records)
+    ids = [r.request_id for r in trace.requests]
+    for i, router in enumerate(s.routers):
+        own = ids[i::3]
+        seen = {e.request_id for h in router.policy.history.values() for e in h.entries}
+        peers = {peer_key(f"r{j}", rid) for j in range(3) if j != i for rid in ids[j::3]}
+        assert seen == (set(own) | peers if mirror else set(own))
+        assert not router.policy.in_flight and len(router.mirror) == 0  # every request ended everywhere
+
+
+def test_router_replicas_are_rows_of_their_own(tmp_path):
+    runs = _run_cli(tmp_path, "replicas", "--router-replicas", "1,2", "--policies", "e2")["runs"]
+    assert [(r["policy"], r.get("router_replicas", 1)) for r in runs] == [("e2", 1), ("e2", 2)]
+    assert "| e2 x2 routers |" in (tmp_path / "replicas" / "results.md").read_text()
+    with pytest.raises(ValueError, match="router_replicas"):
+        sim.Simulator(_workload(n=2), _cfg(router_replicas=0))
+    with pytest.raises(ValueError, match="one router"):
+        sim.Simulator(_workload(n=2), _cfg(router_replicas=2), policy=LeastRequest())

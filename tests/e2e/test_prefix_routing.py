@@ -102,3 +102,58 @@ def test_router_replicas_share_what_the_workers_cache(policy: str) -> None:
 def _requests_received(address: str) -> int:
     with grpc.insecure_channel(address) as ch:
         return worker_pb2_grpc.WorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=10).num_requests_received
+
+
+def _wait_peer(client: RouterClient, n: int = 1, timeout_s: float = 10.0) -> str:
+    """The worker on which this replica counts `n` requests another replica sent (from the workers' events)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = [w.worker_id for w in client.list_workers() if w.peer_in_flight >= n]
+        if got:
+            return got[0]
+        time.sleep(0.02)
+    raise AssertionError("the replica never learned of the other replica's request")
+
+
+def _in_flight_on(client: RouterClient) -> str:
+    return next(w.worker_id for w in client.list_workers() if w.in_flight)
+
+
+def test_router_replicas_learn_each_others_requests_from_the_workers() -> None:
+    """A request in flight through one replica is known to the others before any of its blocks is cached: the
+    worker streams its admission to every KV event subscriber. So replica B sends a follow-up sharing a prefix that
+    replica A's request is still prefilling to the same worker (which then serves it from its cache), and a replica
+    started later learns the open requests from the worker's snapshot. Slow workers (time scale 20: a 640-token
+    prefill takes ~1 s) keep the prefix uncached while B routes."""
+    workers = [
+        procs.start(f"w{i}", ["worker", "sim", "--port", "0", "--worker-id", f"w{i}", "--time-scale", "20"])
+        for i in range(3)
+    ]
+
+    def start_router(name: str) -> procs.Proc:
+        args = ["serve", "--port", "0", "--admin-port", "0", "--no-metrics", "--policy", "e2"]
+        for w in workers:
+            args += ["--worker", w.address]
+        return procs.start(name, args)
+
+    rng = random.Random(13)
+    prefix = [1, *(rng.randrange(3, 32000) for _ in range(40 * BLOCK - 1))]
+    a, b = start_router("router-a"), start_router("router-b")
+    with procs.running([*workers, a, b]), RouterClient(a.address, admin_address=a.extra["admin"]) as ca, \
+            RouterClient(b.address, admin_address=b.extra["admin"]) as cb:
+        # B's own long request: without A's requests in its view, B would send the follow-up elsewhere than A did
+        busy = cb.generate(request=make_request(MODEL, token_ids=[1, *range(100, 400)], max_tokens=3000,
+                                                ignore_eos=True))
+        _wait_peer(ca)  # A knows of it too (it steers A's prefix away from B's busy worker)
+        first = ca.generate(request=make_request(MODEL, token_ids=prefix, max_tokens=1, ignore_eos=True))
+        holder = _wait_peer(cb)  # B learned of A's request from the worker, before its first token
+        assert holder == _in_flight_on(ca)
+        suffix = [rng.randrange(3, 32000) for _ in range(4 * BLOCK)]
+        resp = cb.complete(request=make_request(MODEL, token_ids=prefix + suffix, max_tokens=1, ignore_eos=True))
+        assert resp.timings.worker_id == holder
+        assert resp.usage.cached_prompt_tokens >= 40 * BLOCK  # prefilled once, by A's request
+        assert list(first)[-1].finish_reason  # A's request ended normally
+        c = start_router("router-c")  # starts while B's long request is open
+        with procs.running([c]), RouterClient(c.address, admin_address=c.extra["admin"]) as cc:
+            assert _wait_peer(cc) == _in_flight_on(cb)  # from the snapshot each new subscriber gets
+        busy.cancel()

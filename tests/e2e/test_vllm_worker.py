@@ -378,7 +378,8 @@ def test_streaming_generation_through_the_router(vllm_workers: list[VllmProc], r
 
 def test_kv_events_carry_the_routers_block_hashes(vllm_workers: list[VllmProc], router_factory) -> None:  # type: ignore[no-untyped-def]
     """vLLM's own BlockStored hashes == the router's tokenization + switchyard.ext hashing, and they land in the
-    router's prefix view of the worker that served the request."""
+    router's prefix view of the worker that served the request. The request's admission event (which the other
+    router replicas read) names the same blocks, before vLLM stores them, and the request ends finished."""
     w0 = vllm_workers[0]
     router = router_factory([w0], "--policy", "round_robin")
     tok = load_tokenizer(str(TOKENIZER))
@@ -394,14 +395,19 @@ def test_kv_events_carry_the_routers_block_hashes(vllm_workers: list[VllmProc], 
         resp = c.complete(MODEL, prompt=prompt, max_tokens=2, timeout=60)
         assert resp.timings.worker_id == "v0" and resp.usage.prompt_tokens == len(ids)
         stored: list[int] = []
+        lifecycle: list[worker_pb2.RequestEvent] = []
         for batch in events:
             for e in batch.events:
                 if e.WhichOneof("event") == "stored":
                     stored += e.stored.block_hashes
-            if set(expected) <= set(stored):
+            lifecycle += [r for r in batch.requests if r.request_id == resp.request_id]
+            if set(expected) <= set(stored) and any(r.WhichOneof("event") == "ended" for r in lifecycle):
                 break
         events.cancel()
         assert stored[: len(expected)] == expected  # exactly vLLM's chain, in order
+        assert [r.WhichOneof("event") for r in lifecycle] == ["admitted", "first_token", "ended"]
+        assert list(lifecycle[0].admitted.block_hashes) == expected and lifecycle[0].origin  # the router's id
+        assert lifecycle[2].ended.finished and lifecycle[2].ended.num_output_tokens == 2
         until(
             lambda: (
                 {s.worker_id: s.num_resident_blocks for s in c.list_workers()}["v0"] >= before + len(expected)

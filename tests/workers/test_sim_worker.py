@@ -391,3 +391,50 @@ def test_kv_event_hub_replays_snapshots_and_drops_slow_subscribers() -> None:
     for _ in range(SUBSCRIBER_QUEUE_BATCHES + 1):
         hub.publish([kv.AllBlocksCleared()], ts=10.0)
     assert slow.is_overflowed and slow.queue.full()
+
+
+async def _requests_until(events: grpc.aio.UnaryStreamCall, done) -> list[worker_pb2.RequestEvent]:  # type: ignore[no-untyped-def]
+    """Request events read off a KvEvents stream until `done(events so far)`."""
+    got: list[worker_pb2.RequestEvent] = []
+    while not done(got):
+        got += (await events.read()).requests
+    return got
+
+
+async def test_kv_events_stream_each_request_admission_first_token_and_end(worker: WorkerProc) -> None:
+    """Every router replica subscribes to every worker: the request events tell each one of the others' requests
+    (their prompt's blocks as BlockStored will name them, their load), tagged with the sender's origin; a new
+    subscriber's snapshot lists the requests open at that moment."""
+    prompt = prompt_of("mirror me: " + "the quick brown fox jumps " * 10)[:70]  # 4 full blocks
+    expected_hashes = [to_event_hash(d) for d in block_digests(prompt, 16, "xxhash")]
+    async with grpc.aio.insecure_channel(worker.address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        events = stub.KvEvents(worker_pb2.KvEventsRequest(start_after_seq=0))
+        await events.read()  # the snapshot
+        req = gen_request("mirror-1", prompt, 5)
+        req.origin, req.predicted_output_tokens = "router-a", 7
+        chunks = await collect(stub, req)
+        seen = await _requests_until(events, lambda got: any(e.WhichOneof("event") == "ended" for e in got))
+        mine = [e for e in seen if e.request_id == "mirror-1"]
+        assert [e.WhichOneof("event") for e in mine] == ["admitted", "first_token", "ended"]
+        assert {e.origin for e in mine} == {"router-a"}
+        a = mine[0].admitted
+        assert (list(a.block_hashes), a.num_prompt_tokens, a.max_tokens, a.predicted_output_tokens) == (
+            expected_hashes, 70, 5, 7)
+        assert (mine[2].ended.finished, mine[2].ended.num_output_tokens) == (True, chunks[-1].usage.completion_tokens)
+        # an open request is in a new subscriber's snapshot (its first part, marked); its abort ends it unfinished
+        call = stub.Generate(gen_request("mirror-2", prompt_of("still running " * 10), 3000))
+        await call.read()  # its first token: admitted and first-token events were published before
+        late = stub.KvEvents(worker_pb2.KvEventsRequest(start_after_seq=0))
+        first = await late.read()
+        assert first.snapshot and first.events[0].WhichOneof("event") == "cleared"
+        assert [(e.request_id, e.WhichOneof("event")) for e in first.requests] == [
+            ("mirror-2", "admitted"), ("mirror-2", "first_token")]
+        late.cancel()
+        await stub.Abort(worker_pb2.AbortRequest(request_ids=["mirror-2"]))
+        await read_rest(call)
+        seen = await _requests_until(
+            events, lambda got: any(e.request_id == "mirror-2" and e.WhichOneof("event") == "ended" for e in got))
+        events.cancel()
+    ended = next(e for e in seen if e.request_id == "mirror-2" and e.WhichOneof("event") == "ended")
+    assert not ended.ended.finished and ended.origin == ""

@@ -147,6 +147,14 @@ class EngineCore:
             )
         self.scheduler.add_request(Request(req, vocab_size=cfg.vocab_size))
 
+    def prompt_block_hashes(self, request_id: str) -> tuple[int, ...]:
+        """The event hashes of a queued request's full prompt blocks, as BlockStored will announce them (memoised on
+        the request: the cache lookup at admission already computed most of them)."""
+        r = self.scheduler.requests[request_id]
+        n = r.num_prompt_tokens // self._config.block_size
+        self.kv_cache_manager.ensure_block_hashes(r, n)
+        return tuple(r.block_event_hashes[:n])
+
     def abort_request(self, request_id: str) -> bool:
         return self.scheduler.abort_request(request_id) is not None
 

@@ -32,11 +32,46 @@ class AllBlocksCleared:
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+# Request lifecycle, in the same stream: which router replica sent which request to this worker, and when it got its
+# first token and ended. Every replica subscribes to every worker, so each learns of the others' requests (their
+# in-flight prefixes and load) from the workers, with no replica-to-replica channel (Switchyard's own; vLLM has none).
+@dataclass(frozen=True, slots=True)
+class RequestAdmitted:
+    request_id: str
+    origin: str  # the router replica that sent it (GenerateRequest.origin); "" = not a Switchyard router
+    block_hashes: tuple[int, ...]  # its prompt's full blocks, as BlockStored will announce them once computed
+    num_prompt_tokens: int
+    max_tokens: int
+    predicted_output_tokens: int = 0  # the sender's prediction; 0 = none
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFirstToken:
+    request_id: str
+    origin: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEnded:
+    request_id: str
+    origin: str
+    num_output_tokens: int
+    finished: bool  # False: aborted, cancelled or failed
+
+
+RequestEvent = RequestAdmitted | RequestFirstToken | RequestEnded
+
+
 @dataclass(frozen=True, slots=True)
 class KvEventBatch:
     seq: int  # monotonically increasing per worker, from 1
     ts: float  # when the engine step that produced the events ended (engine clock)
     events: tuple[KvEvent, ...] = field(default_factory=tuple)
+    requests: tuple[RequestEvent, ...] = ()  # applied before `events` (an admission precedes its blocks)
+    # the first part of a snapshot: its request events are every request open on the worker, none other
+    snapshot: bool = False
 
 
 # One cached block as a snapshot lists it: (hash, parent hash, its token ids, block size, LoRA name).

@@ -1,0 +1,78 @@
+"""Other router replicas' requests, fed to this replica's policy as if it had dispatched them.
+
+Why: a replica knows its own dispatches at once, but another replica's only when the worker's KV events announce
+the blocks, after the prefill: a burst of requests for one long prefix, spread over K replicas, is prefilled on up
+to K workers, and each replica prices 1/K of the load. Workers are the source of truth: each one reports which
+replica sent it which request (`RequestAdmitted`, `RequestFirstToken`, `RequestEnded`, in its KV event stream, one
+event lag late), so every replica keeps the same in-flight view with no channel between replicas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from switchyard.router.policies.base import Decision, Policy, RoutingContext, WorkerId
+from switchyard.workers.engine.kv_events import RequestAdmitted, RequestEnded, RequestEvent, RequestFirstToken
+
+
+def peer_key(origin: str, request_id: str) -> str:
+    """A mirrored request's id in the policy: never equal to an id this replica dispatched (those carry no NUL)."""
+    return f"\0{origin}\0{request_id}"
+
+
+class PeerMirror:
+    """Maps one worker's request events onto the policy's hooks, skipping this replica's own (`origin`)."""
+
+    __slots__ = ("origin", "policy", "live", "by_worker")
+
+    def __init__(self, origin: str, policy: Policy) -> None:
+        self.origin = origin
+        self.policy = policy
+        self.live: dict[str, WorkerId] = {}  # mirrored request -> its worker, from admission to end
+        self.by_worker: dict[WorkerId, set[str]] = {}
+
+    def apply(self, worker_id: WorkerId, model: str, events: Iterable[RequestEvent], now: float) -> None:
+        policy = self.policy
+        if not policy.mirrors_peers:
+            return
+        live = self.live
+        for ev in events:
+            if ev.origin == self.origin:
+                continue  # our own: the dispatcher already called the hooks
+            key = peer_key(ev.origin, ev.request_id)
+            if isinstance(ev, RequestAdmitted):
+                if key in live:
+                    continue  # a replayed batch
+                ctx = RoutingContext(
+                    request_id=key, model=model, prompt_token_ids=(), block_hashes=ev.block_hashes,
+                    max_tokens=ev.max_tokens, arrival_s=now,
+                    predicted_output_tokens=ev.predicted_output_tokens or None, lora_name=ev.lora_name,
+                    cache_salt=ev.cache_salt, prompt_len=ev.num_prompt_tokens,
+                )
+                live[key] = worker_id
+                self.by_worker.setdefault(worker_id, set()).add(key)
+                policy.on_dispatch(ctx, Decision(worker_id, predicted_output_tokens=ev.predicted_output_tokens), now)
+            elif live.get(key) != worker_id:
+                continue  # admitted before this replica subscribed: nothing to update
+            elif isinstance(ev, RequestFirstToken):
+                policy.on_first_token(key, worker_id, now)
+            elif isinstance(ev, RequestEnded):
+                del live[key]
+                self.by_worker[worker_id].discard(key)
+                if ev.finished:
+                    policy.on_finish(key, worker_id, now, ev.num_output_tokens)
+                else:
+                    policy.on_abort(key, worker_id, now)
+
+    def forget_worker(self, worker_id: WorkerId, now: float) -> None:
+        """The worker was lost or removed: its mirrored requests end (its snapshot re-announces the live ones)."""
+        for key in self.by_worker.pop(worker_id, ()):
+            del self.live[key]
+            self.policy.on_abort(key, worker_id, now)
+
+    def count(self, worker_id: WorkerId) -> int:
+        """Other replicas' requests open on the worker."""
+        return len(self.by_worker.get(worker_id, ()))
+
+    def __len__(self) -> int:
+        return len(self.live)

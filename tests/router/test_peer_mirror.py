@@ -1,0 +1,125 @@
+"""Other router replicas' requests, from the workers' request events, in this replica's policy (`PeerMirror`).
+
+Each replica sees its own dispatches at once and another's only through the worker: these tests feed a policy the
+events a worker would stream and check what it routes and counts, for E2 and the default policy, with the mirror
+on (the default) and off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from switchyard.router.peer_mirror import PeerMirror, peer_key
+from switchyard.router.policies.base import Decision, RoutingContext, WorkerId
+from switchyard.router.policies.registry import make_policy
+from switchyard.workers.engine.kv_events import RequestAdmitted, RequestEnded, RequestFirstToken
+from tests.factories import make_fleet, make_requests
+
+W = [WorkerId(f"w{i}") for i in range(3)]
+
+
+def request(rid: str, prompt_len: int, shared: int) -> RoutingContext:
+    """`shared` leading tokens common to every request of a test (equal leading block hashes), then unique ones."""
+    base = make_requests(1, prompt_len=prompt_len, shared_prefix=shared)[0]
+    tokens = tuple(range(shared)) + tuple(10**7 + hash(rid) % 10**6 * 4096 + k for k in range(prompt_len - shared))
+    hashes, prev = [], 0
+    for b in range(prompt_len // 16):
+        prev = hash((prev, tokens[b * 16: (b + 1) * 16])) & (2**64 - 1)
+        hashes.append(prev)
+    return dataclasses.replace(base, request_id=rid, prompt_token_ids=tokens, block_hashes=tuple(hashes))
+
+
+def admitted(ctx: RoutingContext, origin: str = "a") -> RequestAdmitted:
+    """The event the worker streams when another replica's request reaches it."""
+    return RequestAdmitted(ctx.request_id, origin, ctx.block_hashes, ctx.num_prompt_tokens, ctx.max_tokens)
+
+
+def own_dispatch(policy, fleet, ctx: RoutingContext, now: float = 0.0) -> WorkerId:  # type: ignore[no-untyped-def]
+    d = policy.select(ctx, fleet, now)
+    fleet.note_dispatch(d.worker_id)
+    policy.on_dispatch(ctx, d, now)
+    return d.worker_id
+
+
+def test_a_peer_replicas_in_flight_prefix_draws_its_follow_ups() -> None:
+    """Replica B has sent one request of its own; replica A's request for a long prefix is being prefilled on a
+    worker B would not pick blind (no KV event can say so before that prefill ends). With the mirror, E2 in B sends
+    a follow-up sharing that prefix to the same worker (an exploit: more of it is assigned there than missed);
+    without it, B prefills the prefix a second time elsewhere. (The default policy prices the wait behind that
+    prefill, about what recomputing costs for one follow-up: its gain is the load, below.)"""
+    prefix_req = request("a-1", 1024, 1024)
+    follow_up = request("b-2", 1088, 1024)  # the 64 blocks + 4 of its own
+    picks = {}
+    for mirror in (False, True):
+        policy = make_policy("e2", {"mirror_peers": mirror})
+        fleet = make_fleet(3, kv_capacity_blocks=4000)
+        own_dispatch(policy, fleet, request("b-1", 256, 0))  # B's own load
+        blind = policy.select(follow_up, fleet, 0.1).worker_id
+        holder = next(w for w in W if w != blind)
+        PeerMirror("b", policy).apply(holder, "m", [admitted(prefix_req, "a")], 0.1)
+        picks[mirror] = (holder, blind, policy.select(follow_up, fleet, 0.2).worker_id)
+    holder, blind, pick = picks[True]
+    assert pick == holder
+    holder, blind, pick = picks[False]
+    assert pick == blind != holder
+
+
+@pytest.mark.parametrize("name", ["e2", "switchyard"])
+def test_a_peer_replicas_load_steers_new_requests_away(name: str) -> None:
+    """Replica A has queued long prefills on the worker replica B would pick for a new request: with the mirror, B
+    prices them (they are ahead of it there) and picks another worker; without, it sees an idle worker."""
+    fresh = request("b-1", 512, 0)
+    picks = {}
+    for mirror in (False, True):
+        policy = make_policy(name, {"mirror_peers": mirror})
+        fleet = make_fleet(3, kv_capacity_blocks=4000)
+        blind = policy.select(fresh, fleet, 0.0).worker_id
+        mirror_of = PeerMirror("b", policy)
+        for i in range(3):
+            mirror_of.apply(blind, "m", [admitted(request(f"a-{i}", 3072, 0), "a")], 0.1)
+        picks[mirror] = (blind, policy.select(fresh, fleet, 0.2).worker_id)
+    assert picks[False][1] == picks[False][0]
+    assert picks[True][1] != picks[True][0]
+
+
+def test_peer_requests_load_the_policy_until_they_end() -> None:
+    """The default policy counts a peer's request as queued until its first token and drops it at its end; its own
+    events, replays and events for requests it never saw change nothing; a lost worker's peer requests end."""
+    policy = make_policy("switchyard")
+    fleet = make_fleet(2)
+    policy.select(request("warm", 64, 0), fleet, 0.0)  # the first select memoises the fleet
+    mirror = PeerMirror("b", policy)
+    ctx = request("r1", 512, 0)
+    key = peer_key("a", "r1")
+    mirror.apply(W[0], "m", [admitted(ctx), admitted(ctx)], 1.0)  # the second is a replay
+    mirror.apply(W[0], "m", [admitted(request("mine", 512, 0), "b")], 1.0)  # B's own: the dispatcher told it
+    assert (mirror.count(W[0]), policy.num_queued[W[0]], set(policy.reqs)) == (1, 1, {key})
+    assert policy.reqs[key].prompt_tokens == 512
+    mirror.apply(W[0], "m", [RequestFirstToken("r1", "a"), RequestFirstToken("never-seen", "a")], 1.5)
+    assert policy.num_queued[W[0]] == 0 and policy.reqs[key].running
+    mirror.apply(W[0], "m", [RequestEnded("r1", "a", 40, True), RequestEnded("never-seen", "a", 1, True)], 2.0)
+    assert (mirror.count(W[0]), key in policy.reqs, key in policy.in_flight) == (0, False, False)
+    mirror.apply(W[1], "m", [admitted(request("r2", 512, 0))], 3.0)
+    mirror.forget_worker(W[1], 3.5)  # lost: aborted, as the router's own requests there
+    assert (len(mirror), peer_key("a", "r2") in policy.reqs, policy.num_queued.get(W[1], 0)) == (0, False, 0)
+
+
+def test_a_policy_that_does_not_mirror_sees_nothing() -> None:
+    """Peers' baselines keep their own default: only their own dispatches (llm-d's approximate index, SMG's tree
+    without its mesh)."""
+    policy = make_policy("smg_cache_aware")
+    assert not policy.mirrors_peers
+    mirror = PeerMirror("b", policy)
+    mirror.apply(W[0], "m", [admitted(request("r1", 512, 0))], 1.0)
+    assert len(mirror) == 0
+    assert make_policy("e2").mirrors_peers and make_policy("switchyard").mirrors_peers
+
+
+def test_a_mirrored_context_carries_the_prompt_length_without_its_tokens() -> None:
+    ctx = RoutingContext(request_id="x", model="m", prompt_token_ids=(), block_hashes=(1, 2), max_tokens=4,
+                         arrival_s=0.0, prompt_len=40)
+    assert ctx.num_prompt_tokens == 40
+    assert dataclasses.replace(ctx, prompt_len=-1, prompt_token_ids=(5,) * 7).num_prompt_tokens == 7
+    assert Decision(W[0]).worker_id == W[0]
