@@ -24,6 +24,10 @@ Sections (specs/preble.md §8, §10):
      window fills and the TTFT-doubling detector has two halves): e2_base (no skew rules) -> e2_rebal (+
      rebalancing, replication) -> e2, against switchyard and smg_cache_aware. Per run: Preble's per-worker load
      imbalance max L / min L over H (`load_imbalance`, from what the engines did) and how often the rules fired.
+  g. router replicas: each workload at its highest load, one router and REPLICAS routers side by side over the same
+     workers (`bench sim --router-replicas`: arrivals in turn, each replica with its own policy, queue and timers,
+     all of them reading every worker's Stats and events): e2, switchyard and switchyard-no_mirror (each replica
+     blind to the others' requests) against the peers, which keep their defaults (only their own dispatches).
 
 Capacity: a geometric rate ladder (factor √2) of short round_robin runs; the "light" reference is the mean TTFT at
 the lowest rung (load far below saturation); a rung is saturated when its mean TTFT exceeds
@@ -31,7 +35,7 @@ the lowest rung (load far below saturation); a rung is saturated when its mean T
 saturated one. The two loads are `--load-fractions` (0.5, 1.0) x capacity: half load, and round_robin's knee, where
 cache-aware placement should matter most. `--rates WORKLOAD=R1,R2` skips the ladder for that workload.
 
-Full (about 25 min on 2 cores, 5 of them section f's long runs): `switchyard bench suite`. Quick (about 2 min,
+Full (about 28 min on 2 cores, 5 of them section f's long runs, 3 section g's): `switchyard bench suite`. Quick (about 2 min,
 300-request runs): `switchyard bench suite --quick`.
 """
 
@@ -78,6 +82,7 @@ SKEW_ZIPFS = (1.1, 1.5, 2.0)
 SKEW_POLICIES = ("e2_base", "e2_rebal", "e2", "switchyard", "smg_cache_aware")
 SKEW_LOAD_FACTORS = (1.0, 1.5)  # x the ablation workload's highest load
 SKEW_SPAN_H = 3.0  # arrivals span this many E2 windows H: L over H is sampled over the last two
+REPLICAS = 3  # section g: router replicas side by side
 LADDER = [0.125 * math.sqrt(2) ** k for k in range(23)]  # 0.125 .. 256 req/s (x workers / 4)
 
 
@@ -201,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated; known: {','.join(WORKLOADS)}")
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--sections", default="a,b,c,d,e,f",
-                    help="a workloads, b ablation, c no-sharing, d scaling, e fairness, f skew")
+    ap.add_argument("--sections", default="a,b,c,d,e,f,g",
+                    help="a workloads, b ablation, c no-sharing, d scaling, e fairness, f skew, g router replicas")
     ap.add_argument("--rates", nargs="*", default=[], metavar="WORKLOAD=R1,R2",
                     help="fixed loads for a workload (skips its capacity ladder); 'no-sharing' for section c")
     ap.add_argument("--load-fractions", default="0.5,1.0", help="loads as fractions of round_robin's capacity")
@@ -454,6 +459,50 @@ def main(argv: list[str] | None = None) -> int:
         data["scaling"]["latency"] = [{"policy": r["policy"], "workers": r["workers"], "rate": r["rate"],
                                        "metrics": r["metrics"]} for r in lat]
         log(f"scaling: in {time.perf_counter() - t0:.0f} s")
+
+    # ------------------------------------------------------------------ g. router replicas
+    if "g" in sections:
+        t0 = time.perf_counter()
+        rep_policies = [p for p in policies if p in (*OURS, *PEERS)]
+        if "switchyard" in rep_policies:
+            rep_policies.insert(rep_policies.index("switchyard") + 1, "switchyard-no_mirror")
+        md.append(f"## g. Router replicas: 1 and {REPLICAS} side by side\n")
+        md.append(f"Each workload at its highest load; {REPLICAS} replicas take the arrivals in turn. Per policy: "
+                  f"its {REPLICAS}-replica figure / its own 1-router figure; the last columns compare ours with the best "
+                  f"peer, both at {REPLICAS} replicas (< 1 = ours better). switchyard-no_mirror: the default policy "
+                  "without the other replicas' requests (`mirror_peers=false`).\n")
+        lines = ["| workload | req/s | policy | TTFT mean s (1 -> K) | TTFT p99 s (1 -> K) | hit ratio (1 -> K) "
+                 "| K / 1 TTFT mean | K / 1 TTFT p99 |", "|---|---|---|---|---|---|---|---|"]
+        vs_lines = ["| workload | ours | TTFT mean | TTFT p99 | warm TTFT p99 | our hit | best peer hit |",
+                    "|---|---|---|---|---|---|---|"]
+        for w in names:
+            base = data["workloads"][w]["rates"] if w in data["workloads"] else loads_for(w, WORKLOADS[w])
+            rate = max(base)
+            res = run_sweep([*WORKLOADS[w], *sized(n), *common, "--policies", ",".join(rep_policies),
+                             "--rates", f"{rate:g}", "--router-replicas", f"1,{REPLICAS}"], out / "replicas" / w, plots)
+            by = {(r["policy"], r.get("router_replicas", 1)): r for r in res["runs"]}
+            for p in rep_policies:
+                one, k = by[(p, 1)], by[(p, REPLICAS)]
+                lines.append(
+                    f"| {w} | {rate:g} | {p} | {_m(one, 'ttft_s', 'mean'):.3f} -> {_m(k, 'ttft_s', 'mean'):.3f} "
+                    f"| {_m(one, 'ttft_s', 'p99'):.3f} -> {_m(k, 'ttft_s', 'p99'):.3f} "
+                    f"| {_m(one, 'prefix_cache_hit_ratio'):.3f} -> {_m(k, 'prefix_cache_hit_ratio'):.3f} "
+                    f"| x{_m(k, 'ttft_s', 'mean') / _m(one, 'ttft_s', 'mean'):.2f} "
+                    f"| x{_m(k, 'ttft_s', 'p99') / _m(one, 'ttft_s', 'p99'):.2f} |")
+            at_k = [r for r in res["runs"] if r.get("router_replicas", 1) == REPLICAS]
+            for ours in (o for o in OURS if o in rep_policies):
+                cmp = ours_vs_peers(at_k, ours)
+                if "hit ratio" in cmp:
+                    vs_lines.append(
+                        f"| {w} | {ours} | x{cmp['TTFT mean']['ratio']:.2f} | x{cmp['TTFT p99']['ratio']:.2f} "
+                        f"| x{cmp['warm TTFT p99']['ratio']:.2f} | {cmp['hit ratio']['ours']:.3f} "
+                        f"| {cmp['hit ratio']['best_peer_value']:.3f} ({cmp['hit ratio']['best_peer']}) |")
+            data.setdefault("replicas", {})[w] = {
+                "rate": rate, "replicas": REPLICAS,
+                "runs": [{"policy": r["policy"], "router_replicas": r.get("router_replicas", 1), "rate": r["rate"],
+                          "metrics": r["metrics"]} for r in res["runs"]]}
+        md.extend(["\n".join(lines), "", f"Ours / the best peer, all at {REPLICAS} replicas:\n", "\n".join(vs_lines), ""])
+        log(f"replicas: in {time.perf_counter() - t0:.0f} s")
 
     # ------------------------------------------------------------------ capacity appendix + write
     cap_lines = ["## Capacity ladders (round_robin unless noted)\n",

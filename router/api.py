@@ -199,11 +199,16 @@ def _request_event_from_proto(e: worker_pb2.RequestEvent) -> RequestEvent | None
     return None  # a kind this router does not know: ignored
 
 
-def kv_batch_from_proto(b: worker_pb2.KvEventBatch) -> KvEventBatch:
+def kv_batch_from_proto(b: worker_pb2.KvEventBatch, peers_of: str | None = None) -> KvEventBatch:
     """The batch as the router uses it: BlockStored events keep hashes, parent, size and LoRA but not their
-    token ids, which nothing in the router reads (a full cache's snapshot carries ~1M: 50-70 ms to decode)."""
+    token ids, which nothing in the router reads (a full cache's snapshot carries ~1M: 50-70 ms to decode).
+    Request events are decoded for `peers_of` (this replica's origin) and only the other replicas' (it knows its
+    own); with None, none are (a policy that does not mirror them)."""
     events = tuple(ev for ev in map(_event_from_proto, b.events) if ev is not None)
-    requests = tuple(ev for ev in map(_request_event_from_proto, b.requests) if ev is not None)
+    requests: tuple[RequestEvent, ...] = ()
+    if peers_of is not None and b.requests:
+        got = [_request_event_from_proto(e) for e in b.requests if e.origin != peers_of]
+        requests = tuple(ev for ev in got if ev is not None)
     return KvEventBatch(seq=b.seq, ts=b.ts, events=events, requests=requests, snapshot=b.snapshot)
 
 

@@ -133,7 +133,8 @@ bound has no D_in) nearly every worker is still priced. bench decisions, 16 work
 
 Ablation keys, one term dropped each: switchyard-no_queue, switchyard-no_prefix (R and M: no prefix awareness),
 switchyard-no_evict, switchyard-no_decode (D_self + D_in + λ·D_out), switchyard-no_interference,
-switchyard-no_behind, switchyard-no_overflow, switchyard-no_kv_wait; and switchyard-e2_split (placement "e2").
+switchyard-no_behind, switchyard-no_overflow, switchyard-no_kv_wait; switchyard-e2_split (placement "e2"); and
+switchyard-no_mirror (router replicas side by side see only their own requests: `router.peer_mirror`).
 """
 
 from __future__ import annotations
@@ -879,6 +880,8 @@ ABLATIONS: dict[str, Callable[[], Policy]] = {
     "switchyard-no_behind": _variant("switchyard-no_behind", "without B", behind_weight=0.0),
     "switchyard-no_kv_wait": _variant("switchyard-no_kv_wait", "without W", kv_wait_weight=0.0),
     "switchyard-e2_split": _variant("switchyard-e2_split", "E2's exploit/explore split", placement="e2"),
+    # not a term: other router replicas' requests unseen (each replica knows only its own dispatches)
+    "switchyard-no_mirror": _variant("switchyard-no_mirror", "without other replicas' requests", mirror_peers=False),
 }
 
 __all__ = ["ABLATIONS", "Switchyard", "SwitchyardConfig", "Terms"]

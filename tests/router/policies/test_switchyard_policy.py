@@ -416,7 +416,7 @@ def test_e2_skew_passes_and_l_run_only_where_they_steer(placement: str) -> None:
 
 
 def test_ablation_registry() -> None:
-    assert set(ABLATIONS) == set(DROPPED) | {"switchyard-e2_split"}
+    assert set(ABLATIONS) == set(DROPPED) | {"switchyard-e2_split", "switchyard-no_mirror"}
     assert all(POLICIES[k] is v for k, v in ABLATIONS.items())
     assert make_policy("switchyard").name == "switchyard"
     split = make_policy("switchyard-e2_split")
