@@ -104,6 +104,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         finally:
             self._kv_queues.remove(q)
 
+    def push_kv(self, batch: worker_pb2.KvEventBatch) -> None:
+        """Stream a scripted batch to every KvEvents subscriber, numbered after the last one."""
+        self._kv_seq += 1
+        batch.seq = self._kv_seq
+        for q in self._kv_queues:
+            q.put_nowait(batch)
+
     def _store_prompt_blocks(self, ids: list[int], salt: str) -> None:
         digests = block_digests(ids, self.block_size, "xxhash", cache_salt=salt or None)
         if not digests:

@@ -25,11 +25,12 @@ from switchyard.router.client import AsyncRouterClient
 from switchyard.router.clock import RealClock
 from switchyard.router.config import load_config
 from switchyard.router.dispatch import DEADLINE_SLACK_S
+from switchyard.router.peer_mirror import peer_key
 from switchyard.router.policies.base import WorkerId
 from switchyard.router.policies.preble_e2 import PrebleE2
 from switchyard.router.policies.registry import DEFAULT_POLICY
 from switchyard.router.server import RouterDaemon
-from switchyard.v1 import common_pb2
+from switchyard.v1 import common_pb2, worker_pb2
 from switchyard.workers.tokenizer import load_tokenizer
 
 TOK = load_tokenizer(None)
@@ -624,6 +625,38 @@ async def test_kv_events_feed_the_prefix_view() -> None:
         assert daemon.metrics.registry.get_sample_value("switchyard_kv_event_batches_total", {"worker": "w0"}) is None
         assert daemon.metrics.registry.get_sample_value(
             "switchyard_kv_event_blocks_total", {"worker": "w0", "kind": "stored"}) is None
+
+
+def _admitted(rid: str, origin: str) -> worker_pb2.KvEventBatch:
+    batch = worker_pb2.KvEventBatch()
+    ev = batch.requests.add(request_id=rid, origin=origin)
+    ev.admitted.CopyFrom(worker_pb2.RequestAdmitted(block_hashes=[11, 12], num_prompt_tokens=9, max_tokens=4))
+    return batch
+
+
+async def test_the_workers_request_events_show_the_other_replicas_requests() -> None:
+    """A worker's request events reach the policy for requests another replica sent (the dispatcher names this one
+    in each worker request, so its own are skipped); a snapshot lists every open request, so what a gap in the
+    stream left behind is dropped; a lost worker's mirrored requests end."""
+    w = FakeWorker("w0", block_size=4)
+    async with stack([w], routing={"policy": "e2"}) as (daemon, client):
+        await until(lambda: len(w._kv_queues) == 1)
+        mirror = daemon.registry.mirror
+        await client.complete("m", token_ids=list(range(100, 112)), max_tokens=1)
+        assert w.received[-1].origin == daemon.registry.origin != ""
+        w.push_kv(_admitted("r1", "replica-a"))
+        w.push_kv(_admitted("r2", daemon.registry.origin))  # ours: the dispatcher told the policy already
+        await until(lambda: sample(daemon, "switchyard_kv_event_batches_total", worker="w0") >= 3)
+        [status] = await client.list_workers()
+        assert (status.peer_in_flight, set(mirror.live)) == (1, {peer_key("replica-a", "r1")})
+        assert peer_key("replica-a", "r1") in daemon.policy.in_flight  # type: ignore[attr-defined]
+        snapshot = _admitted("r3", "replica-a")
+        snapshot.snapshot = True  # r1 ended unseen (a gap): only r3 is open
+        w.push_kv(snapshot)
+        await until(lambda: set(mirror.live) == {peer_key("replica-a", "r3")})
+        assert peer_key("replica-a", "r1") not in daemon.policy.in_flight  # type: ignore[attr-defined]
+        await client.deregister_worker("w0")
+        assert len(mirror) == 0
 
 
 async def test_collector_pauses_are_measured_and_long_ones_logged(caplog: pytest.LogCaptureFixture) -> None:
