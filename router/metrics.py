@@ -117,6 +117,10 @@ class RouterMetrics:
         self.worker_in_flight = Gauge(
             "switchyard_worker_in_flight", "Requests this router has in flight on a worker", ["worker"], registry=r
         )
+        self.worker_peer_in_flight = Gauge(
+            "switchyard_worker_peer_in_flight", "Requests other router replicas have in flight on a worker, from the "
+            "worker's request events (0 unless the policy mirrors them)", ["worker"], registry=r,
+        )
         self.worker_kv_usage = Gauge(
             "switchyard_worker_kv_usage_ratio", "KV cache usage from the worker's last Stats (0-1)", ["worker"],
             registry=r,
@@ -230,8 +234,8 @@ class RouterMetrics:
 
     def forget_worker(self, worker: str) -> None:
         for gauge in (
-            self.worker_in_flight, self.worker_kv_usage, self.worker_running, self.worker_waiting,
-            self.worker_healthy, self.prefix_hit_ratio,
+            self.worker_in_flight, self.worker_peer_in_flight, self.worker_kv_usage, self.worker_running,
+            self.worker_waiting, self.worker_healthy, self.prefix_hit_ratio,
         ):
             with contextlib.suppress(KeyError):
                 gauge.remove(worker)

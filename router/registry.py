@@ -253,6 +253,8 @@ class WorkerRegistry:
         rec = self._fleet.get(worker_id)
         if rec is None or not rec.healthy:  # its stream resumes with a snapshot, which re-announces its open requests
             self.mirror.forget_worker(worker_id, now)
+            if rec is not None:  # a removed worker's series are gone (`RouterMetrics.forget_worker`)
+                self._metrics.worker_peer_in_flight.labels(worker_id).set(0)
         self._policy.on_worker_change(worker_id, now)
         if rec is not None:
             self._metrics.worker_healthy.labels(worker_id).set(1.0 if rec.is_routable else 0.0)
@@ -455,6 +457,8 @@ class WorkerRegistry:
                         self.mirror.forget_worker(wid, self._clock.now())
                     if batch.requests:  # before the blocks: an admission precedes what its prefill stores
                         self.mirror.apply(wid, rec.model, batch.requests, self._clock.now())
+                    if batch.requests or batch.snapshot:
+                        self._metrics.worker_peer_in_flight.labels(wid).set(self.mirror.count(wid))
                     self._fleet.apply_kv_events(wid, batch)
                     self._policy.on_kv_events(wid, batch)
                     self._metrics.observe_kv_batch(wid, batch, time.time())

@@ -649,6 +649,7 @@ async def test_the_workers_request_events_show_the_other_replicas_requests() -> 
         await until(lambda: sample(daemon, "switchyard_kv_event_batches_total", worker="w0") >= 3)
         [status] = await client.list_workers()
         assert (status.peer_in_flight, set(mirror.live)) == (1, {peer_key("replica-a", "r1")})
+        assert sample(daemon, "switchyard_worker_peer_in_flight", worker="w0") == 1
         assert peer_key("replica-a", "r1") in daemon.policy.in_flight  # type: ignore[attr-defined]
         snapshot = _admitted("r3", "replica-a")
         snapshot.snapshot = True  # r1 ended unseen (a gap): only r3 is open
@@ -657,6 +658,7 @@ async def test_the_workers_request_events_show_the_other_replicas_requests() -> 
         assert peer_key("replica-a", "r1") not in daemon.policy.in_flight  # type: ignore[attr-defined]
         await client.deregister_worker("w0")
         assert len(mirror) == 0
+        assert daemon.metrics.registry.get_sample_value("switchyard_worker_peer_in_flight", {"worker": "w0"}) is None
 
 
 async def test_collector_pauses_are_measured_and_long_ones_logged(caplog: pytest.LogCaptureFixture) -> None:
