@@ -296,9 +296,10 @@ class Simulator:
             pol = policy if policy is not None else make_policy(cfg.policy, cfg.policy_params)
             if isinstance(pol, OraclePartition):  # the baseline's offline oracle: this very trace's key portions
                 pol.set_partition(preble.oracle_partition_table(trace))
+            fleet = Fleet()
             self.routers.append(RouterReplica(
-                pol, Fleet(), RequestQueue(cfg.queue_max_size), make_length_source(cfg.predictor, predictions),
-                PeerMirror(f"r{i}", pol),
+                pol, fleet, RequestQueue(cfg.queue_max_size), make_length_source(cfg.predictor, predictions),
+                PeerMirror(f"r{i}", pol, fleet),
             ))
         self._peers = cfg.router_replicas > 1  # workers' request events matter only to another replica
         first = self.routers[0]

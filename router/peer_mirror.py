@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from switchyard.router.policies.base import Decision, Policy, RoutingContext, WorkerId
+from switchyard.router.policies.base import Decision, FleetView, Policy, RoutingContext, WorkerId
 from switchyard.workers.engine.kv_events import RequestAdmitted, RequestEnded, RequestEvent, RequestFirstToken
 
 
@@ -23,11 +23,12 @@ def peer_key(origin: str, request_id: str) -> str:
 class PeerMirror:
     """Maps one worker's request events onto the policy's hooks, skipping this replica's own (`origin`)."""
 
-    __slots__ = ("origin", "policy", "live", "by_worker")
+    __slots__ = ("origin", "policy", "fleet", "live", "by_worker")
 
-    def __init__(self, origin: str, policy: Policy) -> None:
+    def __init__(self, origin: str, policy: Policy, fleet: FleetView) -> None:
         self.origin = origin
         self.policy = policy
+        self.fleet = fleet  # this replica's view, for what a peer's select saw (`Policy.on_peer_dispatch`)
         self.live: dict[str, WorkerId] = {}  # mirrored request -> its worker, from admission to end
         self.by_worker: dict[WorkerId, set[str]] = {}
 
@@ -51,7 +52,8 @@ class PeerMirror:
                 )
                 live[key] = worker_id
                 self.by_worker.setdefault(worker_id, set()).add(key)
-                policy.on_dispatch(ctx, Decision(worker_id, predicted_output_tokens=ev.predicted_output_tokens), now)
+                decision = Decision(worker_id, predicted_output_tokens=ev.predicted_output_tokens)
+                policy.on_peer_dispatch(ctx, decision, self.fleet, now)
             elif live.get(key) != worker_id:
                 continue  # admitted before this replica subscribed: nothing to update
             elif isinstance(ev, RequestFirstToken):

@@ -96,7 +96,7 @@ class WorkerRegistry:
         # this replica, as the workers' request events name it (random per process: a restarted router is another
         # replica, whose predecessor's requests the workers ended), and the other replicas' requests from them
         self.origin = uuid.uuid4().hex[:16]
-        self.mirror = PeerMirror(self.origin, policy)
+        self.mirror = PeerMirror(self.origin, policy, fleet)
         self._conns: dict[str, WorkerConn] = {}  # address -> connection
         self._listeners: list[Callable[[], None]] = []  # called after stats / worker changes (queue pump)
         self._background: set[asyncio.Task[None]] = set()

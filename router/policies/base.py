@@ -117,6 +117,12 @@ class Policy:
     def on_dispatch(self, ctx: RoutingContext, decision: Decision, now: float) -> None:
         """The request was sent to `decision.worker_id` (called once per dispatch attempt)."""
 
+    def on_peer_dispatch(self, ctx: RoutingContext, decision: Decision, fleet: FleetView, now: float) -> None:
+        """Another router replica's request reached `decision.worker_id` (from the worker's request events, for a
+        policy that `mirrors_peers`; `ctx.request_id` is namespaced by that replica). Default: as if this replica
+        had sent it; a policy that keeps what its own select saw overrides it to read that from `fleet`."""
+        self.on_dispatch(ctx, decision, now)
+
     def on_first_token(self, request_id: str, worker_id: WorkerId, now: float) -> None:
         pass
 

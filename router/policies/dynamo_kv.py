@@ -44,6 +44,9 @@ _DEFAULT_BLOCK_SIZE = 16  # only if on_dispatch sees a request this instance did
 class DynamoKvConfig:
     overlap_score_weight: float = 1.0  # multiplies prefill blocks (cache affinity vs decode load)
     router_temperature: float = 0.0  # 0 = deterministic argmin
+    # `--router-replica-sync` (off by default): router replicas share their active sequences (Dynamo over NATS;
+    # here the workers' request events, `router.peer_mirror`, one event lag late)
+    replica_sync: bool = False
 
 
 @dataclass(slots=True)
@@ -68,6 +71,7 @@ class DynamoKv(Policy):
 
     def __init__(self, config: DynamoKvConfig | None = None) -> None:
         self.config = config or DynamoKvConfig()
+        self.mirrors_peers = self.config.replica_sync
         self._active: dict[WorkerId, _Active] = {}
         self._requests: dict[str, _Request] = {}
         self._prefilling: set[str] = set()
@@ -147,6 +151,13 @@ class DynamoKv(Policy):
         act.prefill_tokens += prefill
         self._requests[ctx.request_id] = _Request(wid, ctx.block_hashes, has_partial, prefill)
         self._prefilling.add(ctx.request_id)
+
+    def on_peer_dispatch(self, ctx: RoutingContext, decision: Decision, fleet: FleetView, now: float) -> None:
+        """Replica sync's AddRequest carries the overlap the sending router saw: read here from the same KV events."""
+        w = fleet.get(decision.worker_id)
+        overlap = fleet.cached_prefix_blocks(ctx.model, ctx.block_hashes).get(decision.worker_id, 0)
+        self._overlap_seen[(ctx.request_id, ctx.attempt)] = (overlap, w.block_size if w else _DEFAULT_BLOCK_SIZE)
+        self.on_dispatch(ctx, decision, now)
 
     def on_first_token(self, request_id: str, worker_id: WorkerId, now: float) -> None:
         self._end_prefill(request_id)

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from switchyard.router.policies.base import (
     Decision,
@@ -54,6 +55,9 @@ class LlmdScorerConfig:
     max_prefix_blocks: int = 256  # longest prompt prefix considered, blocks
     lru_capacity_per_server: int = 31250  # blocks remembered per worker when not auto-tuned
     auto_tune: bool = True  # capacity = the worker's reported KV blocks
+    # "approximate" (the default `prefix-cache-scorer`: what this router sent where) or "precise"
+    # (`precise-prefix-cache-scorer`: the workers' KV events, the mode llm-d documents for active-active replicas)
+    prefix_scorer: Literal["approximate", "precise"] = "approximate"
 
 
 class ApproxPrefixIndex:
@@ -103,14 +107,22 @@ class LlmdScorer(Policy):
         # fleet; select's result never reads it.
         self._capacity: dict[WorkerId, int] = {}
 
-    def scores(self, ctx: RoutingContext, pool: Sequence[WorkerView]) -> list[tuple[float, float, float, float]]:
-        """Per worker: (total, queue, kv_util, prefix)."""
+    def scores(
+        self, ctx: RoutingContext, pool: Sequence[WorkerView], fleet: FleetView | None = None
+    ) -> list[tuple[float, float, float, float]]:
+        """Per worker: (total, queue, kv_util, prefix); `fleet` for the precise prefix scorer."""
         cfg = self.config
         queues = [w.num_waiting for w in pool]
         hi, lo = max(queues), min(queues)
         hashes = ctx.block_hashes[: cfg.max_prefix_blocks]
-        index = self._index.get(ctx.model)
-        matched = index.match_longest_prefix(hashes) if index and hashes else {}
+        matched: Mapping[str, int]
+        if cfg.prefix_scorer == "precise":
+            if fleet is None:
+                raise ValueError("the precise prefix scorer reads the fleet's KV-event index")
+            matched = fleet.cached_prefix_blocks(ctx.model, hashes) if hashes else {}
+        else:
+            index = self._index.get(ctx.model)
+            matched = index.match_longest_prefix(hashes) if index and hashes else {}
         out = []
         for w, q in zip(pool, queues, strict=True):
             queue = 1.0 if hi == lo else (hi - q) / (hi - lo)
@@ -128,7 +140,7 @@ class LlmdScorer(Policy):
             for w in pool:
                 if w.kv_capacity_blocks > 0:
                     self._capacity.setdefault(w.worker_id, w.kv_capacity_blocks)
-        rows = self.scores(ctx, pool)
+        rows = self.scores(ctx, pool, fleet)
         best = max(r[0] for r in rows)
         tied = [i for i, r in enumerate(rows) if r[0] == best]
         i = tied[tie_draw(ctx, len(tied), "llmd")] if len(tied) > 1 else tied[0]
@@ -144,7 +156,7 @@ class LlmdScorer(Policy):
 
     def on_dispatch(self, ctx: RoutingContext, decision: Decision, now: float) -> None:
         hashes = ctx.block_hashes[: self.config.max_prefix_blocks]
-        if not hashes:
+        if not hashes or self.config.prefix_scorer == "precise":
             return
         capacity = self.config.lru_capacity_per_server
         if self.config.auto_tune:

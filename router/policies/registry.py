@@ -17,9 +17,9 @@ from pydantic import BaseModel, ValidationError
 
 from switchyard.router.policies.aibrix_prefix import AibrixPrefix
 from switchyard.router.policies.base import Policy
-from switchyard.router.policies.dynamo_kv import DynamoKv
+from switchyard.router.policies.dynamo_kv import DynamoKv, DynamoKvConfig
 from switchyard.router.policies.least_request import LeastRequest
-from switchyard.router.policies.llmd_scorer import LlmdScorer
+from switchyard.router.policies.llmd_scorer import LlmdScorer, LlmdScorerConfig
 from switchyard.router.policies.oracle_partition import OraclePartition
 from switchyard.router.policies.power_of_two import PowerOfTwo
 from switchyard.router.policies.preble_e2 import PrebleE2, PrebleE2Base, PrebleE2Rebal
@@ -29,6 +29,19 @@ from switchyard.router.policies.smg_cache_aware import SmgCacheAware
 from switchyard.router.policies.smg_least_load import SmgLeastLoad
 from switchyard.router.policies.switchyard_policy import ABLATIONS as SWITCHYARD_ABLATIONS
 from switchyard.router.policies.switchyard_policy import Switchyard
+
+
+def _peer_mode(cls: Callable[[Any], Policy], config: Any, key: str) -> Callable[[], Policy]:
+    """A peer baseline in one of its documented non-default modes, as a registry entry of its own (so one sweep can
+    run it beside the default)."""
+
+    def make() -> Policy:
+        p = cls(config)
+        p.name = key
+        return p
+
+    return make
+
 
 POLICIES: dict[str, Callable[[], Policy]] = {
     "round_robin": RoundRobin,
@@ -40,6 +53,10 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "dynamo_kv": DynamoKv,
     "llmd_scorer": LlmdScorer,
     "aibrix_prefix": AibrixPrefix,
+    # their modes for router replicas side by side (README, "Router replicas side by side"): Dynamo's
+    # --router-replica-sync, llm-d's precise (KV-event) prefix scorer
+    "dynamo_kv_sync": _peer_mode(DynamoKv, DynamoKvConfig(replica_sync=True), "dynamo_kv_sync"),
+    "llmd_precise": _peer_mode(LlmdScorer, LlmdScorerConfig(prefix_scorer="precise"), "llmd_precise"),
     # Preble's oracle-partition baseline (specs/preble.md §7.4): needs the workload offline, so simulator only
     "oracle_partition": OraclePartition,
     # Preble E2 (specs/preble.md), ablation order e2_base -> e2_rebal -> e2 (full); preble_e2 = e2 (file name)

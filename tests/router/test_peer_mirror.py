@@ -58,7 +58,7 @@ def test_a_peer_replicas_in_flight_prefix_draws_its_follow_ups() -> None:
         own_dispatch(policy, fleet, request("b-1", 256, 0))  # B's own load
         blind = policy.select(follow_up, fleet, 0.1).worker_id
         holder = next(w for w in W if w != blind)
-        PeerMirror("b", policy).apply(holder, "m", [admitted(prefix_req, "a")], 0.1)
+        PeerMirror("b", policy, fleet).apply(holder, "m", [admitted(prefix_req, "a")], 0.1)
         picks[mirror] = (holder, blind, policy.select(follow_up, fleet, 0.2).worker_id)
     holder, blind, pick = picks[True]
     assert pick == holder
@@ -76,7 +76,7 @@ def test_a_peer_replicas_load_steers_new_requests_away(name: str) -> None:
         policy = make_policy(name, {"mirror_peers": mirror})
         fleet = make_fleet(3, kv_capacity_blocks=4000)
         blind = policy.select(fresh, fleet, 0.0).worker_id
-        mirror_of = PeerMirror("b", policy)
+        mirror_of = PeerMirror("b", policy, fleet)
         for i in range(3):
             mirror_of.apply(blind, "m", [admitted(request(f"a-{i}", 3072, 0), "a")], 0.1)
         picks[mirror] = (blind, policy.select(fresh, fleet, 0.2).worker_id)
@@ -90,7 +90,7 @@ def test_peer_requests_load_the_policy_until_they_end() -> None:
     policy = make_policy("switchyard")
     fleet = make_fleet(2)
     policy.select(request("warm", 64, 0), fleet, 0.0)  # the first select memoises the fleet
-    mirror = PeerMirror("b", policy)
+    mirror = PeerMirror("b", policy, fleet)
     ctx = request("r1", 512, 0)
     key = peer_key("a", "r1")
     mirror.apply(W[0], "m", [admitted(ctx), admitted(ctx)], 1.0)  # the second is a replay
@@ -111,7 +111,7 @@ def test_a_policy_that_does_not_mirror_sees_nothing() -> None:
     without its mesh)."""
     policy = make_policy("smg_cache_aware")
     assert not policy.mirrors_peers
-    mirror = PeerMirror("b", policy)
+    mirror = PeerMirror("b", policy, make_fleet(1))
     mirror.apply(W[0], "m", [admitted(request("r1", 512, 0))], 1.0)
     assert len(mirror) == 0
     assert make_policy("e2").mirrors_peers and make_policy("switchyard").mirrors_peers
@@ -123,3 +123,44 @@ def test_a_mirrored_context_carries_the_prompt_length_without_its_tokens() -> No
     assert ctx.num_prompt_tokens == 40
     assert dataclasses.replace(ctx, prompt_len=-1, prompt_token_ids=(5,) * 7).num_prompt_tokens == 7
     assert Decision(W[0]).worker_id == W[0]
+
+
+def _stored(fleet, wid: str, hashes: tuple[int, ...]) -> None:  # type: ignore[no-untyped-def]
+    """The worker's KV events say it holds `hashes` (a leading run of 16-token blocks)."""
+    from switchyard.workers.engine.kv_events import BlockStored, KvEventBatch
+
+    ev = BlockStored(hashes, None, tuple(range(16 * len(hashes))), 16)
+    fleet.apply_kv_events(WorkerId(wid), KvEventBatch(seq=1, ts=0.0, events=(ev,)))
+
+
+def test_dynamo_replica_sync_charges_a_peers_request_as_its_router_did() -> None:
+    """`dynamo_kv_sync` (Dynamo's --router-replica-sync): a peer's request joins w's active sequences with the
+    uncached prefill its sender charged (the overlap read from the same KV events), released at its first token;
+    `dynamo_kv` (the default) ignores it."""
+    ctx = request("r1", 512, 0)  # 32 blocks
+    for name, want in (("dynamo_kv", None), ("dynamo_kv_sync", 512 - 8 * 16)):
+        policy = make_policy(name)
+        fleet = make_fleet(2)
+        _stored(fleet, "w0", ctx.block_hashes[:8])  # 8 of its blocks already cached on w0
+        mirror = PeerMirror("b", policy, fleet)
+        mirror.apply(W[0], "m", [admitted(ctx)], 1.0)
+        active = policy._active.get(W[0])  # type: ignore[attr-defined]
+        assert (active.prefill_tokens if active else None) == want
+        mirror.apply(W[0], "m", [RequestFirstToken("r1", "a")], 1.5)
+        if want is not None:
+            assert active.prefill_tokens == 0 and len(active.block_refs) == 32
+
+
+def test_llmd_precise_reads_the_workers_kv_events_not_its_own_dispatches() -> None:
+    """`llmd_precise` (llm-d's precise-prefix-cache-scorer): the prefix score follows the workers' KV events, so a
+    replica that never routed a prefix still finds its holder; the default approximate scorer does not."""
+    ctx = request("r1", 512, 0)
+    for name, want in (("llmd_scorer", 0.0), ("llmd_precise", 1.0)):
+        policy = make_policy(name)
+        fleet = make_fleet(2)
+        _stored(fleet, "w1", ctx.block_hashes)
+        prefix = {w.worker_id: row[3] for w, row in zip(fleet.routable("m"), policy.scores(  # type: ignore[attr-defined]
+            ctx, list(fleet.routable("m")), fleet), strict=True)}
+        assert prefix == {W[0]: 0.0, W[1]: want}
+        if name == "llmd_precise":
+            assert policy.select(ctx, fleet, 0.0).worker_id == W[1]
