@@ -27,7 +27,8 @@ Sections (specs/preble.md §8, §10):
   g. router replicas: each workload at its highest load, one router and REPLICAS routers side by side over the same
      workers (`bench sim --router-replicas`: arrivals in turn, each replica with its own policy, queue and timers,
      all of them reading every worker's Stats and events): e2, switchyard and switchyard-no_mirror (each replica
-     blind to the others' requests) against the peers, which keep their defaults (only their own dispatches).
+     blind to the others' requests) against the peers at their defaults (only their own dispatches) and in their
+     modes for replicas (dynamo_kv_sync: Dynamo's --router-replica-sync; llmd_precise: llm-d's precise scorer).
 
 Capacity: a geometric rate ladder (factor √2) of short round_robin runs; the "light" reference is the mean TTFT at
 the lowest rung (load far below saturation); a rung is saturated when its mean TTFT exceeds
@@ -83,6 +84,7 @@ SKEW_POLICIES = ("e2_base", "e2_rebal", "e2", "switchyard", "smg_cache_aware")
 SKEW_LOAD_FACTORS = (1.0, 1.5)  # x the ablation workload's highest load
 SKEW_SPAN_H = 3.0  # arrivals span this many E2 windows H: L over H is sampled over the last two
 REPLICAS = 3  # section g: router replicas side by side
+PEER_HA_MODES = {"dynamo_kv": "dynamo_kv_sync", "llmd_scorer": "llmd_precise"}  # section g: run beside the default
 LADDER = [0.125 * math.sqrt(2) ** k for k in range(23)]  # 0.125 .. 256 req/s (x workers / 4)
 
 
@@ -162,8 +164,8 @@ METRICS = (("TTFT mean", ("ttft_s", "mean")), ("TTFT p99", ("ttft_s", "p99")),
 OURS = ("e2", "switchyard")  # Switchyard's policies, each compared with the best peer
 
 
-def ours_vs_peers(runs: list[dict[str, Any]], ours: str) -> dict[str, Any]:
-    """`ours`' latency / the best peer's (lowest of the five), per metric; < 1 = ours better. Also vs round_robin
+def ours_vs_peers(runs: list[dict[str, Any]], ours: str, peers: tuple[str, ...] = PEERS) -> dict[str, Any]:
+    """`ours`' latency / the best peer's (lowest of `peers`), per metric; < 1 = ours better. Also vs round_robin
     and the oracle partition (`vs_round_robin`, `vs_oracle_partition`) where they ran."""
     by = {r["policy"]: r for r in runs}
     me = by.get(ours)
@@ -171,15 +173,15 @@ def ours_vs_peers(runs: list[dict[str, Any]], ours: str) -> dict[str, Any]:
     if me is None:
         return out
     for label, path in METRICS:
-        peers = [(_m(by[p], *path), p) for p in PEERS if p in by]
-        if peers:
-            best, who = min(peers)
+        rows = [(_m(by[p], *path), p) for p in peers if p in by]
+        if rows:
+            best, who = min(rows)
             out[label] = {"ours": _m(me, *path), "best_peer": who, "best_peer_value": best,
                           "ratio": _m(me, *path) / best if best > 0 else float("nan")}
         for ref in ("round_robin", ORACLE):
             if ref in by and _m(by[ref], *path) > 0:
                 out.setdefault(label, {})[f"vs_{ref}"] = _m(me, *path) / _m(by[ref], *path)
-    hits = [(by[p]["metrics"]["prefix_cache_hit_ratio"], p) for p in PEERS if p in by]
+    hits = [(by[p]["metrics"]["prefix_cache_hit_ratio"], p) for p in peers if p in by]
     if hits:
         best, who = max(hits)
         out["hit ratio"] = {"ours": me["metrics"]["prefix_cache_hit_ratio"], "best_peer": who,
@@ -466,11 +468,16 @@ def main(argv: list[str] | None = None) -> int:
         rep_policies = [p for p in policies if p in (*OURS, *PEERS)]
         if "switchyard" in rep_policies:
             rep_policies.insert(rep_policies.index("switchyard") + 1, "switchyard-no_mirror")
+        for peer, mode in PEER_HA_MODES.items():
+            if peer in rep_policies:
+                rep_policies.insert(rep_policies.index(peer) + 1, mode)
+        rep_peers = (*PEERS, *PEER_HA_MODES.values())
         md.append(f"## g. Router replicas: 1 and {REPLICAS} side by side\n")
         md.append(f"Each workload at its highest load; {REPLICAS} replicas take the arrivals in turn. Per policy: "
                   f"its {REPLICAS}-replica figure / its own 1-router figure; the last columns compare ours with the best "
-                  f"peer, both at {REPLICAS} replicas (< 1 = ours better). switchyard-no_mirror: the default policy "
-                  "without the other replicas' requests (`mirror_peers=false`).\n")
+                  f"peer, both at {REPLICAS} replicas (< 1 = ours better), its modes for replicas included "
+                  f"({', '.join(PEER_HA_MODES.values())}; SMG's mesh is not modelled). switchyard-no_mirror: the "
+                  "default policy without the other replicas' requests (`mirror_peers=false`).\n")
         lines = ["| workload | req/s | policy | TTFT mean s (1 -> K) | TTFT p99 s (1 -> K) | hit ratio (1 -> K) "
                  "| K / 1 TTFT mean | K / 1 TTFT p99 |", "|---|---|---|---|---|---|---|---|"]
         vs_lines = ["| workload | ours | TTFT mean | TTFT p99 | warm TTFT p99 | our hit | best peer hit |",
@@ -491,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"| x{_m(k, 'ttft_s', 'p99') / _m(one, 'ttft_s', 'p99'):.2f} |")
             at_k = [r for r in res["runs"] if r.get("router_replicas", 1) == REPLICAS]
             for ours in (o for o in OURS if o in rep_policies):
-                cmp = ours_vs_peers(at_k, ours)
+                cmp = ours_vs_peers(at_k, ours, rep_peers)
                 if "hit ratio" in cmp:
                     vs_lines.append(
                         f"| {w} | {ours} | x{cmp['TTFT mean']['ratio']:.2f} | x{cmp['TTFT p99']['ratio']:.2f} "

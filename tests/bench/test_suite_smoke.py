@@ -36,7 +36,8 @@ def test_decisions_preload_grows_the_tree(tmp_path: Path) -> None:
 
 def test_suite_smoke(tmp_path: Path) -> None:
     rc = suite.main(["--quick", "--num-requests", "40", "--ladder-requests", "30", "--workloads", "toolbench",
-                     "--policies", "e2,switchyard,smg_cache_aware,oracle_partition,round_robin", "--sections", "a,b,c,e,f,g", "--jobs", "1",
+                     "--policies", "e2,switchyard,smg_cache_aware,dynamo_kv,oracle_partition,round_robin", "--sections",
+                     "a,b,c,e,f,g", "--jobs", "1",
                      "--rates", "toolbench=5,10", "toolbench-zipf1.1=8", "no-sharing=2", "--no-plots",
                      "--out", str(tmp_path)])
     assert rc == 0
@@ -64,7 +65,8 @@ def test_suite_smoke(tmp_path: Path) -> None:
     replicas = data["replicas"]["toolbench"]
     assert replicas["rate"] == 10.0  # the workload's highest load
     assert {(r["policy"], r["router_replicas"]) for r in replicas["runs"]} == {
-        (p, k) for p in ("e2", "switchyard", "switchyard-no_mirror", "smg_cache_aware") for k in (1, suite.REPLICAS)}
+        (p, k) for p in ("e2", "switchyard", "switchyard-no_mirror", "smg_cache_aware", "dynamo_kv", "dynamo_kv_sync")
+        for k in (1, suite.REPLICAS)}
     skew = data["skew"]["runs"]
     assert data["skew"]["rates"] == [8.0, 12.0]  # 1 and 1.5 x the Zipf-1.1 load
     assert {(r["zipf"], round(r["rate"], 6)) for r in skew} == {(z, rate) for z in suite.SKEW_ZIPFS for rate in (8, 12)}
