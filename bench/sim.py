@@ -5,7 +5,9 @@ deliveries) merged with the sorted arrivals and two periodic ticks (Stats polls,
 the same `EngineCore` the simulated worker process runs; every router-side concern goes through the daemon's
 own code: `Fleet` (the one ingestion path for Stats and KV events), the policy registry, and the router queue's
 hold condition. What a policy sees is what it would see live: Stats every `--stats-interval`, KV events
-`--event-lag` after the step that produced them.
+`--event-lag` after the step that produced them. `--router-replicas K` runs K routers side by side over the same
+engines (each its own policy, fleet view, queue and timers; arrivals in turn), which learn each other's requests
+only from the workers' request events, `--event-lag` late (`router.peer_mirror`).
 
 Run: `switchyard bench sim --trace mooncake-conversation --workers 8 --policies round_robin,least_request`.
 """
