@@ -106,7 +106,8 @@ class SimConfig:
     policy_params: dict[str, Any] = field(default_factory=dict)  # the policy's knobs (`make_policy`'s params)
     # Router replicas side by side over the same workers, each with its own policy, fleet view, queue and
     # predictor; arrivals reach them in turn (a round-robin load balancer in front). Each sees every worker's
-    # Stats and KV events but only its own dispatches, first tokens and finishes, as live.
+    # Stats and KV events, its own dispatches, first tokens and finishes at once, and the other replicas' only
+    # through the workers' request events, one event lag late, as live.
     router_replicas: int = 1
 
 
