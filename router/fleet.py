@@ -68,6 +68,7 @@ class WorkerRecord:
     state: WorkerState = WorkerState.STARTING
     healthy: bool = False
     in_flight: int = 0
+    peer_in_flight: int = 0  # other router replicas' requests open there, from its request events (`PeerMirror`)
     dispatched_since_stats: int = 0
     stats: StatsSample = field(default_factory=StatsSample)
     stats_at: float = float("-inf")
@@ -221,6 +222,11 @@ class Fleet:
             return  # already applied (replay overlap)
         rec.last_kv_seq = batch.seq
         self._prefix[rec.model].apply(worker_id, batch.events)
+
+    def set_peer_in_flight(self, worker_id: WorkerId, n: int) -> None:
+        rec = self._workers.get(worker_id)
+        if rec is not None:
+            rec.peer_in_flight = n
 
     def note_dispatch(self, worker_id: WorkerId) -> None:
         rec = self._workers.get(worker_id)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from switchyard.router.policies.base import Decision, FleetView, Policy, RoutingContext, WorkerId
+from switchyard.router.fleet import Fleet
+from switchyard.router.policies.base import Decision, Policy, RoutingContext, WorkerId
 from switchyard.workers.engine.kv_events import RequestAdmitted, RequestEnded, RequestEvent, RequestFirstToken
 
 
@@ -25,10 +26,12 @@ class PeerMirror:
 
     __slots__ = ("origin", "policy", "fleet", "live", "by_worker")
 
-    def __init__(self, origin: str, policy: Policy, fleet: FleetView) -> None:
+    def __init__(self, origin: str, policy: Policy, fleet: Fleet) -> None:
         self.origin = origin
         self.policy = policy
-        self.fleet = fleet  # this replica's view, for what a peer's select saw (`Policy.on_peer_dispatch`)
+        # this replica's view: what a peer's select saw (`Policy.on_peer_dispatch`), and each worker's count of the
+        # others' open requests (`peer_in_flight`, which the queue's hold condition reads)
+        self.fleet = fleet
         self.live: dict[str, WorkerId] = {}  # mirrored request -> its worker, from admission to end
         self.by_worker: dict[WorkerId, set[str]] = {}
 
@@ -37,6 +40,7 @@ class PeerMirror:
         if not policy.mirrors_peers:
             return
         live = self.live
+        before = len(self.by_worker.get(worker_id, ()))
         for ev in events:
             if ev.origin == self.origin:
                 continue  # our own: the dispatcher already called the hooks
@@ -65,12 +69,15 @@ class PeerMirror:
                     policy.on_finish(key, worker_id, now, ev.num_output_tokens)
                 else:
                     policy.on_abort(key, worker_id, now)
+        if self.count(worker_id) != before:
+            self.fleet.set_peer_in_flight(worker_id, self.count(worker_id))
 
     def forget_worker(self, worker_id: WorkerId, now: float) -> None:
         """The worker was lost or removed: its mirrored requests end (its snapshot re-announces the live ones)."""
         for key in self.by_worker.pop(worker_id, ()):
             del self.live[key]
             self.policy.on_abort(key, worker_id, now)
+        self.fleet.set_peer_in_flight(worker_id, 0)
 
     def count(self, worker_id: WorkerId) -> int:
         """Other replicas' requests open on the worker."""

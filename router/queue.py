@@ -51,11 +51,12 @@ class QueueFull(Exception):
 
 # ---------------------------------------------------------------------- hold condition
 def is_saturated(worker: WorkerView, kv_usage_hold_frac: float) -> bool:
-    """A new request sent to `worker` now would wait there: it reports waiting requests, this router alone
-    already fills its batch (in_flight >= max_num_seqs), or its KV cache is nearly full."""
+    """A new request sent to `worker` now would wait there: it reports waiting requests, the router replicas'
+    requests already fill its batch (in_flight + peer_in_flight >= max_num_seqs: known before the next Stats), or
+    its KV cache is nearly full."""
     return (
         worker.num_waiting > 0
-        or worker.in_flight >= worker.max_num_seqs
+        or worker.in_flight + worker.peer_in_flight >= worker.max_num_seqs
         or worker.kv_usage_frac >= kv_usage_hold_frac
     )
 

@@ -72,6 +72,8 @@ class WorkerView(Protocol):
     @property
     def in_flight(self) -> int: ...  # dispatched by this router and not finished
     @property
+    def peer_in_flight(self) -> int: ...  # other router replicas' requests open there (the worker's request events)
+    @property
     def num_running(self) -> int: ...  # from the last Stats
     @property
     def num_waiting(self) -> int: ...  # from the last Stats

@@ -105,6 +105,29 @@ def test_is_saturated(in_flight: int, num_waiting: int, kv_used: int, saturated:
     assert is_saturated(w, 0.95) is saturated
 
 
+def test_other_replicas_requests_fill_the_batch_too() -> None:
+    """With router replicas side by side, the others' open requests (from the worker's request events) count
+    toward max_num_seqs before the worker's next Stats shows them waiting."""
+    from switchyard.router.peer_mirror import PeerMirror
+    from switchyard.router.policies.registry import make_policy
+    from switchyard.workers.engine.kv_events import RequestAdmitted, RequestEnded
+
+    fleet = make_fleet(1)
+    w = fleet.get(WorkerId("w0"))
+    assert w is not None
+    for _ in range(5):
+        fleet.note_dispatch(w.worker_id)
+    mirror = PeerMirror("b", make_policy("e2"), fleet)
+    mirror.apply(w.worker_id, "m", [RequestAdmitted(f"r{i}", "a", (), 10, 4) for i in range(2)], 0.0)
+    assert (w.peer_in_flight, is_saturated(w, 0.95)) == (2, False)  # 5 + 2 < 8
+    mirror.apply(w.worker_id, "m", [RequestAdmitted("r2", "a", (), 10, 4)], 0.0)
+    assert (w.peer_in_flight, is_saturated(w, 0.95)) == (3, True)
+    mirror.apply(w.worker_id, "m", [RequestEnded("r0", "a", 4, True)], 1.0)
+    assert (w.peer_in_flight, is_saturated(w, 0.95)) == (2, False)
+    mirror.forget_worker(w.worker_id, 2.0)
+    assert w.peer_in_flight == 0
+
+
 def test_should_hold_only_when_every_eligible_worker_is_saturated() -> None:
     fleet = make_fleet(2)
     fleet.apply_stats(WorkerId("w0"), make_stats(num_waiting=3), now=0.0)
