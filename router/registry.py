@@ -156,7 +156,7 @@ class WorkerRegistry:
             out.stats_age_s = max(0.0, self._clock.now() - rec.stats_at) if rec.stats_at > float("-inf") else -1.0
             index = self._fleet.prefix_index(rec.model)
             out.num_resident_blocks = index.num_blocks(rec.worker_id) if index else 0
-            out.peer_in_flight = self.mirror.count(rec.worker_id)
+            out.peer_in_flight = rec.peer_in_flight
         return out
 
     def statuses(self) -> list[router_pb2.WorkerStatus]:
@@ -254,7 +254,7 @@ class WorkerRegistry:
         if rec is None or not rec.healthy:  # its stream resumes with a snapshot, which re-announces its open requests
             self.mirror.forget_worker(worker_id, now)
             if rec is not None:  # a removed worker's series are gone (`RouterMetrics.forget_worker`)
-                self._metrics.worker_peer_in_flight.labels(worker_id).set(0)
+                self._metrics.worker_peer_in_flight.labels(worker_id).set(rec.peer_in_flight)
         self._policy.on_worker_change(worker_id, now)
         if rec is not None:
             self._metrics.worker_healthy.labels(worker_id).set(1.0 if rec.is_routable else 0.0)
@@ -458,7 +458,7 @@ class WorkerRegistry:
                     if batch.requests:  # before the blocks: an admission precedes what its prefill stores
                         self.mirror.apply(wid, rec.model, batch.requests, self._clock.now())
                     if batch.requests or batch.snapshot:
-                        self._metrics.worker_peer_in_flight.labels(wid).set(self.mirror.count(wid))
+                        self._metrics.worker_peer_in_flight.labels(wid).set(rec.peer_in_flight)
                     self._fleet.apply_kv_events(wid, batch)
                     self._policy.on_kv_events(wid, batch)
                     self._metrics.observe_kv_batch(wid, batch, time.time())
