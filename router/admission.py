@@ -98,6 +98,7 @@ class AdmittedRequest:
     predicted_output_tokens: int | None = None  # the client's hint; None = unknown
     tokenize_s: float = 0.0  # tokenization + hashing time
     prediction: Prediction | None = None  # the length prediction started at admission; None = no predictor
+    tenant: str = ""  # the caller's API key's name ("" without keys): the other router replicas charge it too
 
     def routing_context(
         self,
@@ -222,6 +223,7 @@ def admit(
     predictor: PredictorService | None = None,
     token_ids: Sequence[int] | None = None,
     tokenize_s: float = 0.0,
+    tenant: str = "",
 ) -> AdmittedRequest:
     """Validate, tokenize, start the length prediction and hash; raises ApiError with the status the client
     should see (always before a prediction is started). `token_ids`: the input already tokenized elsewhere
@@ -261,4 +263,5 @@ def admit(
         predicted_output_tokens=min(params.predicted_output_tokens_hint, params.sampling.max_tokens) or None,
         tokenize_s=tokenize_s,
         prediction=prediction,
+        tenant=tenant,
     )

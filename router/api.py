@@ -103,9 +103,11 @@ def worker_request(
 ) -> worker_pb2.WorkerGenerateRequest:
     """Token ids only, so the worker caches exactly the blocks the router hashed. Hints: the policy's win, then
     the router's settled prediction (`predicted_output_tokens`), then the client's. `origin`: this router replica
-    (the worker's request events name it)."""
+    (the worker's request events name it); the API key's name travels as `tenant`, so the other replicas count the
+    request toward its limits."""
     return worker_pb2.WorkerGenerateRequest(
         origin=origin,
+        tenant=req.tenant,
         request_id=req.request_id,
         prompt_token_ids=req.prompt_token_ids,
         sampling=sampling_to_proto(req.sampling),
@@ -190,7 +192,7 @@ def _request_event_from_proto(e: worker_pb2.RequestEvent) -> RequestEvent | None
         a = e.admitted
         return RequestAdmitted(
             e.request_id, e.origin, tuple(a.block_hashes), a.num_prompt_tokens, a.max_tokens,
-            a.predicted_output_tokens, a.lora_name or None, a.cache_salt or None,
+            a.predicted_output_tokens, a.lora_name or None, a.cache_salt or None, a.tenant,
         )
     if which == "first_token":
         return RequestFirstToken(e.request_id, e.origin)
@@ -266,8 +268,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         arrival_s = self._clock.now()
         token_ids, tokenize_s = None, 0.0
         try:
+            key = calling_key.get()
             try:
-                salt = cache_salt_for(params.cache_salt, calling_key.get())
+                salt = cache_salt_for(params.cache_salt, key)
             except ValueError as e:
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             if salt != params.cache_salt:  # an isolated key's (a copy of the params only then)
@@ -281,7 +284,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 tokenize_s = time.perf_counter() - t0
             admitted = admit(
                 params, self._registry, self._tokenizer_for, self._max_tokens_cap, arrival_s, self._predictor,
-                token_ids, tokenize_s,
+                token_ids, tokenize_s, key.name if key is not None else "",
             )
         except ApiError as e:
             log.info("request %s rejected: %s %s", params.request_id, e.code.name, e.message)

@@ -447,7 +447,7 @@ class WorkerRegistry:
             self._metrics.kv_streams.labels(wid).inc()
             try:
                 async for raw in call:
-                    batch = api.kv_batch_from_proto(raw, self.origin if self._policy.mirrors_peers else None)
+                    batch = api.kv_batch_from_proto(raw, self.origin if self.mirror.active else None)
                     rec = self._fleet.get(wid)
                     if rec is None or not rec.healthy:
                         break

@@ -32,6 +32,7 @@ from switchyard.router.dispatch import Dispatcher
 from switchyard.router.fleet import Fleet
 from switchyard.router.gc_watch import GcWatch
 from switchyard.router.metrics import KeyMetrics, RouterMetrics
+from switchyard.router.peer_keys import PeerKeyCharges
 from switchyard.router.policies.registry import make_policy
 from switchyard.router.predictor.onnx_predictor import PredictorLoadError
 from switchyard.router.predictor.service import load_predictor, make_service
@@ -222,8 +223,10 @@ class RouterDaemon:
                 raise StartupError(str(e), EXIT_CONFIG) from None
         server_tls = cfg.tls()
         router_events = KeyMetrics(self.metrics, "switchyard.v1.Router")
-        keys = self._api_keys(cfg.api_keys_file, self.key_limits, router_events)
-        admin_keys = self._api_keys(cfg.admin_api_keys_file, KeyLimits(), KeyMetrics(self.metrics, "switchyard.v1.Admin"))
+        keys, router_keys = self._api_keys(cfg.api_keys_file, self.key_limits, router_events)
+        admin_keys, _ = self._api_keys(cfg.admin_api_keys_file, KeyLimits(), KeyMetrics(self.metrics, "switchyard.v1.Admin"))
+        if router_keys is not None:  # the other replicas' requests count toward their keys' limits here too
+            self.registry.mirror.keys = PeerKeyCharges(self.key_limits, router_keys.named)
 
         self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=keys)
         router_pb2_grpc.add_RouterServicer_to_server(
@@ -277,15 +280,18 @@ class RouterDaemon:
             self.predictor.attach(model)
 
     @staticmethod
-    def _api_keys(path: str, limits: KeyLimits, events: KeyMetrics) -> list[ApiKeyInterceptor]:
-        """The interceptor that checks a service's API keys (none without a file); a bad file stops startup."""
+    def _api_keys(
+        path: str, limits: KeyLimits, events: KeyMetrics
+    ) -> tuple[list[ApiKeyInterceptor], ApiKeys | None]:
+        """(The interceptor that checks a service's API keys, the keys): none without a file; a bad file stops
+        startup."""
         if not path:
-            return []
+            return [], None
         try:
             keys = ApiKeys(path)
         except AuthError as e:
             raise StartupError(str(e), EXIT_CONFIG) from None
-        return [ApiKeyInterceptor(keys, events, limits)]
+        return [ApiKeyInterceptor(keys, events, limits)], keys
 
     @staticmethod
     def _bind(server: grpc.aio.Server, host: str, port: int, server_tls: ServerTls | None) -> int:

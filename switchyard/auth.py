@@ -135,6 +135,16 @@ class ApiKeys:
     def __init__(self, path: str) -> None:
         self.path = path
         self._specs = Watched((path,), lambda: read_keys(path), f"the API keys file {path}", (AuthError,))
+        self._names: tuple[dict[bytes, KeySpec], dict[str, KeySpec]] | None = None  # (specs, by name) of the last read
+
+    def named(self, name: str) -> KeySpec | None:
+        """The key called `name` (`KeySpec.name`, unique in a file), None for none: how another
+        router replica's request (`RequestAdmitted.tenant`) finds its key's limits."""
+        self._specs.refresh()
+        specs = self._specs.value
+        if self._names is None or self._names[0] is not specs:
+            self._names = (specs, {s.name: s for s in specs.values()})
+        return self._names[1].get(name)
 
     def find(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> KeySpec | None:
         """The caller's key (its `authorization: Bearer` metadata), None for a missing or unknown one."""
@@ -170,24 +180,31 @@ class Refusal(NamedTuple):
 
 class KeyLimits:
     """Each key's calls in flight and its two token buckets (calls per second, model tokens per minute), by name
-    (so they survive a reload of the file).
+    (so they survive a reload of the file), counting the other router replicas' requests too (`note_peer_call`).
 
     Pure: the clock is injected (the buckets' only input beside the calls)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._in_flight: dict[str, int] = {}
+        self._peer_in_flight: dict[str, int] = {}  # the other replicas' requests of the key open on the workers
         self._buckets: dict[str, tuple[float, float]] = {}  # name -> (tokens, when)
         self._model_tokens: dict[str, tuple[float, float]] = {}  # name -> (model tokens left, when)
 
     def in_flight(self, name: str) -> int:
         return self._in_flight.get(name, 0)
 
+    def peer_in_flight(self, name: str) -> int:
+        return self._peer_in_flight.get(name, 0)
+
     def acquire(self, key: KeySpec) -> Refusal | None:
         """Take one call for `key`: None when it may start (`release` it at its end), else why not."""
-        n = self._in_flight.get(key.name, 0)
-        if key.max_in_flight and n >= key.max_in_flight:
-            return Refusal("max_in_flight", f"max_in_flight: API key {key.name!r} has {n} calls in flight, its limit")
+        own = self._in_flight.get(key.name, 0)
+        peers = self._peer_in_flight.get(key.name, 0)
+        if key.max_in_flight and own + peers >= key.max_in_flight:
+            where = f" ({peers} through other router replicas)" if peers else ""
+            return Refusal("max_in_flight", f"max_in_flight: API key {key.name!r} has {own + peers} calls in flight"
+                                            f"{where}, its limit")
         if key.rate:
             tokens, now = self._fill(self._buckets, key.name, float(key.burst), key.rate)
             if tokens < 1.0:
@@ -196,7 +213,7 @@ class KeyLimits:
                 return Refusal("rate", f"rate: API key {key.name!r} is over {key.rate:g} calls/s (burst {key.burst}); "
                                        f"retry in {wait_s:.3f} s", math.ceil(wait_s * 1000))
             self._buckets[key.name] = (tokens - 1.0, now)
-        self._in_flight[key.name] = n + 1
+        self._in_flight[key.name] = own + 1
         return None
 
     def tokens_left(self, key: KeySpec) -> float:
@@ -242,11 +259,40 @@ class KeyLimits:
             self._model_tokens[key.name] = (min(float(key.tokens_per_min), left + tokens), now)
 
     def release(self, key: KeySpec) -> None:
-        n = self._in_flight[key.name] - 1
-        if n:
-            self._in_flight[key.name] = n
-        else:
-            del self._in_flight[key.name]
+        _count_down(self._in_flight, key.name)
+
+    # Another router replica's request of the key, as a worker reported it (`switchyard.router.peer_keys`). Every
+    # replica hears of every other's requests, one event lag late, so each one's buckets and counts track the key's
+    # use across the replicas. What it took is taken here too, even past empty (down to minus the bucket's size): a
+    # replica that let a call through on a token another replica had just spent refuses until the key is back within
+    # its limit.
+
+    def note_peer_call(self, key: KeySpec, tokens: int, charge: bool = True) -> None:
+        """Another replica started a request of `key` that reserved `tokens` model tokens (0: no quota): one call
+        in flight until `note_peer_end`, and where `charge`, one from the rate bucket and `tokens` from the tokens
+        bucket (not for a request counted before, re-announced)."""
+        self._peer_in_flight[key.name] = self._peer_in_flight.get(key.name, 0) + 1
+        if not charge:
+            return
+        if key.rate:
+            left, now = self._fill(self._buckets, key.name, float(key.burst), key.rate)
+            self._buckets[key.name] = (max(-float(key.burst), left - 1.0), now)
+        if key.tokens_per_min and tokens > 0:
+            left, now = self._refill(key)
+            self._model_tokens[key.name] = (max(-float(key.tokens_per_min), left - tokens), now)
+
+    def note_peer_end(self, key: KeySpec, refund_tokens: int) -> None:
+        """That request ended: its call leaves the count, and what it reserved but did not use goes back."""
+        _count_down(self._peer_in_flight, key.name)
+        self.refund_tokens(key, refund_tokens)
+
+
+def _count_down(counts: dict[str, int], name: str) -> None:
+    n = counts.get(name, 0) - 1
+    if n > 0:
+        counts[name] = n
+    else:
+        counts.pop(name, None)
 
 
 class KeyEvents(Protocol):

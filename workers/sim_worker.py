@@ -279,7 +279,7 @@ def request_event_to_proto(event: kv.RequestEvent) -> worker_pb2.RequestEvent:
         out.admitted.CopyFrom(worker_pb2.RequestAdmitted(
             block_hashes=event.block_hashes, num_prompt_tokens=event.num_prompt_tokens, max_tokens=event.max_tokens,
             predicted_output_tokens=event.predicted_output_tokens, lora_name=event.lora_name or "",
-            cache_salt=event.cache_salt or "",
+            cache_salt=event.cache_salt or "", tenant=event.tenant,
         ))
     elif isinstance(event, kv.RequestFirstToken):
         out.first_token.SetInParent()
@@ -520,7 +520,9 @@ class SimWorker:
 
     # ---------------------------------------------------------------- requests
 
-    def add(self, request: EngineRequest, stops: list[str], received_at: float, origin: str = "") -> _Stream:
+    def add(
+        self, request: EngineRequest, stops: list[str], received_at: float, origin: str = "", tenant: str = ""
+    ) -> _Stream:
         """Register a stream and queue the request in the engine (ValueError from the engine propagates); announce
         it to every KV event subscriber at once (the router replicas that did not send it learn of it there)."""
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
@@ -531,7 +533,7 @@ class SimWorker:
         rid = request.request_id
         self.hub.announce(kv.RequestAdmitted(
             rid, origin, self.core.prompt_block_hashes(rid), stream.num_prompt_tokens, request.max_tokens,
-            request.predicted_output_tokens, request.lora_name, request.cache_salt,
+            request.predicted_output_tokens, request.lora_name, request.cache_salt, tenant,
         ))
         self.hub.flush_requests(time.time())
         self.streams[rid] = stream
@@ -662,7 +664,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             cache_salt=request.cache_salt or None,
         )
         try:
-            stream = w.add(engine_request, list(sp.stop), received_at, request.origin)
+            stream = w.add(engine_request, list(sp.stop), received_at, request.origin, request.tenant)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         log.debug(

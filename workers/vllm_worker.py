@@ -272,6 +272,7 @@ class VllmWorker:
         received_at: float,
         origin: str = "",
         predicted_output_tokens: int = 0,
+        tenant: str = "",
     ) -> _Stream:
         stream = _Stream(rid, received_at, IncrementalDetokenizer(self.tokenizer, prompt_ids), stops)
         stream.num_prompt_tokens = len(prompt_ids)
@@ -281,7 +282,7 @@ class VllmWorker:
         hashes = tuple(to_event_hash(d) for d in block_digests(list(prompt_ids), self.block_size, self.hash_algo,
                                                                seed=self.hash_seed))
         self.hub.announce(kv.RequestAdmitted(
-            rid, origin, hashes, len(prompt_ids), params.max_tokens, predicted_output_tokens,
+            rid, origin, hashes, len(prompt_ids), params.max_tokens, predicted_output_tokens, tenant=tenant,
         ))
         self.hub.flush_requests(time.time())
         self.streams[rid] = stream
@@ -445,7 +446,7 @@ class VllmServicer(sim_worker.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         stream = w.add(
             rid, request.prompt_token_ids, params, list(request.sampling.stop), request.priority, received_at,
-            request.origin, max(0, request.predicted_output_tokens),
+            request.origin, max(0, request.predicted_output_tokens), request.tenant,
         )
         try:
             while True:

@@ -227,3 +227,45 @@ def test_an_isolated_key_shares_no_prefix_cache(keyed: tuple[procs.Proc, Path]) 
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tenant:" in (e.value.details() or "")
     finally:
         write(keys, f"{USER_KEY}\n")
+
+
+def test_a_keys_limits_hold_across_router_replicas(tmp_path: Path) -> None:
+    """Two router replicas with one keys file in front of one worker: a key's call in flight through replica A
+    takes its one slot at replica B too, and its reserved tokens leave B's bucket, from the worker's request
+    events (no channel between the replicas); when it ends, B gets the slot and the unused tokens back."""
+    keys, admin_keys = tmp_path / "router.keys", tmp_path / "admin.keys"
+    write(keys, f"{USER_KEY} name=team-a max_in_flight=1\n{OTHER_KEY} name=team-t tokens_per_min=1000\n")
+    write(admin_keys, f"{ADMIN_KEY}\n")
+    worker = procs.start("rw", ["worker", "sim", "--port", "0", "--worker-id", "rw"])  # real time: calls stay open
+
+    def peer_in_flight(c: RouterClient) -> int:
+        return sum(w.peer_in_flight for w in c.list_workers())
+
+    with procs.running([worker]) as started:
+        a, b = (procs.start(n, serve_args(keys, admin_keys, "--worker", worker.address)) for n in ("ra", "rb"))
+        started += [a, b]
+        with client(a, USER_KEY) as ca, client(b, USER_KEY, ADMIN_KEY) as cb, client(a, OTHER_KEY) as ta, \
+                client(b, OTHER_KEY) as tb:
+            long = ca.generate(MODEL, prompt="a long answer", max_tokens=4000, ignore_eos=True, timeout=120)
+            next(long)
+            until(lambda: peer_in_flight(cb) == 1, what="replica B hearing of A's call")
+            with pytest.raises(grpc.RpcError) as e:
+                cb.complete(MODEL, prompt="second", max_tokens=1, timeout=30)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "1 through other router replicas" in (e.value.details() or ""), e.value.details()
+            long.cancel()  # type: ignore[attr-defined]
+            until(lambda: peer_in_flight(cb) == 0, what="replica B hearing the call ended")
+            assert cb.complete(MODEL, prompt="after", max_tokens=1, timeout=30).usage.completion_tokens == 1
+
+            big = ta.generate(MODEL, prompt="x", max_tokens=900, ignore_eos=True, timeout=120)
+            next(big)  # its prompt + 900 reserved at A, and at B once it hears of it: ~100 left
+            until(lambda: peer_in_flight(cb) == 1, what="replica B hearing of A's call")
+            assert exhausted(lambda: tb.complete(MODEL, prompt="x", max_tokens=600, timeout=30), "tokens_per_min")
+            big.cancel()  # type: ignore[attr-defined]
+            until(lambda: peer_in_flight(cb) == 0, what="replica B hearing the call ended")
+            # what A's call did not use came back at B too: long before the refill alone would allow it
+            again = tb.generate(MODEL, prompt="x", max_tokens=600, timeout=120)
+            assert len(next(again).token_ids) > 0
+            again.cancel()  # type: ignore[attr-defined]
+        assert metric(b, "switchyard_api_key_limited_total", key="team-a", limit="max_in_flight") == 1
+        assert metric(b, "switchyard_api_key_limited_total", key="team-t", limit="tokens_per_min") == 1

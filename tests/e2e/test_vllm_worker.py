@@ -376,18 +376,21 @@ def test_streaming_generation_through_the_router(vllm_workers: list[VllmProc], r
         until(lambda: is_idle(w), timeout_s=VLLM_WAIT_S, what="the stopped request left vLLM")
 
 
-def test_kv_events_carry_the_routers_block_hashes(vllm_workers: list[VllmProc], router_factory) -> None:  # type: ignore[no-untyped-def]
+def test_kv_events_carry_the_routers_block_hashes(vllm_workers: list[VllmProc], router_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """vLLM's own BlockStored hashes == the router's tokenization + switchyard.ext hashing, and they land in the
     router's prefix view of the worker that served the request. The request's admission event (which the other
-    router replicas read) names the same blocks, before vLLM stores them, and the request ends finished."""
+    router replicas read) names the same blocks, before vLLM stores them, and the API key it was charged to (so the
+    other replicas charge it too), and the request ends finished."""
     w0 = vllm_workers[0]
-    router = router_factory([w0], "--policy", "round_robin")
+    keys = tmp_path / "router.keys"
+    keys.write_text(f"{'k' * 32} name=team-v\n")
+    router = router_factory([w0], "--policy", "round_robin", "--set", f"server.api_keys_file={keys}")
     tok = load_tokenizer(str(TOKENIZER))
     prompt = "The quick brown fox jumps over the lazy dog while the router watches the cache. " * 12
     ids = tok.encode(prompt)
     expected = [to_event_hash(d) for d in block_digests(ids, BLOCK, "sha256")]
     assert len(expected) >= 4
-    with w0.channel() as ch, client_for(router) as c:
+    with w0.channel() as ch, RouterClient(router.address, admin_address=router.extra["admin"], api_key="k" * 32) as c:
         events = worker_pb2_grpc.WorkerStub(ch).KvEvents(worker_pb2.KvEventsRequest(), timeout=120)
         first = next(events)  # the snapshot: AllBlocksCleared, then every resident block
         assert first.events[0].WhichOneof("event") == "cleared"
@@ -407,6 +410,7 @@ def test_kv_events_carry_the_routers_block_hashes(vllm_workers: list[VllmProc], 
         assert stored[: len(expected)] == expected  # exactly vLLM's chain, in order
         assert [r.WhichOneof("event") for r in lifecycle] == ["admitted", "first_token", "ended"]
         assert list(lifecycle[0].admitted.block_hashes) == expected and lifecycle[0].origin  # the router's id
+        assert lifecycle[0].admitted.tenant == "team-v"
         assert lifecycle[2].ended.finished and lifecycle[2].ended.num_output_tokens == 2
         until(
             lambda: (

@@ -197,3 +197,38 @@ def test_keys_check_says_what_each_key_may_do_or_what_is_wrong(tmp_path: Path, c
     path.write_text(f"{KEY_A} rate=fast\n")
     assert keys_cli.main(["check", str(path)]) == 2
     assert "key 1 of" in capsys.readouterr().err
+
+
+def test_other_replicas_calls_count_toward_a_keys_limits() -> None:
+    """Another router replica's requests of the key (heard from the workers) take its slots and bucket tokens here
+    too, past empty if this replica spent the same token meanwhile, and give back their unused tokens at the end."""
+    clock = FakeClock()
+    limits = KeyLimits(clock)
+    key = KeySpec("t", max_in_flight=2, rate=1.0, burst=2, tokens_per_min=600)
+    assert limits.acquire(key) is None  # own call: 1 in flight, 1 call token left
+    limits.note_peer_call(key, 500)  # a peer's: 2 in flight, 0 call tokens, 100 model tokens left
+    refusal = limits.acquire(key)
+    assert refusal is not None and refusal.limit == "max_in_flight" and "1 through other router replicas" in refusal.message
+    assert limits.peer_in_flight("t") == 1 and limits.tokens_left(key) == 100
+    limits.note_peer_call(key, 500)  # the two replicas raced for the same tokens: both buckets go below empty
+    assert limits.tokens_left(key) == -400
+    limits.note_peer_end(key, 0)  # one of them ended having used all it reserved
+    limits.release(key)
+    refusal = limits.acquire(key)
+    assert refusal is not None and refusal.limit == "rate" and refusal.retry_after_ms == 2000  # 1 s to 0, 1 s to 1
+    assert limits.reserve_tokens(key, 100) is not None  # paid back at 10 tokens/s first
+    limits.note_peer_end(key, 450)  # the other used 50 of its 500: the rest comes back
+    assert limits.peer_in_flight("t") == 0 and limits.tokens_left(key) == 50
+    clock.t += 2.0
+    assert limits.acquire(key) is None and limits.reserve_tokens(key, 70) is None
+    for _ in range(5):  # a flood from other replicas owes at most one bucket's worth
+        limits.note_peer_call(key, 0)
+    assert limits.peer_in_flight("t") == 5
+    limits.note_peer_call(key, 0, charge=False)  # re-announced after a snapshot: counted, not charged again
+    assert limits.peer_in_flight("t") == 6
+    refusal = limits.acquire(key)
+    assert refusal is not None and refusal.limit == "max_in_flight"
+    for _ in range(6):
+        limits.note_peer_end(key, 0)
+    refusal = limits.acquire(key)  # the bucket stopped at minus its size (2): 3 s to one call, not 6
+    assert refusal is not None and refusal.limit == "rate" and refusal.retry_after_ms == 3000

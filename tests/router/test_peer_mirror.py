@@ -11,6 +11,8 @@ import dataclasses
 
 import pytest
 
+from switchyard.auth import KeyLimits, KeySpec
+from switchyard.router.peer_keys import PeerKeyCharges
 from switchyard.router.peer_mirror import PeerMirror, peer_key
 from switchyard.router.policies.base import RoutingContext, WorkerId
 from switchyard.router.policies.registry import make_policy
@@ -163,3 +165,36 @@ def test_llmd_precise_reads_the_workers_kv_events_not_its_own_dispatches() -> No
         assert prefix == {W[0]: 0.0, W[1]: want}
         if name == "llmd_precise":
             assert policy.select(ctx, fleet, 0.0).worker_id == W[1]
+
+
+def test_other_replicas_requests_are_charged_to_their_api_keys() -> None:
+    """With API keys, the mirror charges each other replica's request to the key its admission names (`tenant`),
+    whatever the policy: a replay or a snapshot's re-announcement is not charged twice, and the end gives back
+    what the request did not use, as this replica settles its own."""
+    clock = lambda: 0.0  # noqa: E731  (the buckets do not refill here)
+    limits = KeyLimits(clock)
+    team = KeySpec("team", max_in_flight=3, tokens_per_min=6000)
+    policy = make_policy("round_robin")
+    fleet = make_fleet(2)
+    assert not PeerMirror("b", policy, fleet).active  # nothing to do with the events: the registry skips them
+    mirror = PeerMirror("b", policy, fleet, PeerKeyCharges(limits, {"team": team}.get))
+    assert mirror.active
+
+    def adm(rid: str, origin: str = "a", tenant: str = "team") -> RequestAdmitted:
+        return RequestAdmitted(rid, origin, (1, 2), 100, 400, tenant=tenant)
+
+    mirror.apply(W[0], "m", [adm("r1"), adm("mine", origin="b"), adm("anon", tenant=""), adm("x", tenant="other")], 1.0)
+    mirror.apply(W[0], "m", [adm("r1")], 1.0)  # a replayed batch
+    assert (limits.peer_in_flight("team"), limits.tokens_left(team)) == (1, 5500)
+    assert fleet.get(W[0]).peer_in_flight == 3  # every other replica's request counts toward the worker's load
+    mirror.apply(W[0], "m", [RequestFirstToken("r1", "a"), RequestEnded("r1", "a", 50, True)], 2.0)
+    assert (limits.peer_in_flight("team"), limits.tokens_left(team)) == (0, 5850)  # used 100 + 50 of 500
+    mirror.apply(W[0], "m", [adm("r2"), RequestEnded("r2", "a", 0, False)], 3.0)  # failed before running
+    assert limits.tokens_left(team) == 5850
+    mirror.apply(W[1], "m", [adm("r3"), adm("r4")], 4.0)
+    mirror.forget_worker(W[1], 4.5)  # its stream gapped: a snapshot follows
+    assert (limits.peer_in_flight("team"), limits.tokens_left(team)) == (0, 4850)
+    mirror.apply(W[1], "m", [adm("r3")], 5.0)  # the snapshot: r3 still open, r4 ended meanwhile
+    assert (limits.peer_in_flight("team"), limits.tokens_left(team)) == (1, 4850)
+    mirror.apply(W[1], "m", [RequestEnded("r3", "a", 0, False)], 6.0)
+    assert (limits.peer_in_flight("team"), limits.tokens_left(team)) == (0, 5350)  # r4 keeps its reservation

@@ -412,15 +412,15 @@ async def test_kv_events_stream_each_request_admission_first_token_and_end(worke
         events = stub.KvEvents(worker_pb2.KvEventsRequest(start_after_seq=0))
         await events.read()  # the snapshot
         req = gen_request("mirror-1", prompt, 5)
-        req.origin, req.predicted_output_tokens = "router-a", 7
+        req.origin, req.predicted_output_tokens, req.tenant = "router-a", 7, "team-a"
         chunks = await collect(stub, req)
         seen = await _requests_until(events, lambda got: any(e.WhichOneof("event") == "ended" for e in got))
         mine = [e for e in seen if e.request_id == "mirror-1"]
         assert [e.WhichOneof("event") for e in mine] == ["admitted", "first_token", "ended"]
         assert {e.origin for e in mine} == {"router-a"}
         a = mine[0].admitted
-        assert (list(a.block_hashes), a.num_prompt_tokens, a.max_tokens, a.predicted_output_tokens) == (
-            expected_hashes, 70, 5, 7)
+        assert (list(a.block_hashes), a.num_prompt_tokens, a.max_tokens, a.predicted_output_tokens, a.tenant) == (
+            expected_hashes, 70, 5, 7, "team-a")
         assert (mine[2].ended.finished, mine[2].ended.num_output_tokens) == (True, chunks[-1].usage.completion_tokens)
         # an open request is in a new subscriber's snapshot (its first part, marked); its abort ends it unfinished
         call = stub.Generate(gen_request("mirror-2", prompt_of("still running " * 10), 3000))

@@ -45,6 +45,7 @@ class RequestAdmitted:
     predicted_output_tokens: int = 0  # the sender's prediction; 0 = none
     lora_name: str | None = None
     cache_salt: str | None = None
+    tenant: str = ""  # the API key's name the sender charged it to (its limits hold across replicas); "" = none
 
 
 @dataclass(frozen=True, slots=True)
