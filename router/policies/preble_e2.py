@@ -699,6 +699,14 @@ class PrebleE2(Policy):
         return got
 
     # ------------------------------------------------------------------------------------------ hooks
+    def on_peer_dispatch(self, ctx: RoutingContext, decision: Decision, fleet: FleetView, now: float) -> None:
+        """As `on_dispatch`, with the workers' facts (profile, block size) remembered first: a replica may hear of
+        the other replicas' requests before its own first select, which is where they are otherwise read."""
+        pool = fleet.routable(ctx.model)
+        if pool:
+            self._remember(fleet, pool, ctx.model)
+        self.on_dispatch(ctx, decision, now)
+
     def on_dispatch(self, ctx: RoutingContext, decision: Decision, now: float) -> None:
         w = decision.worker_id
         self._turn += 1

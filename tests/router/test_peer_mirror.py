@@ -198,3 +198,21 @@ def test_other_replicas_requests_are_charged_to_their_api_keys() -> None:
     assert (limits.peer_in_flight("team"), limits.tokens_left(team)) == (1, 4850)
     mirror.apply(W[1], "m", [RequestEnded("r3", "a", 0, False)], 6.0)
     assert (limits.peer_in_flight("team"), limits.tokens_left(team)) == (0, 5350)  # r4 keeps its reservation
+
+
+@pytest.mark.parametrize("name", ["e2", "switchyard"])
+def test_a_peers_request_heard_before_any_select_is_priced_with_its_workers_profile(name: str) -> None:
+    """A replica started later hears of the others' requests before its own first select: it prices them with the
+    worker's profile and block size all the same (not the defaults), as a replica that had selected before."""
+    fleet = make_fleet(2, block_size=32)
+    for i in range(2):
+        fleet.get(W[i]).info = dataclasses.replace(fleet.get(W[i]).info, perf_profile="llama2-70b-h100-tp4")
+    peer = request("a-1", 1024, 0)
+    loads = []
+    for select_first in (False, True):
+        policy = make_policy(name)
+        if select_first:
+            policy.select(request("b-1", 64, 0), fleet, 0.0)
+        PeerMirror("b", policy, fleet).apply(W[1], "m", [admitted(peer)], 0.5)
+        loads.append((policy.load_s(W[1], 1.0), policy.queue_s(W[1])))
+    assert loads[0] == loads[1] and loads[0][1] > 0
