@@ -28,7 +28,8 @@ Sections (specs/preble.md §8, §10):
      workers (`bench sim --router-replicas`: arrivals in turn, each replica with its own policy, queue and timers,
      all of them reading every worker's Stats and events): e2, switchyard and switchyard-no_mirror (each replica
      blind to the others' requests) against the peers at their defaults (only their own dispatches) and in their
-     modes for replicas (dynamo_kv_sync: Dynamo's --router-replica-sync; llmd_precise: llm-d's precise scorer).
+     modes for replicas (smg_mesh: SMG's mesh; dynamo_kv_sync: Dynamo's --router-replica-sync; llmd_precise:
+     llm-d's precise scorer).
 
 Capacity: a geometric rate ladder (factor √2) of short round_robin runs; the "light" reference is the mean TTFT at
 the lowest rung (load far below saturation); a rung is saturated when its mean TTFT exceeds
@@ -84,7 +85,9 @@ SKEW_POLICIES = ("e2_base", "e2_rebal", "e2", "switchyard", "smg_cache_aware")
 SKEW_LOAD_FACTORS = (1.0, 1.5)  # x the ablation workload's highest load
 SKEW_SPAN_H = 3.0  # arrivals span this many E2 windows H: L over H is sampled over the last two
 REPLICAS = 3  # section g: router replicas side by side
-PEER_HA_MODES = {"dynamo_kv": "dynamo_kv_sync", "llmd_scorer": "llmd_precise"}  # section g: run beside the default
+PEER_HA_MODES = {  # section g: each run beside the default
+    "smg_cache_aware": "smg_mesh", "dynamo_kv": "dynamo_kv_sync", "llmd_scorer": "llmd_precise",
+}
 LADDER = [0.125 * math.sqrt(2) ** k for k in range(23)]  # 0.125 .. 256 req/s (x workers / 4)
 
 
@@ -476,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         md.append(f"Each workload at its highest load; {REPLICAS} replicas take the arrivals in turn. Per policy: "
                   f"its {REPLICAS}-replica figure / its own 1-router figure; the last columns compare ours with the best "
                   f"peer, both at {REPLICAS} replicas (< 1 = ours better), its modes for replicas included "
-                  f"({', '.join(PEER_HA_MODES.values())}; SMG's mesh is not modelled). switchyard-no_mirror: the "
+                  f"({', '.join(PEER_HA_MODES.values())}). switchyard-no_mirror: the "
                   "default policy without the other replicas' requests (`mirror_peers=false`).\n")
         lines = ["| workload | req/s | policy | TTFT mean s (1 -> K) | TTFT p99 s (1 -> K) | hit ratio (1 -> K) "
                  "| K / 1 TTFT mean | K / 1 TTFT p99 |", "|---|---|---|---|---|---|---|---|"]

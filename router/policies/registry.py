@@ -25,7 +25,7 @@ from switchyard.router.policies.power_of_two import PowerOfTwo
 from switchyard.router.policies.preble_e2 import PrebleE2, PrebleE2Base, PrebleE2Rebal
 from switchyard.router.policies.preserve import MinUsage, Preserve
 from switchyard.router.policies.round_robin import RoundRobin
-from switchyard.router.policies.smg_cache_aware import SmgCacheAware
+from switchyard.router.policies.smg_cache_aware import SmgCacheAware, SmgCacheAwareConfig
 from switchyard.router.policies.smg_least_load import SmgLeastLoad
 from switchyard.router.policies.switchyard_policy import ABLATIONS as SWITCHYARD_ABLATIONS
 from switchyard.router.policies.switchyard_policy import Switchyard
@@ -53,8 +53,9 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "dynamo_kv": DynamoKv,
     "llmd_scorer": LlmdScorer,
     "aibrix_prefix": AibrixPrefix,
-    # their modes for router replicas side by side (README, "Router replicas side by side"): Dynamo's
+    # their modes for router replicas side by side (README, "Router replicas side by side"): SMG's mesh, Dynamo's
     # --router-replica-sync, llm-d's precise (KV-event) prefix scorer
+    "smg_mesh": _peer_mode(SmgCacheAware, SmgCacheAwareConfig(mesh=True), "smg_mesh"),
     "dynamo_kv_sync": _peer_mode(DynamoKv, DynamoKvConfig(replica_sync=True), "dynamo_kv_sync"),
     "llmd_precise": _peer_mode(LlmdScorer, LlmdScorerConfig(prefix_scorer="precise"), "llmd_precise"),
     # Preble's oracle-partition baseline (specs/preble.md §7.4): needs the workload offline, so simulator only

@@ -26,6 +26,14 @@ CLI behaviour.
 
 Knobs (CLI defaults, not the struct defaults 0.5/32/1.1/30 s/10000): cache_threshold 0.3, balance_abs_threshold
 64, balance_rel_threshold 1.5, eviction_interval_s 120, max_tree_size 67108864.
+
+`mesh` (registry name `smg_mesh`): SMG's mesh HA for router replicas side by side (`crates/mesh`,
+`mesh/adapters/tree_sync.rs`: SWIM gossip of the tree's insert and remove operations, specs/peers.md §1 (8)). Every
+replica's inserts reach the others' trees. Here the other replicas' requests come from the workers' request events
+(`PeerMirror`, one event lag late: likely sooner than a gossip round, so this favours SMG), which carry block hashes,
+not tokens, so in this mode the tree is over the prompt's full blocks, as SMG's gRPC path is page-aligned: matches
+count whole blocks (the partial last block never matches). Loads stay per replica: the mesh syncs the tree, not
+the in-flight counts.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ class SmgCacheAwareConfig:
     balance_rel_threshold: float = 1.5  # ... and max must exceed this x min, to count as imbalanced
     eviction_interval_s: float = 120.0
     max_tree_size: int = 67_108_864  # per worker, tokens (SMG: chars)
+    mesh: bool = False  # SMG's mesh: the other replicas' inserts reach this tree (a tree over full blocks)
 
 
 class _Node:
@@ -179,8 +188,14 @@ class SmgCacheAware(Policy):
 
     def __init__(self, config: SmgCacheAwareConfig | None = None) -> None:
         self.config = config or SmgCacheAwareConfig()
+        self.mirrors_peers = self.config.mesh
         self._trees: dict[str, ApproxTree] = {}  # per model
         self._last_eviction_s: float | None = None
+        self._unit = 1  # tokens per tree element: 1, or with `mesh` the workers' block size (from the last select)
+
+    def _keys(self, ctx: RoutingContext) -> Sequence[int]:
+        """What the tree holds of a prompt: its tokens, or with `mesh` its full blocks' hashes."""
+        return ctx.block_hashes if self.config.mesh else ctx.prompt_token_ids
 
     def tree(self, model: str) -> ApproxTree:
         return self._trees.setdefault(model, ApproxTree())
@@ -204,7 +219,10 @@ class SmgCacheAware(Policy):
             return Decision(worker_id=pick.worker_id, reason=f"imbalanced max={hi} min={lo}")
         tree = self._trees.get(ctx.model)
         ids = {w.worker_id for w in pool}
-        matched, holders = tree.match(ctx.prompt_token_ids, ids) if tree else (0, [])
+        if self.config.mesh:
+            self._unit = pool[0].block_size
+        matched, holders = tree.match(self._keys(ctx), ids) if tree else (0, [])
+        matched *= self._unit
         n = ctx.num_prompt_tokens
         rate = matched / n if n else 0.0
         if rate > self.config.cache_threshold and holders:
@@ -215,13 +233,13 @@ class SmgCacheAware(Policy):
             smallest = min(sizes.get(w.worker_id, 0) for w in pool)
             tied = [w.worker_id for w in pool if sizes.get(w.worker_id, 0) == smallest]
             wid = tied[tie_draw(ctx, len(tied), "smallest")] if len(tied) > 1 else tied[0]
-            reason = f"miss {matched}/{n}={rate:.3f}; smallest tree {smallest} tok"
+            reason = f"miss {matched}/{n}={rate:.3f}; smallest tree {smallest * self._unit} tok"
         log.debug("request=%s smg_cache_aware balanced (max %d, min %d): match_rate %d/%d = %.3f vs threshold %.2f "
                   "-> %s (%s)", ctx.request_id, hi, lo, matched, n, rate, self.config.cache_threshold, wid, reason)
         return Decision(worker_id=wid, reason=reason)  # type: ignore[arg-type]
 
     def on_dispatch(self, ctx: RoutingContext, decision: Decision, now: float) -> None:
-        self.tree(ctx.model).insert(ctx.prompt_token_ids, decision.worker_id, now)
+        self.tree(ctx.model).insert(self._keys(ctx), decision.worker_id, now)
 
     def on_tick(self, now: float) -> None:
         if self._last_eviction_s is None:
@@ -230,7 +248,7 @@ class SmgCacheAware(Policy):
             return
         self._last_eviction_s = now
         for model, tree in self._trees.items():
-            evicted = tree.evict_tenant_by_size(self.config.max_tree_size)
+            evicted = tree.evict_tenant_by_size(self.config.max_tree_size // self._unit) * self._unit
             if evicted:
                 log.debug("smg_cache_aware eviction model=%s evicted %d tokens (max %d per worker)",
                           model, evicted, self.config.max_tree_size)

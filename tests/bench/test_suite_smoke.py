@@ -65,7 +65,8 @@ def test_suite_smoke(tmp_path: Path) -> None:
     replicas = data["replicas"]["toolbench"]
     assert replicas["rate"] == 10.0  # the workload's highest load
     assert {(r["policy"], r["router_replicas"]) for r in replicas["runs"]} == {
-        (p, k) for p in ("e2", "switchyard", "switchyard-no_mirror", "smg_cache_aware", "dynamo_kv", "dynamo_kv_sync")
+        (p, k) for p in ("e2", "switchyard", "switchyard-no_mirror", "smg_cache_aware", "smg_mesh", "dynamo_kv",
+                         "dynamo_kv_sync")
         for k in (1, suite.REPLICAS)}
     skew = data["skew"]["runs"]
     assert data["skew"]["rates"] == [8.0, 12.0]  # 1 and 1.5 x the Zipf-1.1 load

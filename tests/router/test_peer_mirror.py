@@ -167,6 +167,25 @@ def test_llmd_precise_reads_the_workers_kv_events_not_its_own_dispatches() -> No
             assert policy.select(ctx, fleet, 0.0).worker_id == W[1]
 
 
+def test_smg_mesh_follows_a_peer_replicas_prefix_into_its_tree() -> None:
+    """`smg_mesh` (SMG's mesh: the replicas' tree inserts gossiped): a prefix another replica routed is in this
+    replica's tree, so a follow-up goes where that prefix went; `smg_cache_aware` (the default, its own dispatches
+    only) sends it to its smallest tree. The mesh tree is over full blocks: a match counts whole blocks."""
+    prefix_req = request("a-1", 1024, 1024)
+    follow_up = request("b-2", 1088, 1024)  # 64 shared blocks + 4 of its own
+    for name in ("smg_cache_aware", "smg_mesh"):
+        policy = make_policy(name)
+        fleet = make_fleet(3)
+        own = own_dispatch(policy, fleet, request("b-1", 256, 0))  # this replica's own, elsewhere
+        holder = next(w for w in W if w != own and w != policy.select(follow_up, fleet, 0.1).worker_id)
+        PeerMirror("b", policy, fleet).apply(holder, "m", [admitted(prefix_req, "a")], 0.1)
+        d = policy.select(follow_up, fleet, 0.2)
+        if name == "smg_mesh":
+            assert d.worker_id == holder and d.reason == "match 1024/1088=0.941"
+        else:
+            assert d.worker_id != holder and d.reason.startswith("miss 0/1088")
+
+
 def test_other_replicas_requests_are_charged_to_their_api_keys() -> None:
     """With API keys, the mirror charges each other replica's request to the key its admission names (`tenant`),
     whatever the policy: a replay or a snapshot's re-announcement is not charged twice, and the end gives back
