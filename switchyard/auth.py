@@ -138,8 +138,8 @@ class ApiKeys:
         self._names: tuple[dict[bytes, KeySpec], dict[str, KeySpec]] | None = None  # (specs, by name) of the last read
 
     def named(self, name: str) -> KeySpec | None:
-        """The key called `name` (`KeySpec.name`, unique in a file), None for none: how another
-        router replica's request (`RequestAdmitted.tenant`) finds its key's limits."""
+        """The key called `name` (`KeySpec.name`, unique in a file), None for none: how another router replica's
+        request (`RequestAdmitted.tenant`) finds its key's limits."""
         self._specs.refresh()
         specs = self._specs.value
         if self._names is None or self._names[0] is not specs:
