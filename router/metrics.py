@@ -65,6 +65,10 @@ class RouterMetrics:
             "switchyard_api_key_in_flight", "Calls in flight under each API key, by service", ["service", "key"],
             registry=r,
         )
+        self.key_peer_in_flight = Gauge(
+            "switchyard_api_key_peer_in_flight", "Requests of each Router-service API key other router replicas have "
+            "in flight on the workers (they count toward the key's limits here too)", ["key"], registry=r,
+        )
         self.ttft = Histogram(
             "switchyard_ttft_seconds", "Arrival at the router to the first token sent", ["model"],
             buckets=LATENCY_BUCKETS_S, registry=r,

@@ -33,28 +33,42 @@ class _Charge:
 class PeerKeyCharges:
     """The other replicas' open requests of each key, kept in `limits` (`KeyLimits.note_peer_call` /
     `note_peer_end`). `named` finds a key by name (`ApiKeys.named`); a name this replica does not know is not
-    charged (its keys file differs)."""
+    charged (its keys file differs). `counted(name, n)` hears each new count (the router's gauge)."""
 
-    __slots__ = ("limits", "named", "charges")
+    __slots__ = ("limits", "named", "counted", "charges")
 
-    def __init__(self, limits: KeyLimits, named: Callable[[str], KeySpec | None]) -> None:
+    def __init__(
+        self, limits: KeyLimits, named: Callable[[str], KeySpec | None],
+        counted: Callable[[str, int], None] | None = None,
+    ) -> None:
         self.limits = limits
         self.named = named
+        self.counted = counted
         self.charges: dict[str, _Charge] = {}  # `peer_key` -> the charge, from admission to end
+
+    def _call(self, key: KeySpec, tokens: int, charge: bool = True) -> None:
+        self.limits.note_peer_call(key, tokens, charge)
+        if self.counted is not None:
+            self.counted(key.name, self.limits.peer_in_flight(key.name))
+
+    def _end(self, key: KeySpec, refund: int) -> None:
+        self.limits.note_peer_end(key, refund)
+        if self.counted is not None:
+            self.counted(key.name, self.limits.peer_in_flight(key.name))
 
     def admitted(self, key: str, worker_id: WorkerId, ev: RequestAdmitted) -> None:
         got = self.charges.get(key)
         if got is not None:
             if got.worker is None:  # re-announced by a snapshot after a loss or gap: in flight again, not re-charged
                 got.worker = worker_id
-                self.limits.note_peer_call(got.key, 0, charge=False)
+                self._call(got.key, 0, charge=False)
             return
         spec = self.named(ev.tenant) if ev.tenant else None
         if spec is None:
             return
         reserved = ev.num_prompt_tokens + ev.max_tokens if spec.tokens_per_min else 0
         self.charges[key] = _Charge(spec, worker_id, ev.num_prompt_tokens, reserved)
-        self.limits.note_peer_call(spec, reserved)
+        self._call(spec, reserved)
 
     def first_token(self, key: str) -> None:
         got = self.charges.get(key)
@@ -68,7 +82,7 @@ class PeerKeyCharges:
         if got is None or got.worker is None:
             return
         used = (got.prompt if got.ran or num_output_tokens else 0) + num_output_tokens
-        self.limits.note_peer_end(got.key, max(0, got.reserved - used) if got.reserved else 0)
+        self._end(got.key, max(0, got.reserved - used) if got.reserved else 0)
 
     def detach_worker(self, worker_id: WorkerId, now: float) -> None:
         """The worker was lost, or its stream resumes with a snapshot: its requests leave the in-flight counts; the
@@ -78,6 +92,6 @@ class PeerKeyCharges:
         for key, c in list(self.charges.items()):
             if c.worker == worker_id:
                 c.worker, c.since = None, now
-                self.limits.note_peer_end(c.key, 0)
+                self._end(c.key, 0)
             elif c.worker is None and now - c.since > DETACHED_KEEP_S:
                 del self.charges[key]

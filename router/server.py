@@ -226,7 +226,10 @@ class RouterDaemon:
         keys, router_keys = self._api_keys(cfg.api_keys_file, self.key_limits, router_events)
         admin_keys, _ = self._api_keys(cfg.admin_api_keys_file, KeyLimits(), KeyMetrics(self.metrics, "switchyard.v1.Admin"))
         if router_keys is not None:  # the other replicas' requests count toward their keys' limits here too
-            self.registry.mirror.keys = PeerKeyCharges(self.key_limits, router_keys.named)
+            gauge = self.metrics.key_peer_in_flight
+            self.registry.mirror.keys = PeerKeyCharges(
+                self.key_limits, router_keys.named, lambda name, n: gauge.labels(name).set(n)
+            )
 
         self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=keys)
         router_pb2_grpc.add_RouterServicer_to_server(

@@ -249,12 +249,14 @@ def test_a_keys_limits_hold_across_router_replicas(tmp_path: Path) -> None:
             long = ca.generate(MODEL, prompt="a long answer", max_tokens=4000, ignore_eos=True, timeout=120)
             next(long)
             until(lambda: peer_in_flight(cb) == 1, what="replica B hearing of A's call")
+            assert metric(b, "switchyard_api_key_peer_in_flight", key="team-a") == 1
             with pytest.raises(grpc.RpcError) as e:
                 cb.complete(MODEL, prompt="second", max_tokens=1, timeout=30)
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "1 through other router replicas" in (e.value.details() or ""), e.value.details()
             long.cancel()  # type: ignore[attr-defined]
             until(lambda: peer_in_flight(cb) == 0, what="replica B hearing the call ended")
+            assert metric(b, "switchyard_api_key_peer_in_flight", key="team-a") == 0
             assert cb.complete(MODEL, prompt="after", max_tokens=1, timeout=30).usage.completion_tokens == 1
 
             big = ta.generate(MODEL, prompt="x", max_tokens=900, ignore_eos=True, timeout=120)
