@@ -23,8 +23,8 @@ from typing import Protocol
 
 import numpy as np
 
-from switchyard.bench.traces import NS_UNIQUE, PromptFactory, Trace, TraceRequest, event_hashes
-from switchyard.ext.blockhash import block_digests
+from switchyard.bench.traces import NS_UNIQUE, PromptFactory, Trace, TraceRequest
+from switchyard.ext.blockhash import block_digests, event_hashes
 
 log = logging.getLogger(__name__)
 

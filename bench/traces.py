@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from switchyard.ext.blockhash import block_digests, none_hash
+from switchyard.ext.blockhash import block_digests, event_hashes, none_hash
 
 # Segment namespaces: tokens of (namespace, key) never collide with another namespace's.
 NS_MOONCAKE = 0  # key = a Mooncake hash_id (512-token block)
@@ -256,15 +256,6 @@ def chunk_tokens(seed: int, ns: int, key: int, c: int) -> np.ndarray:
     x *= _U(0x94D049BB133111EB)
     x ^= x >> _U(31)
     return (x % _U(TOKEN_HIGH - TOKEN_LOW) + _U(TOKEN_LOW)).astype(np.uint16)
-
-
-def event_hashes(digests: list[bytes]) -> list[int]:
-    """`to_event_hash` of each digest (the low 64 bits, big-endian), vectorized: ~10x cheaper per block."""
-    if not digests:
-        return []
-    if len(digests[0]) != 16:  # sha256 digests: the generic path
-        return [int.from_bytes(d, "big") & _M64 for d in digests]
-    return np.frombuffer(b"".join(digests), dtype=">u8")[1::2].tolist()
 
 
 class PromptFactory:

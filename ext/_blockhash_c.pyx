@@ -21,7 +21,7 @@ import xxhash
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.list cimport PyList_CheckExact
-from cpython.long cimport PyLong_CheckExact
+from cpython.long cimport PyLong_CheckExact, PyLong_FromUnsignedLongLong
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_CheckExact
@@ -312,4 +312,26 @@ def block_digests(
             out.append(prev)
     finally:
         PyMem_Free(buf)
+    return out
+
+
+def event_hashes(digests):
+    """See `blockhash_py.event_hashes`: each digest's low 64 bits (big-endian), read in C."""
+    cdef list out
+    cdef Py_ssize_t n, k
+    cdef const uint8_t* b
+    cdef uint64_t v
+    if not (PyList_CheckExact(digests) or PyTuple_CheckExact(digests)):
+        return _ref.event_hashes(digests)
+    for d in digests:
+        if not PyBytes_CheckExact(d):
+            return _ref.event_hashes(digests)
+    out = []
+    for d in digests:
+        n = PyBytes_GET_SIZE(d)
+        b = <const uint8_t*>PyBytes_AS_STRING(d)
+        v = 0
+        for k in range(n - 8 if n > 8 else 0, n):
+            v = (v << 8) | b[k]
+        out.append(PyLong_FromUnsignedLongLong(v))
     return out

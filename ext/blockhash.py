@@ -10,14 +10,17 @@ import os
 from switchyard.ext.blockhash_py import HASH_ALGOS, extra_keys, hash_fn, none_hash, to_event_hash
 
 IMPLEMENTATION = "py"
-from switchyard.ext.blockhash_py import block_digests  # noqa: E402
+from switchyard.ext.blockhash_py import block_digests, event_hashes  # noqa: E402
 
 if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
     try:
-        from switchyard.ext._blockhash_c import block_digests  # type: ignore[no-redef]  # noqa: F811
+        from switchyard.ext._blockhash_c import block_digests, event_hashes  # type: ignore[no-redef]  # noqa: F811
 
         IMPLEMENTATION = "c"
     except ImportError:  # pragma: no cover - exercised by test_c_extension_loaded
         pass
 
-__all__ = ["HASH_ALGOS", "IMPLEMENTATION", "block_digests", "extra_keys", "hash_fn", "none_hash", "to_event_hash"]
+__all__ = [
+    "HASH_ALGOS", "IMPLEMENTATION", "block_digests", "event_hashes", "extra_keys", "hash_fn", "none_hash",
+    "to_event_hash",
+]

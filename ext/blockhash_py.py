@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -87,3 +88,16 @@ def block_digests(
 def to_event_hash(digest: bytes) -> int:
     """The uint64 id that vLLM's KV events carry for a block (the digest's low 64 bits)."""
     return int.from_bytes(digest, "big") & _MASK64
+
+
+def event_hashes(digests: Sequence[bytes]) -> list[int]:
+    """`[to_event_hash(d) for d in digests]`, unpacked in one call where the digests share a length that is a
+    multiple of 8 (a prompt's blocks: one per block, so this runs for every request the router admits)."""
+    n = len(digests)
+    if n < 4:
+        return [to_event_hash(d) for d in digests]
+    size = len(digests[0])
+    if size == 0 or size % 8 or len(set(map(len, digests))) != 1:
+        return list(map(to_event_hash, digests))
+    k = size >> 3
+    return list(struct.unpack(f">{k * n}Q", b"".join(digests))[k - 1 :: k])

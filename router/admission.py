@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
-from switchyard.ext.blockhash import block_digests, to_event_hash
+from switchyard.ext.blockhash import block_digests, event_hashes
 from switchyard.router.policies.base import RoutingContext, WorkerId
 from switchyard.workers.tokenizer import ChatMessage, Tokenizer
 
@@ -181,7 +181,7 @@ def block_hashes(token_ids: Sequence[int], spec: ModelSpec, lora_name: str, cach
         cache_salt=cache_salt or None,
         seed=spec.block_hash_seed,
     )
-    return tuple(to_event_hash(d) for d in digests)
+    return tuple(event_hashes(digests))
 
 
 # Inputs larger than this (characters of text, or token ids) are tokenized off the event loop

@@ -36,7 +36,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from switchyard.ext.blockhash import block_digests, to_event_hash
+from switchyard.ext.blockhash import block_digests, event_hashes
 from switchyard.tls import add_server_args
 from switchyard.v1 import worker_pb2, worker_pb2_grpc
 from switchyard.workers import sim_worker
@@ -279,8 +279,8 @@ class VllmWorker:
         stream.origin = origin
         # every KV event subscriber (the router replicas that did not send it) learns of it at once; the hashes are
         # the ones vLLM's BlockStored will carry (its recipe, reported in Info)
-        hashes = tuple(to_event_hash(d) for d in block_digests(list(prompt_ids), self.block_size, self.hash_algo,
-                                                               seed=self.hash_seed))
+        hashes = tuple(event_hashes(block_digests(list(prompt_ids), self.block_size, self.hash_algo,
+                                                  seed=self.hash_seed)))
         self.hub.announce(kv.RequestAdmitted(
             rid, origin, hashes, len(prompt_ids), params.max_tokens, predicted_output_tokens, tenant=tenant,
         ))

@@ -31,6 +31,7 @@ def test_c_extension_loaded() -> None:
     assert _blockhash_c is not None, "switchyard.ext._blockhash_c did not build or import"
     assert blockhash.IMPLEMENTATION == "c"
     assert blockhash.block_digests is _blockhash_c.block_digests
+    assert blockhash.event_hashes is _blockhash_c.event_hashes
 
 
 # vLLM's sha256 chain, written out literally from the spec (shared/specs/vllm-and-peer-routers.md, "Block hash"):
@@ -156,3 +157,19 @@ def _impls() -> list:
     if _blockhash_c is not None:
         fns.append(_blockhash_c.block_digests)
     return fns
+
+
+@pytest.mark.parametrize("which", impl_params(_blockhash_c))
+def test_event_hashes_are_each_digests_low_64_bits(which: str) -> None:
+    """The uint64 ids vLLM's KV events carry, for a whole prompt at once: the Cython build reads each digest's last
+    8 bytes in C, the reference unpacks them in one call; both equal `to_event_hash` of each digest."""
+    event_hashes = blockhash_py.event_hashes if which == "py" else _blockhash_c.event_hashes
+    toks = list(range(3, 3 + 16 * 9))
+    for algo in ("xxhash", "sha256"):
+        ds = blockhash_py.block_digests(toks, 16, algo)
+        for n in range(len(ds) + 1):
+            assert event_hashes(ds[:n]) == [blockhash_py.to_event_hash(d) for d in ds[:n]]
+        assert event_hashes(tuple(ds)) == event_hashes(ds)
+    odd = [b"\x01" * 16, b"\x02" * 8, b"\x03" * 24, b"\x04" * 5, b"", b"\xff" * 9]  # lengths mixed, short, empty
+    assert event_hashes(odd) == [blockhash_py.to_event_hash(d) for d in odd]
+    assert event_hashes([bytearray(b"\x07" * 16)]) == [0x0707070707070707]

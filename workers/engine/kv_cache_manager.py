@@ -4,24 +4,9 @@ full-attention manager): prefix-cache lookups, slot allocation, caching of newly
 
 from __future__ import annotations
 
-import struct
-from collections.abc import Sequence
-
-from switchyard.ext.blockhash import block_digests, none_hash, to_event_hash
+from switchyard.ext.blockhash import block_digests, event_hashes, none_hash
 from switchyard.workers.engine.block_pool import BlockPool, KVCacheBlock
 from switchyard.workers.engine.request import Request
-
-
-def event_hashes(digests: Sequence[bytes]) -> list[int]:
-    """[to_event_hash(d) for d in digests] (the low 64 bits of each big-endian digest), unpacked in one call."""
-    n = len(digests)
-    if n < 4:
-        return [to_event_hash(d) for d in digests]
-    size = len(digests[0])
-    if size == 0 or size % 8 or len(set(map(len, digests))) != 1:  # not one length, a multiple of 8
-        return list(map(to_event_hash, digests))
-    k = size >> 3
-    return list(struct.unpack(f">{k * n}Q", b"".join(digests))[k - 1 :: k])
 
 
 class KVCacheManager:

@@ -10,7 +10,7 @@ import xxhash
 from engine_testlib import make_engine, make_request
 
 from switchyard.ext.blockhash import block_digests, to_event_hash
-from switchyard.workers.engine.kv_cache_manager import KVCacheManager, event_hashes
+from switchyard.workers.engine.kv_cache_manager import KVCacheManager
 from switchyard.workers.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from switchyard.workers.engine.request import Request
 from switchyard.workers.engine.types import EngineRequest
@@ -174,12 +174,3 @@ def test_a_captured_snapshot_is_the_cache_at_capture_even_when_built_after_it_ch
     assert eng.reset_prefix_cache() is True
     assert build() == before
 
-
-def test_bulk_event_hashes_equal_to_event_hash() -> None:
-    toks = list(range(3, 3 + 16 * 9))
-    for algo in ("xxhash", "sha256"):
-        ds = block_digests(toks, 16, algo)
-        for n in range(len(ds) + 1):
-            assert event_hashes(ds[:n]) == [to_event_hash(d) for d in ds[:n]]
-    odd = [b"\x01" * 16, b"\x02" * 8, b"\x03" * 24, b"\x04" * 5]  # mixed lengths take the generic path
-    assert event_hashes(odd) == [to_event_hash(d) for d in odd]
