@@ -123,7 +123,8 @@ class RouterMetrics:
         )
         self.worker_peer_in_flight = Gauge(
             "switchyard_worker_peer_in_flight", "Requests other router replicas have in flight on a worker, from the "
-            "worker's request events (0 unless the policy mirrors them)", ["worker"], registry=r,
+            "worker's request events (0 unless the policy mirrors them or the Router service has API keys)",
+            ["worker"], registry=r,
         )
         self.worker_kv_usage = Gauge(
             "switchyard_worker_kv_usage_ratio", "KV cache usage from the worker's last Stats (0-1)", ["worker"],
