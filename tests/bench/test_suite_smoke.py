@@ -158,3 +158,17 @@ def test_decisions_paired_runs_every_policy_on_the_first_ones_decisions(
     assert dispatch_order[:9] == names + names[1:] + names[:1] + names[2:] + names[:2]
     assert rows[1]["state_size"] == rows[2]["state_size"]
     assert "| toolbench-200 | 4 | e2 | round_robin |" in (tmp_path / "decisions.md").read_text()
+
+
+def test_suite_loads_follow_the_capacity_policys_knee(tmp_path: Path) -> None:
+    """`--capacity-policy`: section a's loads are the fractions of that policy's ladder capacity, not round_robin's."""
+    rc = suite.main(["--quick", "--num-requests", "20", "--ladder-requests", "20", "--workloads", "videoqa",
+                     "--policies", "e2,smg_cache_aware", "--sections", "a", "--jobs", "1", "--workers", "2",
+                     "--capacity-policy", "smg_cache_aware", "--load-fractions", "0.7,1.0", "--no-plots",
+                     "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "summary.json").read_text())
+    cap = data["capacity"]["videoqa"]
+    assert cap["policy"] == "smg_cache_aware" and data["config"]["capacity_policy"] == "smg_cache_aware"
+    assert data["workloads"]["videoqa"]["rates"] == [round(f * cap["capacity_req_s"], 3) for f in (0.7, 1.0)]
+    assert "x smg_cache_aware's capacity" in (tmp_path / "summary.md").read_text()
