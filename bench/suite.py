@@ -92,7 +92,7 @@ REPLICAS = 3  # section g: router replicas side by side
 PEER_HA_MODES = {  # section g: each run beside the default
     "smg_cache_aware": "smg_mesh", "dynamo_kv": "dynamo_kv_sync", "llmd_scorer": "llmd_precise",
 }
-LADDER = [0.125 * math.sqrt(2) ** k for k in range(27)]  # 0.125 .. 1024 req/s (x workers / 4)
+LADDER = [0.125 * math.sqrt(2) ** k for k in range(23)]  # 0.125 .. 256 req/s (x workers / 4)
 
 
 def sim_args(extra: list[str]) -> argparse.Namespace:
