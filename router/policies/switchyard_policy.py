@@ -394,6 +394,8 @@ class Switchyard(PrebleE2):
         self.num_queued: dict[WorkerId, int] = {}  # requests of by_worker[w] without a first token yet
         self.busy: dict[WorkerId, BusyFraction] = {}  # when num_queued[w] > 0, for B's busy period
         self.arrivals: dict[str, ArrivalRate] = {}  # per model, for B_w
+        # selects that left a prefix's best holder where E2 would have exploited it (`counters`)
+        self.num_prefix_spills = 0
         self._argmin_env = ArgminEnv(  # what the bound pass reads, by reference (`lower_bounds`)
             cost_memo=self._cost_memo, cost_model=self.cost_model, outstanding=self.outstanding,
             num_queued=self.num_queued, batched_tokens=self.batched_tokens, queue_weight=cfg.queue_weight,
@@ -718,6 +720,10 @@ class Switchyard(PrebleE2):
             if best is None or key < best:
                 best, pick = key, w
         t = terms[pick.worker_id]
+        if best_blocks and cached[pick.worker_id] < best_blocks:
+            cached_len = min(best_blocks * pool[0].block_size, ctx.num_prompt_tokens)
+            if cached_len > ctx.num_prompt_tokens - cached_len:
+                self.num_prefix_spills += 1
         reason = why  # its figures only where a DEBUG line prints them (formatting them was ~2% of a select)
         if log.isEnabledFor(logging.DEBUG):
             reason = f"{why} cost={t.total_s:.3f}s R={t.prefill_s:.3f} D_co={t.decode_co_s:.3f} peak={t.peak_frac:.2f}"
@@ -823,9 +829,14 @@ class Switchyard(PrebleE2):
         return self.sy.placement == "e2"  # "argmin" prices every worker: no exploit set reads redirects or replicas
 
     def counters(self) -> dict[str, int]:
-        """E2's redirects and replicas only where they steer requests (placement "e2"; under "argmin" the passes
+        """prefix_spills: selects whose pick holds fewer of the prompt's leading blocks than its best holder while
+        that holder caches more of the prompt than it misses (where E2 would exploit the holders): how often the
+        cost sent a request away from its cache to spare it a queue, and the fleet recomputed the prefix. With
+        E2's redirects and replicas only where they steer requests (placement "e2"; under "argmin" the passes
         do not run)."""
-        return super().counters() if self._skew_rules_steer() else {}
+        out = super().counters() if self._skew_rules_steer() else {}
+        out["prefix_spills"] = self.num_prefix_spills
+        return out
 
     def on_tick(self, now: float) -> None:
         super().on_tick(now)

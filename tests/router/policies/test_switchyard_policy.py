@@ -412,7 +412,7 @@ def test_e2_skew_passes_and_l_run_only_where_they_steer(placement: str) -> None:
     assert bool(p._load_memo) == bool(p.history) == steer  # L priced by the hooks and ticks, and its window H
     assert not p.hit_ratio  # DECODERATIO's window: P/D balancing is off (the interference term I prices it)
     assert bool(p.key_of(req("r0", shared=256).block_hashes).stats.ttft) == steer  # replication's detector
-    assert p.counters() == ({"rebalance_redirects": 0, "replications": 0} if steer else {})
+    assert p.counters() == ({"rebalance_redirects": 0, "replications": 0} if steer else {}) | {"prefix_spills": 0}
 
 
 def test_ablation_registry() -> None:
@@ -422,8 +422,8 @@ def test_ablation_registry() -> None:
     split = make_policy("switchyard-e2_split")
     assert isinstance(split, Switchyard) and split.sy.placement == "e2"
     # E2's redirects and replicas are reported only where they steer requests
-    assert make_policy("switchyard").counters() == {}
-    assert split.counters() == {"rebalance_redirects": 0, "replications": 0}
+    assert make_policy("switchyard").counters() == {"prefix_spills": 0}
+    assert split.counters() == {"rebalance_redirects": 0, "replications": 0, "prefix_spills": 0}
 
 
 # ---------------------------------------------------------------------------------------------- decisions
@@ -807,7 +807,10 @@ def test_a_busy_fleet_keeps_a_follow_up_on_its_prefix_holder(busy_period: bool, 
     follow_up = req("r", 2048 + 64, shared=2048)
     t = terms(p, fleet, follow_up)
     assert t[W1].prefill_s > 4 * t[W0].prefill_s and t[W1].queue_s < t[W0].queue_s
+    assert p.counters()["prefix_spills"] == 0
     assert p.select(follow_up, fleet, NOW).worker_id == expected
+    # leaving w0, which caches 2,048 of the 2,112 tokens, is a prefix spill (`switchyard_policy_actions_total`)
+    assert p.counters()["prefix_spills"] == (1 if expected == W1 else 0)
 
 
 def test_arrival_rate_counts_first_attempts_over_its_window() -> None:
