@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from switchyard.auth import KeyEvents, KeyLimits, KeySpec, cache_salt_for, calling_key
+from switchyard.auth import KeyEvents, KeyLimits, TokenCharge, cache_salt_for, calling_key
 from switchyard.router.admission import (
     LONG_INPUT,
     AdmittedRequest,
@@ -215,26 +215,6 @@ def kv_batch_from_proto(b: worker_pb2.KvEventBatch, peers_of: str | None = None)
 
 
 # ---------------------------------------------------------------------- servicers
-@dataclasses.dataclass(slots=True)
-class TokenCharge:
-    """A request's reservation against its API key's `tokens_per_min` (prompt + max_tokens), and what it used:
-    its prompt once it ran (a chunk came back), and each output token streamed."""
-
-    key: KeySpec
-    prompt: int
-    reserved: int
-    ran: bool = False
-    output: int = 0
-
-    def seen(self, chunk: router_pb2.GenerateChunk) -> None:
-        self.ran = True
-        self.output += len(chunk.token_ids)
-
-    @property
-    def used(self) -> int:
-        return (self.prompt if self.ran else 0) + self.output
-
-
 async def _abort(context: grpc.aio.ServicerContext, err: ApiError) -> None:
     if err.trailing:
         context.set_trailing_metadata(err.trailing)
@@ -331,7 +311,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         try:
             async for chunk in self._dispatcher.generate(admitted, context.time_remaining()):
                 if charge is not None:
-                    charge.seen(chunk)
+                    charge.seen(len(chunk.token_ids))
                 yield chunk
         finally:
             if charge is not None:

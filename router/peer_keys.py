@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from switchyard.auth import KeyLimits, KeySpec
+from switchyard.auth import KeyLimits, KeySpec, TokenCharge
 from switchyard.router.policies.base import WorkerId
 from switchyard.workers.engine.kv_events import RequestAdmitted
 
@@ -22,11 +22,8 @@ DETACHED_KEEP_S = 120.0  # how long a charge whose worker went away waits for a 
 
 @dataclass(slots=True)
 class _Charge:
-    key: KeySpec
+    tokens: TokenCharge  # the key, and what the request reserved and used, settled as this replica's own are
     worker: WorkerId | None  # None: detached (its worker was lost or its stream gapped) since `since`
-    prompt: int
-    reserved: int  # prompt + max_tokens where the key has a token quota, else 0
-    ran: bool = False  # a first token came back (the prompt was computed)
     since: float = 0.0
 
 
@@ -46,13 +43,7 @@ class PeerKeyCharges:
         self.counted = counted
         self.charges: dict[str, _Charge] = {}  # `peer_key` -> the charge, from admission to end
 
-    def _call(self, key: KeySpec, tokens: int, charge: bool = True) -> None:
-        self.limits.note_peer_call(key, tokens, charge)
-        if self.counted is not None:
-            self.counted(key.name, self.limits.peer_in_flight(key.name))
-
-    def _end(self, key: KeySpec, refund: int) -> None:
-        self.limits.note_peer_end(key, refund)
+    def _count(self, key: KeySpec) -> None:
         if self.counted is not None:
             self.counted(key.name, self.limits.peer_in_flight(key.name))
 
@@ -61,28 +52,33 @@ class PeerKeyCharges:
         if got is not None:
             if got.worker is None:  # re-announced by a snapshot after a loss or gap: in flight again, not re-charged
                 got.worker = worker_id
-                self._call(got.key, 0, charge=False)
+                self.limits.note_peer_call(got.tokens.key, 0, charge=False)
+                self._count(got.tokens.key)
             return
         spec = self.named(ev.tenant) if ev.tenant else None
         if spec is None:
             return
         reserved = ev.num_prompt_tokens + ev.max_tokens if spec.tokens_per_min else 0
-        self.charges[key] = _Charge(spec, worker_id, ev.num_prompt_tokens, reserved)
-        self._call(spec, reserved)
+        self.charges[key] = _Charge(TokenCharge(spec, ev.num_prompt_tokens, reserved), worker_id)
+        self.limits.note_peer_call(spec, reserved)
+        self._count(spec)
 
     def first_token(self, key: str) -> None:
         got = self.charges.get(key)
         if got is not None:
-            got.ran = True
+            got.tokens.ran = True
 
     def ended(self, key: str, num_output_tokens: int) -> None:
         """What it did not use goes back: the output short of max_tokens, and the prompt too if it never ran (as
-        this replica settles its own, `TokenCharge`)."""
+        this replica settles its own)."""
         got = self.charges.pop(key, None)
         if got is None or got.worker is None:
             return
-        used = (got.prompt if got.ran or num_output_tokens else 0) + num_output_tokens
-        self._end(got.key, max(0, got.reserved - used) if got.reserved else 0)
+        t = got.tokens
+        if num_output_tokens:
+            t.seen(num_output_tokens)
+        self.limits.note_peer_end(t.key, t.reserved - t.used)  # no quota: reserved 0, nothing is refunded
+        self._count(t.key)
 
     def detach_worker(self, worker_id: WorkerId, now: float) -> None:
         """The worker was lost, or its stream resumes with a snapshot: its requests leave the in-flight counts; the
@@ -92,6 +88,7 @@ class PeerKeyCharges:
         for key, c in list(self.charges.items()):
             if c.worker == worker_id:
                 c.worker, c.since = None, now
-                self._end(c.key, 0)
+                self.limits.note_peer_end(c.tokens.key, 0)
+                self._count(c.tokens.key)
             elif c.worker is None and now - c.since > DETACHED_KEEP_S:
                 del self.charges[key]

@@ -287,6 +287,28 @@ class KeyLimits:
         self.refund_tokens(key, refund_tokens)
 
 
+
+@dataclass(slots=True)
+class TokenCharge:
+    """A request's reservation against its API key's `tokens_per_min` (prompt + max_tokens), and what it used:
+    its prompt once it ran (a chunk came back), and each output token. What a request reserved and did not use
+    goes back to the key when it ends (`KeyLimits.refund_tokens`, `note_peer_end`), whichever replica served it."""
+
+    key: KeySpec
+    prompt: int
+    reserved: int
+    ran: bool = False
+    output: int = 0
+
+    def seen(self, num_tokens: int) -> None:
+        """A chunk of `num_tokens` output tokens came back (the prompt was computed)."""
+        self.ran = True
+        self.output += num_tokens
+
+    @property
+    def used(self) -> int:
+        return (self.prompt if self.ran else 0) + self.output
+
 def _count_down(counts: dict[str, int], name: str) -> None:
     n = counts.get(name, 0) - 1
     if n > 0:
