@@ -672,10 +672,11 @@ class Switchyard(PrebleE2):
             return None
         self._remember(fleet, pool, ctx.model)
         cached, best_blocks, path = self.prefix(ctx, pool)
+        cached_len = min(best_blocks * pool[0].block_size, ctx.num_prompt_tokens)
+        exploitable = cached_len > ctx.num_prompt_tokens - cached_len  # E2's exploit test (errata E1)
         why = "argmin"
         if self.sy.placement == "e2":
-            cached_len = min(best_blocks * pool[0].block_size, ctx.num_prompt_tokens)
-            if cached_len > ctx.num_prompt_tokens - cached_len:
+            if exploitable:
                 key, key_end = self._key_end(path, best_blocks)
                 ks = self._exploit_set(key, key_end, pool, cached, now)
                 if ks:
@@ -720,10 +721,8 @@ class Switchyard(PrebleE2):
             if best is None or key < best:
                 best, pick = key, w
         t = terms[pick.worker_id]
-        if best_blocks and cached[pick.worker_id] < best_blocks:
-            cached_len = min(best_blocks * pool[0].block_size, ctx.num_prompt_tokens)
-            if cached_len > ctx.num_prompt_tokens - cached_len:
-                self.num_prefix_spills += 1
+        if exploitable and cached[pick.worker_id] < best_blocks:
+            self.num_prefix_spills += 1
         reason = why  # its figures only where a DEBUG line prints them (formatting them was ~2% of a select)
         if log.isEnabledFor(logging.DEBUG):
             reason = f"{why} cost={t.total_s:.3f}s R={t.prefill_s:.3f} D_co={t.decode_co_s:.3f} peak={t.peak_frac:.2f}"
