@@ -152,6 +152,13 @@ def capacity(argv: list[str], policy: str, sat_factor: float, workers: int) -> d
             "capped": not any(p["saturated"] for p in points)}  # no rung saturated: the capacity is at least this
 
 
+def capacity_text(cap: dict[str, Any]) -> str:
+    """A ladder's capacity for the tables, '>= ' before it when no rung saturated (`capped`); '-' for fixed rates."""
+    if "capacity_req_s" not in cap:
+        return "-"
+    return f"{'>= ' if cap.get('capped') else ''}{cap['capacity_req_s']:.2f}"
+
+
 # ---------------------------------------------------------------------------------------------------- tables
 def policy_table(runs: list[dict[str, Any]], label_of: Any = None) -> str:
     lines = ["| policy | req/s | done | TTFT mean s | TTFT p99 s | warm TTFT mean s | warm TTFT p99 s | E2E mean s "
@@ -275,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         wl_argv = [*argv_w, *sized(n_ladder), "--workers", str(nw), "--seed", str(args.seed), "--jobs", str(args.jobs)]
         cap = capacity(wl_argv, policy, args.sat_factor, nw)
         data["capacity"][key] = cap
-        log(f"{key}: {policy} capacity {'>= ' if cap['capped'] else ''}{cap['capacity_req_s']:.2f} req/s on {nw} workers "
+        log(f"{key}: {policy} capacity {capacity_text(cap)} req/s on {nw} workers "
             f"(light TTFT {cap['light_ttft_s']:.3f} s, {len(cap['ladder'])} rungs)")
         return [round(f * cap["capacity_req_s"], 3) for f in fractions]
 
@@ -302,7 +309,6 @@ def main(argv: list[str] | None = None) -> int:
             res = run_sweep([*argv_w, *sized(n), *common, "--policies", ",".join(policies),
                              "--rates", ",".join(f"{r:g}" for r in rates)], out / "workloads" / w, plots)
             cap = data["capacity"][w].get("capacity_req_s")
-            at_least = ">= " if data["capacity"][w].get("capped") else ""
             wl_args = sim_args([*argv_w, *sized(n), "--seed", str(args.seed)])
             wl_trace = sim.load_workload(wl_args)
             bound = prefix_hit_bound(wl_trace, PromptFactory(wl_args.block_size, seed=args.seed))
@@ -331,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                     rr = cmp["TTFT mean"].get("vs_round_robin", float("nan"))
                     orc = [cmp[m].get(f"vs_{ORACLE}", float("nan")) for m in ("E2E mean", "E2E p99")]
                     overview.append(
-                        f"| {w} | {frac} | {rate:g} | {cap if cap is None else f'{at_least}{cap:.2f}'} | {ours} "
+                        f"| {w} | {frac} | {rate:g} | {capacity_text(data['capacity'][w])} | {ours} "
                         + "".join(f"| x{cmp[label]['ratio']:.2f} " for label, _ in METRICS)
                         + f"| {cmp['hit ratio']['ours']:.3f} | {cmp['hit ratio']['best_peer_value']:.3f} "
                           f"({cmp['hit ratio']['best_peer']}) | {bound:.3f} | {pooled:.3f} | x{rr:.2f} "
@@ -537,8 +543,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rungs = ", ".join(f"{p['rate']:.3g}: {p['ttft_mean_s']:.2f}{'*' if p['saturated'] else ''}"
                           for p in c["ladder"])
-        at_least = ">= " if c.get("capped") else ""
-        cap_lines.append(f"| {k} | {at_least}{c['capacity_req_s']:.2f} | {c['light_ttft_s']:.3f} | {rungs} |")
+        cap_lines.append(f"| {k} | {capacity_text(c)} | {c['light_ttft_s']:.3f} | {rungs} |")
     total = time.perf_counter() - t_start
     data["wall_s"] = total
     head = [f"# Switchyard simulator suite{' (quick)' if args.quick else ''}\n",

@@ -172,3 +172,7 @@ def test_suite_loads_follow_the_capacity_policys_knee(tmp_path: Path) -> None:
     assert cap["policy"] == "smg_cache_aware" and data["config"]["capacity_policy"] == "smg_cache_aware"
     assert data["workloads"]["videoqa"]["rates"] == [round(f * cap["capacity_req_s"], 3) for f in (0.7, 1.0)]
     assert "x smg_cache_aware's capacity" in (tmp_path / "summary.md").read_text()
+    # a ladder that never saturated reports its top rung as a lower bound; fixed rates have no capacity
+    assert suite.capacity_text({"capacity_req_s": 512.0, "capped": True}) == ">= 512.00"
+    assert suite.capacity_text({"capacity_req_s": 22.627, "capped": False}) == "22.63"
+    assert suite.capacity_text({"fixed_rates": [5.0, 10.0]}) == "-"
