@@ -840,7 +840,7 @@ def parse_replicas(spec: str) -> list[int]:
     return ks
 
 
-def _sim_config(
+def sim_config(
     args: argparse.Namespace, policy: str, params: Mapping[str, str] | None = None, replicas: int = 1
 ) -> SimConfig:
     """The run's SimConfig; `params`: this policy's checked `--param` knobs (`parse_params`)."""
@@ -882,7 +882,7 @@ def run_one(
     replicas: int = 1,
 ) -> dict[str, Any]:
     """One (policy, load, replicas) run -> its report entry (module-level so a process pool can call it)."""
-    res = Simulator(trace, _sim_config(args, policy, params, replicas), prompts).run()
+    res = Simulator(trace, sim_config(args, policy, params, replicas), prompts).run()
     sim_s = res.sim_end_s
     speed = sim_s / res.wall_s if res.wall_s > 0 else 0.0
     entry: dict[str, Any] = {"policy": policy}

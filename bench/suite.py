@@ -5,7 +5,10 @@ combined markdown summary plus each sweep's own JSON/markdown/PNGs (`bench sim`'
 Sections (specs/preble.md §8, §10):
   a. workloads: preble toolbench (uniform, and Zipf 1.1), agent, programming, videoqa, loogle, mooncake-conversation,
      preble-azure-mix; policies e2 and its peers (smg_cache_aware, smg_least_load, dynamo_kv, llmd_scorer,
-     aibrix_prefix) plus Preble's oracle partition (claim 6), round_robin and least_request; 4 workers. Profiles:
+     aibrix_prefix) plus Preble's oracle partition (claim 6), round_robin and least_request; 4 workers. Beside each
+     workload: its hit bound (the most any routing can reuse) and its TTFT floor (the least TTFT any router can
+     give each request: computed alone, after the hit bound's cached prefix), and the best peer / that floor, the
+     most any router can still gain. Profiles:
      toolbench/agent/programming on llama2-70b-h100-tp4; videoqa/loogle/azure-mix on llama3-8b-a100 with 20,000 KV
      blocks per worker (their ~10k-25k-token prompts exceed the 70B's 4096 limit; 20k blocks keep the cache
      contended); mooncake on llama3-8b-a100 (its full KV).
@@ -58,8 +61,10 @@ from pathlib import Path
 from typing import Any
 
 from switchyard.bench import report, sim
-from switchyard.bench.traces import PromptFactory, prefix_hit_bound
+from switchyard.bench.metrics import dist, warm_start_s
+from switchyard.bench.traces import PromptFactory, prefix_hit_bound, ttft_floors
 from switchyard.router.policies.preble_e2 import E2Config
+from switchyard.workers.engine.core import EngineConfig
 from switchyard.workers.engine.profiles import get_profile
 
 PEERS = ("smg_cache_aware", "smg_least_load", "dynamo_kv", "llmd_scorer", "aibrix_prefix")
@@ -176,6 +181,7 @@ def policy_table(runs: list[dict[str, Any]], label_of: Any = None) -> str:
 METRICS = (("TTFT mean", ("ttft_s", "mean")), ("TTFT p99", ("ttft_s", "p99")),
            ("warm TTFT mean", ("ttft_warm_s", "mean")), ("warm TTFT p99", ("ttft_warm_s", "p99")),
            ("E2E mean", ("e2e_s", "mean")), ("E2E p99", ("e2e_s", "p99")))
+FLOOR_METRICS = tuple(m for m in METRICS if m[0] in ("TTFT mean", "TTFT p99", "warm TTFT p99"))
 OURS = ("e2", "switchyard")  # Switchyard's policies, each compared with the best peer
 
 
@@ -202,6 +208,31 @@ def ours_vs_peers(runs: list[dict[str, Any]], ours: str, peers: tuple[str, ...] 
         out["hit ratio"] = {"ours": me["metrics"]["prefix_cache_hit_ratio"], "best_peer": who,
                             "best_peer_value": best}
     return out
+
+
+def ttft_floor(wl_args: argparse.Namespace, trace: Any, policy: str) -> dict[str, dict[str, float]]:
+    """The workload's TTFT floor (`ttft_floors`) as `bench sim` summarises TTFT: over every request and the warm
+    ones. Rescaling a trace to a rate moves only its arrivals, so one floor serves every load of the workload."""
+    engine = EngineConfig(block_size=wl_args.block_size, **sim.sim_config(wl_args, policy).engine_overrides)
+    floors = ttft_floors(trace, PromptFactory(wl_args.block_size, seed=wl_args.seed), get_profile(wl_args.profile),
+                         engine.max_num_batched_tokens)
+    t_warm = warm_start_s(trace.requests)
+    return {"ttft_s": dist(floors),
+            "ttft_warm_s": dist([f for f, r in zip(floors, trace.requests, strict=True) if r.arrival_s >= t_warm])}
+
+
+def over_floor(cmp: dict[str, Any], floor: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The best peer's TTFT / the floor, per TTFT metric: the most any router can still gain on it (>= 1)."""
+    return {label: cmp[label]["best_peer_value"] / _m({"metrics": floor}, *path)
+            for label, path in FLOOR_METRICS if label in cmp and _m({"metrics": floor}, *path) > 0}
+
+
+def floor_text(gain: dict[str, float]) -> str:
+    """'x1.61, x1.35 (x1.37)': best peer / floor for TTFT mean, p99 (warm p99); '-' when no peer ran."""
+    if not all(label in gain for label, _ in FLOOR_METRICS):
+        return "-"
+    mean, p99, warm_p99 = (gain[label] for label, _ in FLOOR_METRICS)
+    return f"x{mean:.2f}, x{p99:.2f} (x{warm_p99:.2f})"
 
 
 def ratio_line(cmp: dict[str, Any], ours: str) -> str:
@@ -296,11 +327,13 @@ def main(argv: list[str] | None = None) -> int:
                   + " (< 1 = ours better). Warm: requests after the first quarter of arrivals (the cold-cache "
                   "warm-up excluded). Hit bound: one unbounded cache serving the trace in order (`prefix_hit_bound`), "
                   "the most any routing can reuse; pooled LRU: one LRU cache of the whole fleet's KV blocks, a reference for "
-                  "what the capacity allows.\n")
+                  "what the capacity allows. TTFT floor: each request computed alone after the most any routing can "
+                  "have cached for it, in the fewest iterations (`ttft_floors`), so no router's TTFT mean or p99 is "
+                  "below it: best peer / floor is the most any router can still gain on that metric.\n")
         overview = [f"| workload | load | req/s | {cap_label} capacity | ours | " + " | ".join(label for label, _ in METRICS)
                     + " | our hit | best peer hit | hit bound | pooled LRU | ours / RR TTFT mean "
-                    "| ours / oracle E2E mean, p99 |",
-                    "|" + "---|" * (11 + len(METRICS))]
+                    "| ours / oracle E2E mean, p99 | best peer / TTFT floor: mean, p99 (warm p99) |",
+                    "|" + "---|" * (12 + len(METRICS))]
         detail: list[str] = []
         for w in names:
             argv_w = WORKLOADS[w]
@@ -316,8 +349,9 @@ def main(argv: list[str] | None = None) -> int:
                 wl_args.num_kv_blocks or get_profile(wl_args.profile).num_kv_blocks(wl_args.block_size)
             )
             pooled = prefix_hit_bound(wl_trace, PromptFactory(wl_args.block_size, seed=args.seed), fleet_blocks)
+            floor = ttft_floor(wl_args, wl_trace, cap_policy)
             entry = {"rates": rates, "capacity_req_s": cap, "prefix_hit_bound": bound,
-                     "pooled_lru_hit": pooled, "fleet_kv_blocks": fleet_blocks, "loads": []}
+                     "pooled_lru_hit": pooled, "fleet_kv_blocks": fleet_blocks, "ttft_floor": floor, "loads": []}
             for j, rate in enumerate(rates):
                 runs = [r for r in res["runs"] if abs(next(iter(r["load"].values())) - rate) < 1e-9]
                 cmps = {ours: ours_vs_peers(runs, ours) for ours in ours_run}
@@ -326,10 +360,13 @@ def main(argv: list[str] | None = None) -> int:
                                            k: r["metrics"][k] for k in ("ttft_s", "ttft_warm_s", "e2e_s", "tpot_s",
                                                                          "prefix_cache_hit_ratio", "num_completed",
                                                                          "num_requests")}} for r in runs],
-                                       "vs_best_peer": cmps})
+                                       "vs_best_peer": cmps,
+                                       "best_peer_over_floor": over_floor(next(iter(cmps.values()), {}), floor)})
                 frac = f"{fractions[j]:g}x" if j < len(fractions) else "fixed"
                 detail.append(f"### {w} @ {rate:g} req/s ({frac} {cap_label} capacity)\n")
                 detail.append(policy_table(runs))
+                detail.append("\nTTFT floor: " + ", ".join(f"{label} {_m({'metrics': floor}, *path):.3f} s"
+                                                          for label, path in FLOOR_METRICS))
                 for ours, cmp in cmps.items():
                     detail.append("\n" + ratio_line(cmp, ours))
                     if "hit ratio" not in cmp:  # no peer ran
@@ -341,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                         + "".join(f"| x{cmp[label]['ratio']:.2f} " for label, _ in METRICS)
                         + f"| {cmp['hit ratio']['ours']:.3f} | {cmp['hit ratio']['best_peer_value']:.3f} "
                           f"({cmp['hit ratio']['best_peer']}) | {bound:.3f} | {pooled:.3f} | x{rr:.2f} "
-                          f"| x{orc[0]:.2f}, x{orc[1]:.2f} |")
+                          f"| x{orc[0]:.2f}, x{orc[1]:.2f} | {floor_text(entry['loads'][-1]['best_peer_over_floor'])} |")
                 detail.append("")
             data["workloads"][w] = entry
             log(f"{w}: {len(res['runs'])} runs in {time.perf_counter() - t0:.0f} s")

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from switchyard.ext.blockhash import block_digests, event_hashes, none_hash
+from switchyard.workers.engine.perf_model import PerfProfile
 
 # Segment namespaces: tokens of (namespace, key) never collide with another namespace's.
 NS_MOONCAKE = 0  # key = a Mooncake hash_id (512-token block)
@@ -354,17 +355,15 @@ class PromptFactory:
         return tuple(events)
 
 
-def prefix_hit_bound(trace: Trace, prompts: PromptFactory, capacity_blocks: int | None = None) -> float:
-    """The prefix-cache hit ratio (cached / prompt tokens) of one worker serving the whole trace in arrival order.
-
-    Unbounded (`capacity_blocks` None): an upper bound on any fleet's ratio, whatever the routing (a block can only
-    hit if an earlier request stored it). With `capacity_blocks` (the fleet's KV blocks pooled into one LRU cache):
-    a reference for what the fleet's capacity allows, not a bound (a partitioned cache and a smarter eviction
-    order can both beat one LRU). As in vLLM, a prompt's last token is always computed: at most (P - 1) //
-    block_size blocks hit. A policy at these figures gains nothing more from reuse, only from when and where the
-    misses run."""
+def bound_cached_tokens(trace: Trace, prompts: PromptFactory, capacity_blocks: int | None = None) -> list[int]:
+    """Per request, in trace order, the prompt tokens one worker serving the whole trace in arrival order finds
+    cached: the most any fleet can reuse for it, whatever the routing (a block can only hit if an earlier request
+    stored it), when `capacity_blocks` is None. With `capacity_blocks` (the fleet's KV blocks pooled into one LRU
+    cache): a reference for what the fleet's capacity allows, not a bound (a partitioned cache and a smarter
+    eviction order can both beat one LRU). As in vLLM, a prompt's last token is always computed: at most
+    (P - 1) // block_size blocks hit."""
     lru: OrderedDict[int, None] = OrderedDict()
-    hit = total = 0
+    out: list[int] = []
     bs = prompts.block_size
     for r in trace.requests:
         tokens = prompts.tokens(r)
@@ -372,12 +371,28 @@ def prefix_hit_bound(trace: Trace, prompts: PromptFactory, capacity_blocks: int 
         k, cap = 0, max(0, (len(tokens) - 1) // bs)
         while k < cap and hashes[k] in lru:
             k += 1
-        hit += k * bs
-        total += len(tokens)
+        out.append(k * bs)
         for h in hashes:
             lru[h] = None
             lru.move_to_end(h)
         if capacity_blocks is not None:
             while len(lru) > capacity_blocks:
                 lru.popitem(last=False)
-    return hit / total if total else 0.0
+    return out
+
+
+def prefix_hit_bound(trace: Trace, prompts: PromptFactory, capacity_blocks: int | None = None) -> float:
+    """The prefix-cache hit ratio (cached / prompt tokens) of `bound_cached_tokens`: unbounded, an upper bound on
+    any fleet's ratio; a policy at it gains nothing more from reuse, only from when and where the misses run."""
+    total = sum(r.num_prompt_tokens for r in trace.requests)
+    return sum(bound_cached_tokens(trace, prompts, capacity_blocks)) / total if total else 0.0
+
+
+def ttft_floors(trace: Trace, prompts: PromptFactory, profile: PerfProfile, max_batched_tokens: int) -> np.ndarray:
+    """Per request, in trace order, the least TTFT any router can give it on engines of `profile`: its prompt
+    computed alone after the most any routing can have cached for it (`bound_cached_tokens`), in the fewest
+    iterations (`PerfProfile.first_token_floor_s`). Queueing, batching and every cache miss beyond the bound only
+    add, so a policy's TTFT mean or any percentile over these requests is at least the same statistic here."""
+    cached = bound_cached_tokens(trace, prompts)
+    return np.array([profile.first_token_floor_s(r.num_prompt_tokens - c, c, max_batched_tokens)
+                     for r, c in zip(trace.requests, cached, strict=True)])

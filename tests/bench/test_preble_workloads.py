@@ -156,7 +156,7 @@ def test_sim_cli_names_and_flags() -> None:
     t = sim.load_workload(args)
     assert t.name == "preble-toolbench" and len(t.requests) == 50
     assert len({r.segments[1][1] for r in t.requests}) <= 10
-    cfg = sim._sim_config(args, "round_robin")
+    cfg = sim.sim_config(args, "round_robin")
     assert cfg.engine_overrides == {"scheduling": "preble_groups", "num_priority_groups": 5}
     for name in pw.TRACE_NAMES:
         args = p.parse_args(["--trace", name, "--max-requests", "30"])

@@ -208,3 +208,28 @@ def test_router_replicas_are_rows_of_their_own(tmp_path):
         sim.Simulator(_workload(n=2), _cfg(router_replicas=0))
     with pytest.raises(ValueError, match="one router"):
         sim.Simulator(_workload(n=2), _cfg(router_replicas=2), policy=LeastRequest())
+
+
+@pytest.mark.parametrize(("policy", "engine"), [
+    ("round_robin", {}),
+    ("e2", {"scheduling": "preble_groups"}),
+    ("switchyard", {"scheduling": "lpm", "max_num_seqs": 4}),
+    ("smg_cache_aware", {"num_kv_blocks": 260, "max_num_batched_tokens": 512}),  # evicts and chunks
+])
+def test_no_request_beats_its_ttft_floor(policy, engine):
+    """`ttft_floors` bounds every request's TTFT from below, under queueing, chunking, preemption, reordering and
+    eviction: prompts sharing prefixes, arriving faster than two workers serve them."""
+    from switchyard.bench.traces import PromptFactory, ttft_floors
+    from switchyard.workers.engine.core import EngineConfig
+    from switchyard.workers.engine.profiles import get_profile
+
+    trace = make_workload(WorkloadSpec(rate=40.0, num_requests=120, prompt_len="uniform:100:1800",
+                                       output_len="uniform:2:60", prefix_groups=3, prefix_len=768), seed=5)
+    res = sim.Simulator(trace, _cfg(policy=policy, engine_overrides=engine)).run()
+    budget = engine.get("max_num_batched_tokens", EngineConfig().max_num_batched_tokens)
+    floors = ttft_floors(trace, PromptFactory(16, seed=0), get_profile(PROFILE), budget)
+    ttfts = [r.ttft_s for r in res.records]
+    assert all(r.status == OK for r in res.records)
+    assert min(t - f for t, f in zip(ttfts, floors, strict=True)) >= -1e-9
+    assert sum(ttfts) > 1.5 * sum(floors)  # it queued: the bound was not met trivially
+    assert any(r.num_cached_tokens for r in res.records)

@@ -50,6 +50,15 @@ def test_suite_smoke(tmp_path: Path) -> None:
     assert [x["rate"] for x in loads] == [5.0, 10.0]
     tb = data["workloads"]["toolbench"]
     assert 0 < tb["pooled_lru_hit"] <= tb["prefix_hit_bound"] < 1
+    floor = tb["ttft_floor"]
+    for load in loads:  # no policy beats the floor, so the most a router could gain is the best peer / it
+        for r in load["runs"]:
+            for key, stat in (("ttft_s", "mean"), ("ttft_s", "p99"), ("ttft_warm_s", "p99")):
+                assert r["metrics"][key][stat] >= floor[key][stat] > 0
+        cmp = load["vs_best_peer"]["e2"]
+        assert load["best_peer_over_floor"]["TTFT p99"] == pytest.approx(
+            cmp["TTFT p99"]["best_peer_value"] / floor["ttft_s"]["p99"])
+    assert "best peer / TTFT floor" in text
     for ours in ("e2", "switchyard"):
         cmp = loads[0]["vs_best_peer"][ours]
         assert cmp["TTFT mean"]["best_peer"] == "smg_cache_aware"

@@ -119,6 +119,32 @@ class PerfProfile:
             num_prefill_tokens, prefill_attn_pairs, num_decode_reqs, decode_context_tokens
         )
 
+    def first_token_floor_s(self, num_computed: int, num_cached: int, max_batched_tokens: int) -> float:
+        """The least time an engine on this profile can take from a request's arrival to its first token, when
+        it computes `num_computed` prompt tokens after `num_cached` cached ones: a lower bound on its TTFT under
+        any load, batch and schedule, so the benchmarks can say how much any router could still gain.
+
+        Why it bounds: the first token comes at the end of the iteration computing the prompt's last token, and
+        the n computed tokens need m >= ceil(n / max_batched_tokens) iterations, all inside the TTFT. Every
+        iteration holding some of them costs at least step + prefill (more requests only add, the mixed-batch
+        factor aside: it is applied when below 1), and the linear term over them is at least
+        lin * max(0, n - m * knee) in total; their attention pairs do not depend on how they are chunked. So
+        TTFT >= min over m of m * (step + prefill) + lin * (max(0, n - m * knee) + ratio * pairs), whose minimum
+        is at the fewest chunks whenever step + prefill >= lin * knee (both fitted profiles), else where the
+        chunks reach the knee. An idle engine meets it for a single-chunk prompt (tests compare it to the engine).
+        """
+        n = max(1, num_computed)  # vLLM always computes the prompt's last token
+        c = self.coeffs
+        per_chunk = c.step_ms + c.prefill_ms
+        pairs = n * max(0, num_cached) + n * (n + 1) // 2
+        fewest = -(-n // max(1, max_batched_tokens))
+        at_knee = max(fewest, n // c.knee_tokens) if c.knee_tokens > 0 else fewest
+        ms = min(
+            m * per_chunk + c.lin_ms_per_tok * max(0, n - m * c.knee_tokens)
+            for m in {fewest, at_knee, at_knee + 1}
+        ) + c.lin_ms_per_tok * self.model.attn_pair_ratio * pairs
+        return 0.001 * ms * min(1.0, self.mixed_batch_factor)
+
 
 # -- measured tables ---------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from engine_testlib import make_engine, make_request
 
 from switchyard.workers.engine.perf_model import find_data_dir, fit_coeffs, table_errors
 from switchyard.workers.engine.profiles import PROFILES, get_profile, load_profile_tables
@@ -69,3 +70,57 @@ def test_bench_profiles_main_runs(tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     assert "llama3-8b-a100" in text and "median=" in text
     assert out.exists()
+
+
+def _isolated_ttft_s(engine, prompt: list[int], warm: int) -> tuple[float, int]:
+    """(TTFT, cached tokens) of `prompt` alone on an idle engine whose cache holds its first `warm` tokens."""
+    now = 0.0
+    if warm:
+        engine.add_request(make_request("warm", prompt[:warm], max_tokens=1))
+        while engine.has_unfinished():
+            res = engine.step(now)
+            now += res.duration_s
+    engine.add_request(make_request("r", prompt, max_tokens=2, arrival_s=now))
+    t0 = now
+    while True:
+        res = engine.step(now)
+        now += res.duration_s
+        out = [o for o in res.outputs if o.request_id == "r" and o.new_token_ids]
+        if out:
+            return now - t0, out[0].num_cached_tokens
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+@pytest.mark.parametrize(("length", "warm", "budget"), [(900, 0, 8192), (900, 512, 8192), (3000, 1024, 1024),
+                                                        (2500, 0, 512)])
+def test_first_token_floor_is_met_alone_in_one_chunk_and_bounds_a_chunked_prompt(profile, length, warm, budget):
+    """The floor equals an idle engine's TTFT when the computed tokens fit one iteration, and is at most that (by
+    at most one knee of linear work: the last chunk's shortfall) when they need several."""
+    engine = make_engine(profile=profile, max_num_batched_tokens=budget, num_kv_blocks=512)
+    ttft, cached = _isolated_ttft_s(engine, list(range(3, 3 + length)), warm)
+    assert cached == warm
+    p = get_profile(profile)
+    floor = p.first_token_floor_s(length - warm, warm, budget)
+    if length - warm <= budget:
+        assert floor == pytest.approx(ttft, rel=1e-12)
+    else:
+        slack = 0.001 * p.coeffs.lin_ms_per_tok * p.coeffs.knee_tokens
+        assert floor * (1 - 1e-12) <= ttft <= floor + slack
+
+
+def test_first_token_floor_takes_the_cheapest_chunking():
+    """Where an iteration's fixed cost is below a knee of linear work, more (knee-sized) chunks are cheaper than
+    the fewest, and the floor is the least over every chunk count (checked by brute force)."""
+    p = get_profile("llama3-8b-a100")
+    cheap = dataclasses.replace(p, coeffs=dataclasses.replace(p.coeffs, step_ms=1.0, prefill_ms=0.5))
+    c = cheap.coeffs
+    for n, budget in ((5000, 8192), (20000, 8192), (401, 8192), (3000, 1000)):
+        fewest = -(-n // budget)
+        brute = min(m * (c.step_ms + c.prefill_ms) + c.lin_ms_per_tok * max(0, n - m * c.knee_tokens)
+                    for m in range(fewest, n + 1))
+        attn = c.lin_ms_per_tok * cheap.model.attn_pair_ratio * (n * (n + 1) // 2)
+        assert cheap.first_token_floor_s(n, 0, budget) == pytest.approx(0.001 * (brute + attn), rel=1e-12)
+    assert cheap.first_token_floor_s(5000, 0, 8192) < 0.001 * (
+        c.step_ms + c.prefill_ms + c.lin_ms_per_tok * (5000 - c.knee_tokens)) + attn  # not the single chunk
+    slow_mix = dataclasses.replace(p, mixed_batch_factor=0.9)
+    assert slow_mix.first_token_floor_s(900, 0, 8192) == pytest.approx(0.9 * p.first_token_floor_s(900, 0, 8192))
