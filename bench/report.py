@@ -68,6 +68,16 @@ def markdown_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def floor_line(result: dict[str, Any]) -> str:
+    """The trace's TTFT floor under the table, where the sweep computed one (`sim.ttft_floor`)."""
+    floor = result.get("trace", {}).get("ttft_floor")
+    if not floor:
+        return ""
+    return (f"\nTTFT floor (each request alone after the most any routing can have cached for it; no router does "
+            f"better): mean {floor['ttft_s']['mean']:.3f} s, p99 {floor['ttft_s']['p99']:.3f} s, warm p99 "
+            f"{floor['ttft_warm_s']['p99']:.3f} s.\n")
+
+
 def plot(result: dict[str, Any], out: Path) -> list[Path]:
     """TTFT (mean, p99) and E2E (mean, p99) vs request rate, one line per policy."""
     import matplotlib
@@ -105,7 +115,7 @@ def write_report(result: dict[str, Any], out: Path, plots: bool = True) -> list[
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "results.json", out / "results.md"]
     paths[0].write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    paths[1].write_text(markdown_table(result) + "\n")
+    paths[1].write_text(markdown_table(result) + "\n" + floor_line(result))
     if plots:
         paths += plot(result, out)
     return paths

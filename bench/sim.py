@@ -35,8 +35,10 @@ from switchyard.bench.metrics import (
     REJECTED_QUEUE_FULL,
     REJECTED_TOO_LONG,
     RequestRecord,
+    dist,
     load_imbalance,
     summarize,
+    warm_start_s,
 )
 from switchyard.bench.traces import (
     PromptFactory,
@@ -46,6 +48,7 @@ from switchyard.bench.traces import (
     scale_time,
     scale_to_rate,
     take_slice,
+    ttft_floors,
 )
 from switchyard.bench.workloads import ARRIVALS, WorkloadSpec, make_workload
 from switchyard.router.clock import VirtualClock
@@ -59,7 +62,7 @@ from switchyard.router.policies.preble_e2 import E2Config
 from switchyard.router.policies.registry import POLICIES, make_policy
 from switchyard.router.predictor.fallback import LengthFallback
 from switchyard.router.queue import QueueEntry, QueueFull, RequestQueue, should_hold
-from switchyard.workers.engine.core import SCHEDULINGS
+from switchyard.workers.engine.core import SCHEDULINGS, EngineConfig
 from switchyard.workers.engine.kv_events import (
     KvEventBatch,
     RequestAdmitted,
@@ -840,10 +843,8 @@ def parse_replicas(spec: str) -> list[int]:
     return ks
 
 
-def sim_config(
-    args: argparse.Namespace, policy: str, params: Mapping[str, str] | None = None, replicas: int = 1
-) -> SimConfig:
-    """The run's SimConfig; `params`: this policy's checked `--param` knobs (`parse_params`)."""
+def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields the command line sets."""
     overrides: dict[str, Any] = {}
     if args.max_num_seqs:
         overrides["max_num_seqs"] = args.max_num_seqs
@@ -855,6 +856,27 @@ def sim_config(
         overrides["num_priority_groups"] = args.num_priority_groups
     if args.priority_group_quota:
         overrides["priority_group_quota"] = args.priority_group_quota
+    return overrides
+
+
+def ttft_floor(args: argparse.Namespace, trace: Trace) -> dict[str, dict[str, float]]:
+    """The trace's TTFT floor (`traces.ttft_floors`: no router gives a request a lower TTFT on these engines),
+    summarised as the runs' TTFT is: over every request and over the warm ones. Rescaling a trace to a rate moves
+    only its arrivals, so one floor serves every load of a sweep."""
+    from switchyard.workers.engine.profiles import get_profile
+
+    engine = EngineConfig(block_size=args.block_size, **engine_overrides(args))
+    floors = ttft_floors(trace, PromptFactory(args.block_size, seed=args.seed), get_profile(args.profile),
+                         engine.max_num_batched_tokens)
+    t_warm = warm_start_s(trace.requests)
+    return {"ttft_s": dist(floors),
+            "ttft_warm_s": dist([f for f, r in zip(floors, trace.requests, strict=True) if r.arrival_s >= t_warm])}
+
+
+def sim_config(
+    args: argparse.Namespace, policy: str, params: Mapping[str, str] | None = None, replicas: int = 1
+) -> SimConfig:
+    """The run's SimConfig; `params`: this policy's checked `--param` knobs (`parse_params`)."""
     return SimConfig(
         policy=policy,
         num_workers=args.workers,
@@ -865,7 +887,7 @@ def sim_config(
         tick_interval_s=args.tick_interval,
         use_queue=not args.no_queue,
         seed=args.seed,
-        engine_overrides=overrides,
+        engine_overrides=engine_overrides(args),
         predictor=args.predictor,
         policy_params=dict(params or {}),
         router_replicas=replicas,
@@ -918,8 +940,9 @@ def parallel_map(fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]], jobs:
         return [f.result() for f in futures]
 
 
-def run_sweep(args: argparse.Namespace, base: Trace) -> dict[str, Any]:
-    """Every (load, policy) pair on the same trace slice; returns the report's data."""
+def run_sweep(args: argparse.Namespace, base: Trace, floor: bool = True) -> dict[str, Any]:
+    """Every (load, policy) pair on the same trace slice; returns the report's data, with the trace's TTFT floor
+    unless `floor` is False (a pass over every prompt's blocks: the suite's capacity ladders skip it)."""
     policies = parse_policies(args.policies)
     params = parse_params(args.param, policies)  # checked once, not per run
     replicas = parse_replicas(args.router_replicas)
@@ -951,6 +974,7 @@ def run_sweep(args: argparse.Namespace, base: Trace) -> dict[str, Any]:
             "num_requests": len(base.requests),
             "slice_duration_s": base.duration_s,
             "mean_rate_req_s": base.mean_rate,
+            **({"ttft_floor": ttft_floor(args, base)} if floor else {}),
         },
         "config": {
             "workers": args.workers,

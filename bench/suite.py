@@ -61,10 +61,8 @@ from pathlib import Path
 from typing import Any
 
 from switchyard.bench import report, sim
-from switchyard.bench.metrics import dist, warm_start_s
-from switchyard.bench.traces import PromptFactory, prefix_hit_bound, ttft_floors
+from switchyard.bench.traces import PromptFactory, prefix_hit_bound
 from switchyard.router.policies.preble_e2 import E2Config
-from switchyard.workers.engine.core import EngineConfig
 from switchyard.workers.engine.profiles import get_profile
 
 PEERS = ("smg_cache_aware", "smg_least_load", "dynamo_kv", "llmd_scorer", "aibrix_prefix")
@@ -104,13 +102,13 @@ def sim_args(extra: list[str]) -> argparse.Namespace:
     return sim.build_parser().parse_args(extra)
 
 
-def run_sweep(argv: list[str], out: Path | None, plots: bool) -> dict[str, Any]:
+def run_sweep(argv: list[str], out: Path | None, plots: bool, floor: bool = True) -> dict[str, Any]:
     """One `bench sim` sweep (its own progress lines go to a buffer); its report into `out` when given."""
     args = sim_args(argv)
     base = sim.load_workload(args)
     buf = StringIO()
     with redirect_stdout(buf):
-        result = sim.run_sweep(args, base)
+        result = sim.run_sweep(args, base, floor)
     if out is not None:
         report.write_report(result, out, plots=plots)
     return result
@@ -134,7 +132,8 @@ def capacity(argv: list[str], policy: str, sat_factor: float, workers: int) -> d
     batch = 4  # rungs per sweep; stop at the first saturated rung
     while i < len(rungs):
         rates = rungs[i : i + batch]
-        res = run_sweep([*argv, "--policies", policy, "--rates", ",".join(f"{r:.4g}" for r in rates)], None, False)
+        res = run_sweep([*argv, "--policies", policy, "--rates", ",".join(f"{r:.4g}" for r in rates)], None, False,
+                        floor=False)
         done = False
         for run in sorted(res["runs"], key=lambda r: r["rate"]):
             ttft = _m(run, "ttft_s", "mean")
@@ -208,17 +207,6 @@ def ours_vs_peers(runs: list[dict[str, Any]], ours: str, peers: tuple[str, ...] 
         out["hit ratio"] = {"ours": me["metrics"]["prefix_cache_hit_ratio"], "best_peer": who,
                             "best_peer_value": best}
     return out
-
-
-def ttft_floor(wl_args: argparse.Namespace, trace: Any, policy: str) -> dict[str, dict[str, float]]:
-    """The workload's TTFT floor (`ttft_floors`) as `bench sim` summarises TTFT: over every request and the warm
-    ones. Rescaling a trace to a rate moves only its arrivals, so one floor serves every load of the workload."""
-    engine = EngineConfig(block_size=wl_args.block_size, **sim.sim_config(wl_args, policy).engine_overrides)
-    floors = ttft_floors(trace, PromptFactory(wl_args.block_size, seed=wl_args.seed), get_profile(wl_args.profile),
-                         engine.max_num_batched_tokens)
-    t_warm = warm_start_s(trace.requests)
-    return {"ttft_s": dist(floors),
-            "ttft_warm_s": dist([f for f, r in zip(floors, trace.requests, strict=True) if r.arrival_s >= t_warm])}
 
 
 def over_floor(cmp: dict[str, Any], floor: dict[str, dict[str, float]]) -> dict[str, float]:
@@ -349,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                 wl_args.num_kv_blocks or get_profile(wl_args.profile).num_kv_blocks(wl_args.block_size)
             )
             pooled = prefix_hit_bound(wl_trace, PromptFactory(wl_args.block_size, seed=args.seed), fleet_blocks)
-            floor = ttft_floor(wl_args, wl_trace, cap_policy)
+            floor = res["trace"]["ttft_floor"]  # the sweep's trace is this one, rescaled
             entry = {"rates": rates, "capacity_req_s": cap, "prefix_hit_bound": bound,
                      "pooled_lru_hit": pooled, "fleet_kv_blocks": fleet_blocks, "ttft_floor": floor, "loads": []}
             for j, rate in enumerate(rates):

@@ -98,7 +98,11 @@ def test_same_seed_same_json(tmp_path):
     assert a == b
     assert _run_cli(tmp_path, "c", "--jobs", "2") == a  # one process per run: same numbers
     assert [r["policy"] for r in a["runs"]] == ["round_robin", "power_of_two"]
-    assert (tmp_path / "a" / "results.md").read_text().count("\n") == 4  # header, rule, 2 rows
+    md = (tmp_path / "a" / "results.md").read_text()
+    assert md.count("\n|") == 3  # header, rule, 2 rows
+    floor = a["trace"]["ttft_floor"]  # the trace's TTFT floor: below every run's TTFT, and under the table
+    assert all(r["metrics"]["ttft_s"]["p99"] >= floor["ttft_s"]["p99"] > 0 for r in a["runs"])
+    assert f"p99 {floor['ttft_s']['p99']:.3f} s" in md
 
 
 class SpyPolicy(LeastRequest):
