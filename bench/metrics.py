@@ -27,6 +27,7 @@ class RequestRecord:
     status: str = INCOMPLETE
     worker_id: str = ""
     dispatch_s: float = -1.0  # left the router queue / was routed
+    first_scheduled_s: float = -1.0  # start of the first engine step that computed some of its prompt
     first_token_s: float = -1.0
     finish_s: float = -1.0
     num_output_tokens: int = 0
@@ -186,6 +187,10 @@ def summarize(
         "e2e_s": dist(e2e),
         "norm_latency_s_per_token": dist(norm),
         "queue_wait_s": dist([r.dispatch_s - r.arrival_s for r in done]),  # held in the router queue
+        # TTFT = queue_wait + engine_wait + prefill_span: waiting in the engine (its queue, the step in flight), then
+        # from the first step computing the prompt to the first token (chunks, and the batch they share)
+        "engine_wait_s": dist([r.first_scheduled_s - r.dispatch_s for r in done if r.first_scheduled_s >= 0]),
+        "prefill_span_s": dist([r.first_token_s - r.first_scheduled_s for r in done if r.first_scheduled_s >= 0]),
         "num_held": sum(1 for r in done if r.dispatch_s > r.arrival_s),
         "throughput_req_s": len(done) / makespan,
         "throughput_output_tok_s": out_tokens / makespan,

@@ -508,6 +508,8 @@ class Simulator:
                 continue
             r = router_of[out.request_id]
             policy = r.policy
+            if rec.first_scheduled_s < 0:  # every scheduled request has an output: its first is the step's start
+                rec.first_scheduled_s = res.start_s
             if out.new_token_ids and rec.first_token_s < 0:
                 # a fast-forwarded result is decode-only, so a first token comes from a 1-iteration step;
                 # if not, it appeared at the end of the first iteration

@@ -164,6 +164,9 @@ def capacity_text(cap: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- tables
+HIT = "prompt_cached_tokens_frac"  # the suite's hit ratio: each request's cached prompt tokens / its prompt tokens
+
+
 def policy_table(runs: list[dict[str, Any]], label_of: Any = None) -> str:
     lines = ["| policy | req/s | done | TTFT mean s | TTFT p99 s | warm TTFT mean s | warm TTFT p99 s | E2E mean s "
              "| E2E p99 s | hit ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -173,7 +176,7 @@ def policy_table(runs: list[dict[str, Any]], label_of: Any = None) -> str:
         lines.append(f"| {name} | {r['rate']:.2f} | {m['num_completed']}/{m['num_requests']} "
                      f"| {_m(r, 'ttft_s', 'mean'):.3f} | {_m(r, 'ttft_s', 'p99'):.3f} | {_m(r, 'ttft_warm_s', 'mean'):.3f} "
                      f"| {_m(r, 'ttft_warm_s', 'p99'):.3f} | {_m(r, 'e2e_s', 'mean'):.2f} "
-                     f"| {_m(r, 'e2e_s', 'p99'):.2f} | {m['prefix_cache_hit_ratio']:.3f} |")
+                     f"| {_m(r, 'e2e_s', 'p99'):.2f} | {m[HIT]:.3f} |")
     return "\n".join(lines)
 
 
@@ -201,10 +204,10 @@ def ours_vs_peers(runs: list[dict[str, Any]], ours: str, peers: tuple[str, ...] 
         for ref in ("round_robin", ORACLE):
             if ref in by and _m(by[ref], *path) > 0:
                 out.setdefault(label, {})[f"vs_{ref}"] = _m(me, *path) / _m(by[ref], *path)
-    hits = [(by[p]["metrics"]["prefix_cache_hit_ratio"], p) for p in peers if p in by]
+    hits = [(by[p]["metrics"][HIT], p) for p in peers if p in by]
     if hits:
         best, who = max(hits)
-        out["hit ratio"] = {"ours": me["metrics"]["prefix_cache_hit_ratio"], "best_peer": who,
+        out["hit ratio"] = {"ours": me["metrics"][HIT], "best_peer": who,
                             "best_peer_value": best}
     return out
 
@@ -315,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
                   + " (< 1 = ours better). Warm: requests after the first quarter of arrivals (the cold-cache "
                   "warm-up excluded). Hit bound: one unbounded cache serving the trace in order (`prefix_hit_bound`), "
                   "the most any routing can reuse; pooled LRU: one LRU cache of the whole fleet's KV blocks, a reference for "
-                  "what the capacity allows. TTFT floor: each request computed alone after the most any routing can "
+                  "what the capacity allows. Hit ratio: each request's cached prompt tokens / its prompt tokens "
+                  "(the engines' counters also count a preempted request's re-admission, so under preemption they "
+                  "can pass the bound). TTFT floor: each request computed alone after the most any routing can "
                   "have cached for it, in the fewest iterations (`ttft_floors`), so no router's TTFT mean or p99 is "
                   "below it: best peer / floor is the most any router can still gain on that metric.\n")
         overview = [f"| workload | load | req/s | {cap_label} capacity | ours | " + " | ".join(label for label, _ in METRICS)
@@ -346,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
                 entry["loads"].append({"rate": rate, "fraction": fractions[j] if j < len(fractions) else None,
                                        "runs": [{"policy": r["policy"], "rate": r["rate"], "metrics": {
                                            k: r["metrics"][k] for k in ("ttft_s", "ttft_warm_s", "e2e_s", "tpot_s",
-                                                                         "prefix_cache_hit_ratio", "num_completed",
+                                                                         "prefix_cache_hit_ratio", HIT, "queue_wait_s",
+                                                                         "engine_wait_s", "prefill_span_s", "num_completed",
                                                                          "num_requests")}} for r in runs],
                                        "vs_best_peer": cmps,
                                        "best_peer_over_floor": over_floor(next(iter(cmps.values()), {}), floor)})
@@ -355,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
                 detail.append(policy_table(runs))
                 detail.append("\nTTFT floor: " + ", ".join(f"{label} {_m({'metrics': floor}, *path):.3f} s"
                                                           for label, path in FLOOR_METRICS))
+                detail.append("\nWhere the mean TTFT goes (router queue + engine wait + prefill span, s): " + "; ".join(
+                    f"{r['policy']} {_m(r, 'queue_wait_s', 'mean'):.3f} + {_m(r, 'engine_wait_s', 'mean'):.3f} + "
+                    f"{_m(r, 'prefill_span_s', 'mean'):.3f}" for r in runs if r["policy"] in (*OURS, *PEERS)))
                 for ours, cmp in cmps.items():
                     detail.append("\n" + ratio_line(cmp, ours))
                     if "hit ratio" not in cmp:  # no peer ran
@@ -421,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in sorted(runs, key=lambda r: (r["rate"], r["policy"])):
             m, lo = r["metrics"], r["metrics"]["ttft_low_hit_s"]
             lines.append(f"| {r['policy']} | {r['rate']:g} | {m['ttft_s']['mean']:.3f} | {m['ttft_s']['p99']:.3f} "
-                         f"| {lo['n']} | {lo['p99']:.3f} | {lo['max']:.3f} | {m['prefix_cache_hit_ratio']:.3f} |")
+                         f"| {lo['n']} | {lo['p99']:.3f} | {lo['max']:.3f} | {m[HIT]:.3f} |")
         md.append("\n".join(lines) + "\n")
         data["fairness"] = {"workload": w, "rates": rates, "max_num_seqs": FAIRNESS_MAX_NUM_SEQS,
                             "runs": [{"policy": r["policy"], "rate": r["rate"], "metrics": r["metrics"]} for r in runs]}
@@ -455,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in runs:
             m, li, c = r["metrics"], r["metrics"]["preble_load_imbalance"], r["metrics"]["policy_counters"]
             lines.append(f"| {r['zipf']:g} | {r['rate']:g} | {r['policy']} | {m['ttft_s']['mean']:.3f} "
-                         f"| {m['ttft_s']['p99']:.3f} | {m['e2e_s']['p99']:.2f} | {m['prefix_cache_hit_ratio']:.3f} "
+                         f"| {m['ttft_s']['p99']:.3f} | {m['e2e_s']['p99']:.2f} | {m[HIT]:.3f} "
                          + (f"| {li['p50']:.2f} | {li['frac_over']:.2f} " if li["n"] else "| - | - ")
                          + f"| {c.get('rebalance_redirects', '-')} | {c.get('replications', '-')} |")
         md.append("\n".join(lines) + "\n")
@@ -540,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
                 lines.append(
                     f"| {w} | {rate:g} | {p} | {_m(one, 'ttft_s', 'mean'):.3f} -> {_m(k, 'ttft_s', 'mean'):.3f} "
                     f"| {_m(one, 'ttft_s', 'p99'):.3f} -> {_m(k, 'ttft_s', 'p99'):.3f} "
-                    f"| {_m(one, 'prefix_cache_hit_ratio'):.3f} -> {_m(k, 'prefix_cache_hit_ratio'):.3f} "
+                    f"| {_m(one, HIT):.3f} -> {_m(k, HIT):.3f} "
                     f"| x{_m(k, 'ttft_s', 'mean') / _m(one, 'ttft_s', 'mean'):.2f} "
                     f"| x{_m(k, 'ttft_s', 'p99') / _m(one, 'ttft_s', 'p99'):.2f} |")
             at_k = [r for r in res["runs"] if r.get("router_replicas", 1) == REPLICAS]

@@ -237,3 +237,10 @@ def test_no_request_beats_its_ttft_floor(policy, engine):
     assert min(t - f for t, f in zip(ttfts, floors, strict=True)) >= -1e-9
     assert sum(ttfts) > 1.5 * sum(floors)  # it queued: the bound was not met trivially
     assert any(r.num_cached_tokens for r in res.records)
+    # TTFT = router queue + engine wait + prefill span, each request and so each mean
+    for r in res.records:
+        assert r.arrival_s <= r.dispatch_s <= r.first_scheduled_s < r.first_token_s
+    m = res.summary(2.0, 0.2)
+    assert m["queue_wait_s"]["mean"] + m["engine_wait_s"]["mean"] + m["prefill_span_s"]["mean"] == pytest.approx(
+        m["ttft_s"]["mean"])
+    assert m["engine_wait_s"]["mean"] > 0

@@ -59,6 +59,9 @@ def test_suite_smoke(tmp_path: Path) -> None:
         assert load["best_peer_over_floor"]["TTFT p99"] == pytest.approx(
             cmp["TTFT p99"]["best_peer_value"] / floor["ttft_s"]["p99"])
     assert "best peer / TTFT floor" in text
+    cmp = loads[0]["vs_best_peer"]["e2"]["hit ratio"]  # per request, counted once (not the engines' counters)
+    assert cmp["ours"] == next(r for r in loads[0]["runs"] if r["policy"] == "e2")["metrics"]["prompt_cached_tokens_frac"]
+    assert "Where the mean TTFT goes" in text
     for ours in ("e2", "switchyard"):
         cmp = loads[0]["vs_best_peer"][ours]
         assert cmp["TTFT mean"]["best_peer"] == "smg_cache_aware"
