@@ -19,8 +19,8 @@ COLUMNS = (
     ("norm ms/tok", ("norm_latency_s_per_token", "mean"), "{:.1f}", False),
     ("out tok/s", ("throughput_output_tok_s",), "{:.0f}", False),
     ("hit ratio", ("prefix_cache_hit_ratio",), "{:.3f}", False),
-    # per request, counted once: what `prefix_hit_bound` bounds (the engines' counters above, as vLLM's, also count
-    # a preempted request's re-admission)
+    # per request, counted once at its first admission: what `prefix_hit_bound` compares with (the engines' counters
+    # above, as vLLM's, also count a preempted request's re-admission)
     ("cached / prompt", ("prompt_cached_tokens_frac",), "{:.3f}", False),
     ("preempt", ("num_preemptions",), "{:d}", False),
     ("max/mean", ("balance_max_over_mean",), "{:.2f}", False),

@@ -164,7 +164,9 @@ def capacity_text(cap: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- tables
-HIT = "prompt_cached_tokens_frac"  # the suite's hit ratio: each request's cached prompt tokens / its prompt tokens
+# The suite's hit ratio: each request's cached prompt tokens at its first admission / its prompt tokens (the
+# engines' counters, as vLLM's, also count a preempted request's re-admission).
+HIT = "prompt_cached_tokens_frac"
 
 
 def policy_table(runs: list[dict[str, Any]], label_of: Any = None) -> str:
