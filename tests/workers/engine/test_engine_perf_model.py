@@ -120,7 +120,8 @@ def test_first_token_floor_takes_the_cheapest_chunking():
                     for m in range(fewest, n + 1))
         attn = c.lin_ms_per_tok * cheap.model.attn_pair_ratio * (n * (n + 1) // 2)
         assert cheap.first_token_floor_s(n, 0, budget) == pytest.approx(0.001 * (brute + attn), rel=1e-12)
-    assert cheap.first_token_floor_s(5000, 0, 8192) < 0.001 * (
-        c.step_ms + c.prefill_ms + c.lin_ms_per_tok * (5000 - c.knee_tokens)) + attn  # not the single chunk
+    one_chunk = c.step_ms + c.prefill_ms + c.lin_ms_per_tok * (
+        5000 - c.knee_tokens + cheap.model.attn_pair_ratio * (5000 * 5001 // 2))
+    assert cheap.first_token_floor_s(5000, 0, 8192) < 0.001 * one_chunk  # not the single chunk
     slow_mix = dataclasses.replace(p, mixed_batch_factor=0.9)
     assert slow_mix.first_token_floor_s(900, 0, 8192) == pytest.approx(0.9 * p.first_token_floor_s(900, 0, 8192))
