@@ -92,7 +92,7 @@ def _run_cli(tmp_path, name, *extra):
     return data
 
 
-def test_same_seed_same_json(tmp_path):
+def test_same_seed_same_json(tmp_path, capsys):
     a = _run_cli(tmp_path, "a")
     b = _run_cli(tmp_path, "b")
     assert a == b
@@ -103,6 +103,7 @@ def test_same_seed_same_json(tmp_path):
     floor = a["trace"]["ttft_floor"]  # the trace's TTFT floor: below every run's TTFT, and under the table
     assert all(r["metrics"]["ttft_s"]["p99"] >= floor["ttft_s"]["p99"] > 0 for r in a["runs"])
     assert f"p99 {floor['ttft_s']['p99']:.3f} s" in md
+    assert f"p99 {floor['ttft_s']['p99']:.3f} s" in capsys.readouterr().out  # and under the printed table
 
 
 class SpyPolicy(LeastRequest):
