@@ -868,11 +868,13 @@ def ttft_floor(args: argparse.Namespace, trace: Trace) -> dict[str, dict[str, fl
     from switchyard.workers.engine.profiles import get_profile
 
     engine = EngineConfig(block_size=args.block_size, **engine_overrides(args))
-    floors = ttft_floors(trace, PromptFactory(args.block_size, seed=args.seed), get_profile(args.profile),
-                         engine.max_num_batched_tokens)
+    profile = get_profile(args.profile)
+    floors = ttft_floors(trace, PromptFactory(args.block_size, seed=args.seed), profile, engine.max_num_batched_tokens)
+    # over the requests the admission lets through, as the runs' TTFT is; the warm-up by every arrival, as theirs
+    limit = engine.max_model_len or profile.max_model_len
     t_warm = warm_start_s(trace.requests)
-    return {"ttft_s": dist(floors),
-            "ttft_warm_s": dist([f for f, r in zip(floors, trace.requests, strict=True) if r.arrival_s >= t_warm])}
+    kept = [(f, r) for f, r in zip(floors, trace.requests, strict=True) if r.num_prompt_tokens <= limit]
+    return {"ttft_s": dist([f for f, _ in kept]), "ttft_warm_s": dist([f for f, r in kept if r.arrival_s >= t_warm])}
 
 
 def sim_config(

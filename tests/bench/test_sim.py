@@ -245,3 +245,17 @@ def test_no_request_beats_its_ttft_floor(policy, engine):
     assert m["queue_wait_s"]["mean"] + m["engine_wait_s"]["mean"] + m["prefill_span_s"]["mean"] == pytest.approx(
         m["ttft_s"]["mean"])
     assert m["engine_wait_s"]["mean"] > 0
+
+
+def test_ttft_floor_covers_the_requests_the_admission_lets_through():
+    """A prompt past the engines' max_model_len is rejected and has no TTFT, so the floor leaves it out too."""
+    trace = make_workload(WorkloadSpec(rate=8.0, num_requests=40, prompt_len="uniform:2000:6000",
+                                       output_len="uniform:2:10"), seed=3)
+    args = sim.build_parser().parse_args(["--profile", PROFILE, "--workers", "2"])
+    floor = sim.ttft_floor(args, trace)
+    res = sim.Simulator(trace, sim.sim_config(args, "round_robin")).run()
+    done = [r for r in res.records if r.status == OK]
+    assert 0 < len(done) < len(trace.requests)  # some prompts are over the 70B's 4,096 tokens
+    assert floor["ttft_s"]["n"] == len(done)
+    ttft = [r.ttft_s for r in done]
+    assert floor["ttft_s"]["max"] <= max(ttft) and floor["ttft_s"]["mean"] <= sum(ttft) / len(ttft)
