@@ -862,9 +862,8 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def ttft_floor(args: argparse.Namespace, trace: Trace) -> dict[str, dict[str, float]]:
-    """The trace's TTFT floor (`traces.ttft_floors`: no router gives a request a lower TTFT on these engines),
-    summarised as the runs' TTFT is: over every request and over the warm ones. Rescaling a trace to a rate moves
-    only its arrivals, so one floor serves every load of a sweep."""
+    """The trace's TTFT floor at its arrival times (`traces.ttft_floors`: no router gives a request a lower TTFT on
+    these engines), summarised as the runs' TTFT is: over every request and over the warm ones."""
     from switchyard.workers.engine.profiles import get_profile
 
     engine = EngineConfig(block_size=args.block_size, **engine_overrides(args))
@@ -945,8 +944,8 @@ def parallel_map(fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]], jobs:
 
 
 def run_sweep(args: argparse.Namespace, base: Trace, floor: bool = True) -> dict[str, Any]:
-    """Every (load, policy) pair on the same trace slice; returns the report's data, with the trace's TTFT floor
-    unless `floor` is False (a pass over every prompt's blocks: the suite's capacity ladders skip it)."""
+    """Every (load, policy) pair on the same trace slice; returns the report's data, each run with its load's TTFT
+    floor unless `floor` is False (a pass over every prompt's blocks: the suite's capacity ladders skip it)."""
     policies = parse_policies(args.policies)
     params = parse_params(args.param, policies)  # checked once, not per run
     replicas = parse_replicas(args.router_replicas)
@@ -958,12 +957,8 @@ def run_sweep(args: argparse.Namespace, base: Trace, floor: bool = True) -> dict
         loads = [("rate", args.rate)]
     else:
         loads = [("time_scale", args.time_scale or 1.0)]
-    jobs = [
-        (scale_to_rate(base, v) if k == "rate" else scale_time(base, v), policy, (k, v), n)
-        for k, v in loads
-        for policy in policies
-        for n in replicas
-    ]
+    scaled = {(k, v): scale_to_rate(base, v) if k == "rate" else scale_time(base, v) for k, v in loads}
+    jobs = [(scaled[load], policy, load, n) for load in loads for policy in policies for n in replicas]
     if args.jobs > 1 and len(jobs) > 1:
         runs = parallel_map(
             run_one, [(args, t, p, load, None, params.get(p), n) for t, p, load, n in jobs], args.jobs
@@ -971,6 +966,10 @@ def run_sweep(args: argparse.Namespace, base: Trace, floor: bool = True) -> dict
     else:
         prompts = PromptFactory(args.block_size, seed=args.seed)  # shared: its hash memo carries over
         runs = [run_one(args, t, p, load, prompts, params.get(p), n) for t, p, load, n in jobs]
+    if floor:
+        floors = {load: ttft_floor(args, t) for load, t in scaled.items()}
+        for run, (_, _, load, _) in zip(runs, jobs, strict=True):
+            run["ttft_floor"] = floors[load]
     return {
         "trace": {
             "name": base.name,
@@ -978,7 +977,6 @@ def run_sweep(args: argparse.Namespace, base: Trace, floor: bool = True) -> dict
             "num_requests": len(base.requests),
             "slice_duration_s": base.duration_s,
             "mean_rate_req_s": base.mean_rate,
-            **({"ttft_floor": ttft_floor(args, base)} if floor else {}),
         },
         "config": {
             "workers": args.workers,

@@ -6,9 +6,9 @@ Sections (specs/preble.md §8, §10):
   a. workloads: preble toolbench (uniform, and Zipf 1.1), agent, programming, videoqa, loogle, mooncake-conversation,
      preble-azure-mix; policies e2 and its peers (smg_cache_aware, smg_least_load, dynamo_kv, llmd_scorer,
      aibrix_prefix) plus Preble's oracle partition (claim 6), round_robin and least_request; 4 workers. Beside each
-     workload: its hit bound (the most any routing can reuse) and its TTFT floor (the least TTFT any router can
-     give each request: computed alone, after the hit bound's cached prefix), and the best peer / that floor, the
-     most any router can still gain. Profiles:
+     workload: its hit bound (the most any routing can reuse); beside each load, its TTFT floor (the least TTFT
+     any router can give each request: its prompt computed in the fewest iterations after the blocks that can be
+     stored for it by its arrival) and the best peer / that floor, the most any router can still gain. Profiles:
      toolbench/agent/programming on llama2-70b-h100-tp4; videoqa/loogle/azure-mix on llama3-8b-a100 with 20,000 KV
      blocks per worker (their ~10k-25k-token prompts exceed the 70B's 4096 limit; 20k blocks keep the cache
      contended); mooncake on llama3-8b-a100 (its full KV).
@@ -322,9 +322,10 @@ def main(argv: list[str] | None = None) -> int:
                   "the most any routing can reuse; pooled LRU: one LRU cache of the whole fleet's KV blocks, a reference for "
                   "what the capacity allows. Hit ratio: each request's cached prompt tokens / its prompt tokens "
                   "(the engines' counters also count a preempted request's re-admission, so under preemption they "
-                  "can pass the bound). TTFT floor: each request computed alone after the most any routing can "
-                  "have cached for it, in the fewest iterations (`ttft_floors`), so no router's TTFT mean or p99 is "
-                  "below it: best peer / floor is the most any router can still gain on that metric.\n")
+                  "can pass the bound). TTFT floor, per load: each request's prompt computed in the fewest "
+                  "iterations after the blocks that can be stored for it by its arrival (`ttft_floors`: a burst's "
+                  "shared prefix is none of its requests'), so no router's TTFT mean or p99 is below it: best peer "
+                  "/ floor is the most any router can still gain on that metric.\n")
         overview = [f"| workload | load | req/s | {cap_label} capacity | ours | " + " | ".join(label for label, _ in METRICS)
                     + " | our hit | best peer hit | hit bound | pooled LRU | ours / RR TTFT mean "
                     "| ours / oracle E2E mean, p99 | best peer / TTFT floor: mean, p99 (warm p99) |",
@@ -344,13 +345,14 @@ def main(argv: list[str] | None = None) -> int:
                 wl_args.num_kv_blocks or get_profile(wl_args.profile).num_kv_blocks(wl_args.block_size)
             )
             pooled = prefix_hit_bound(wl_trace, PromptFactory(wl_args.block_size, seed=args.seed), fleet_blocks)
-            floor = res["trace"]["ttft_floor"]  # the sweep's trace is this one, rescaled
             entry = {"rates": rates, "capacity_req_s": cap, "prefix_hit_bound": bound,
-                     "pooled_lru_hit": pooled, "fleet_kv_blocks": fleet_blocks, "ttft_floor": floor, "loads": []}
+                     "pooled_lru_hit": pooled, "fleet_kv_blocks": fleet_blocks, "loads": []}
             for j, rate in enumerate(rates):
                 runs = [r for r in res["runs"] if abs(next(iter(r["load"].values())) - rate) < 1e-9]
                 cmps = {ours: ours_vs_peers(runs, ours) for ours in ours_run}
+                floor = runs[0]["ttft_floor"]  # the load's: it moves with the arrival times
                 entry["loads"].append({"rate": rate, "fraction": fractions[j] if j < len(fractions) else None,
+                                       "ttft_floor": floor,
                                        "runs": [{"policy": r["policy"], "rate": r["rate"], "metrics": {
                                            k: r["metrics"][k] for k in ("ttft_s", "ttft_warm_s", "e2e_s", "tpot_s",
                                                                          "prefix_cache_hit_ratio", HIT, "queue_wait_s",

@@ -389,10 +389,42 @@ def prefix_hit_bound(trace: Trace, prompts: PromptFactory, capacity_blocks: int 
 
 
 def ttft_floors(trace: Trace, prompts: PromptFactory, profile: PerfProfile, max_batched_tokens: int) -> np.ndarray:
-    """Per request, in trace order, the least TTFT any router can give it on engines of `profile`: its prompt
-    computed alone after the most any routing can have cached for it (`bound_cached_tokens`), in the fewest
-    iterations (`PerfProfile.first_token_floor_s`). Queueing, batching and every cache miss beyond the bound only
-    add, so a policy's TTFT mean or any percentile over these requests is at least the same statistic here."""
-    cached = bound_cached_tokens(trace, prompts)
-    return np.array([profile.first_token_floor_s(r.num_prompt_tokens - c, c, max_batched_tokens)
-                     for r, c in zip(trace.requests, cached, strict=True)])
+    """Per request, in trace order, the least TTFT any router can give it on engines of `profile`.
+
+    Why it bounds: say the request finds its first j blocks cached. Each of them was stored at the end of an
+    iteration that began no earlier than the arrival of the first request holding it, and lasted at least
+    `min_prefill_iteration_s`; the request's own first step begins after they are stored (hits are read at
+    admission). So TTFT >= max(0, max over those blocks of (first arrival + one prefill iteration) - arrival) +
+    the rest of its prompt computed in the fewest iterations (`PerfProfile.first_token_floor_s`). A block whose
+    first holder arrives with it or after it was computed inside its TTFT, on its own worker, so it counts as
+    computed; the floor is the least over j up to the leading blocks an earlier arrival held. A burst's shared
+    prefix is therefore no request's of that burst, and the floor moves with the rate a trace is rescaled to.
+    Queueing, batching and every miss only add, so a policy's TTFT mean or any percentile over these requests is
+    at least the same statistic here. `trace.requests` are in arrival order."""
+    lead = profile.min_prefill_iteration_s()
+    first: dict[int, float] = {}  # block hash -> arrival of the first request holding it
+    bs = prompts.block_size
+    out = np.empty(len(trace.requests))
+    for i, r in enumerate(trace.requests):
+        tokens = prompts.tokens(r)
+        hashes = prompts.block_hashes(r, tokens)
+        p, t, cap = len(tokens), r.arrival_s, max(0, (len(tokens) - 1) // bs)
+        best = profile.first_token_floor_s(p, 0, max_batched_tokens)
+        ready = -math.inf  # when the first j blocks can all be stored
+        for j in range(cap):
+            seen = first.get(hashes[j], math.inf)
+            if seen >= t:
+                break
+            if seen + lead > ready:  # the wait grows at block j: the cheapest with the wait before it is j blocks
+                if j:
+                    best = min(best, max(0.0, ready - t) + profile.first_token_floor_s(p - j * bs, j * bs,
+                                                                                    max_batched_tokens))
+                ready = seen + lead
+        else:
+            j = cap
+        if j:
+            best = min(best, max(0.0, ready - t) + profile.first_token_floor_s(p - j * bs, j * bs, max_batched_tokens))
+        for h in hashes:
+            first.setdefault(h, t)
+        out[i] = best
+    return out

@@ -119,6 +119,13 @@ class PerfProfile:
             num_prefill_tokens, prefill_attn_pairs, num_decode_reqs, decode_context_tokens
         )
 
+    def min_prefill_iteration_s(self) -> float:
+        """The least an iteration that computes prompt tokens can take: step + prefill (the mixed-batch factor
+        applied when below 1). A block is stored at the end of one, so no earlier than this after the arrival of
+        the first request that holds it."""
+        c = self.coeffs
+        return 0.001 * (c.step_ms + c.prefill_ms) * min(1.0, self.mixed_batch_factor)
+
     def first_token_floor_s(self, num_computed: int, num_cached: int, max_batched_tokens: int) -> float:
         """The least time an engine on this profile can take from a request's arrival to its first token, when
         it computes `num_computed` prompt tokens after `num_cached` cached ones: a lower bound on its TTFT under
