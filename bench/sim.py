@@ -861,14 +861,18 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
-def ttft_floor(args: argparse.Namespace, trace: Trace) -> dict[str, dict[str, float]]:
+def ttft_floor(
+    args: argparse.Namespace, trace: Trace, prompts: PromptFactory | None = None
+) -> dict[str, dict[str, float]]:
     """The trace's TTFT floor at its arrival times (`traces.ttft_floors`: no router gives a request a lower TTFT on
-    these engines), summarised as the runs' TTFT is: over every request and over the warm ones."""
+    these engines), summarised as the runs' TTFT is: over every request and over the warm ones. `prompts` may be
+    shared between a sweep's loads (its memo halves the pass)."""
     from switchyard.workers.engine.profiles import get_profile
 
     engine = EngineConfig(block_size=args.block_size, **engine_overrides(args))
     profile = get_profile(args.profile)
-    floors = ttft_floors(trace, PromptFactory(args.block_size, seed=args.seed), profile, engine.max_num_batched_tokens)
+    prompts = prompts or PromptFactory(args.block_size, seed=args.seed)
+    floors = ttft_floors(trace, prompts, profile, engine.max_num_batched_tokens)
     # over the requests the admission lets through, as the runs' TTFT is; the warm-up by every arrival, as theirs
     limit = engine.max_model_len or profile.max_model_len
     t_warm = warm_start_s(trace.requests)
@@ -959,15 +963,15 @@ def run_sweep(args: argparse.Namespace, base: Trace, floor: bool = True) -> dict
         loads = [("time_scale", args.time_scale or 1.0)]
     scaled = {(k, v): scale_to_rate(base, v) if k == "rate" else scale_time(base, v) for k, v in loads}
     jobs = [(scaled[load], policy, load, n) for load in loads for policy in policies for n in replicas]
+    prompts = PromptFactory(args.block_size, seed=args.seed)  # shared: its hash memo carries over
     if args.jobs > 1 and len(jobs) > 1:
         runs = parallel_map(
             run_one, [(args, t, p, load, None, params.get(p), n) for t, p, load, n in jobs], args.jobs
         )
     else:
-        prompts = PromptFactory(args.block_size, seed=args.seed)  # shared: its hash memo carries over
         runs = [run_one(args, t, p, load, prompts, params.get(p), n) for t, p, load, n in jobs]
     if floor:
-        floors = {load: ttft_floor(args, t) for load, t in scaled.items()}
+        floors = {load: ttft_floor(args, t, prompts) for load, t in scaled.items()}
         for run, (_, _, load, _) in zip(runs, jobs, strict=True):
             run["ttft_floor"] = floors[load]
     return {
