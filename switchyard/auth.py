@@ -287,7 +287,6 @@ class KeyLimits:
         self.refund_tokens(key, refund_tokens)
 
 
-
 @dataclass(slots=True)
 class TokenCharge:
     """A request's reservation against its API key's `tokens_per_min` (prompt + max_tokens), and what it used:
@@ -308,6 +307,7 @@ class TokenCharge:
     @property
     def used(self) -> int:
         return (self.prompt if self.ran else 0) + self.output
+
 
 def _count_down(counts: dict[str, int], name: str) -> None:
     n = counts.get(name, 0) - 1

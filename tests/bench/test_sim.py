@@ -251,7 +251,7 @@ def test_no_request_beats_its_ttft_floor(policy, engine, bursts):
     ttfts = [r.ttft_s for r in res.records]
     assert all(r.status == OK for r in res.records)
     assert min(t - f for t, f in zip(ttfts, floors, strict=True)) >= -1e-9
-    assert sum(ttfts) > 1.2 * sum(floors)  # it queued: the bound was not met trivially
+    assert sum(ttfts) > 1.5 * sum(floors)  # it queued: the bound was not met trivially
     assert any(r.num_cached_tokens for r in res.records)
     # TTFT = router queue + engine wait + prefill span, each request and so each mean
     for r in res.records:
