@@ -59,7 +59,9 @@ workers and max L > Th_bal × min L, redirect the heavy worker's cheapest key no
 lightest until the gap closes (§5.4, the code's REBALANCE); a key node whose TTFT on a worker doubles over H
 (2nd-half mean ≥ `replication_ttft_factor` × 1st-half) gets a replica on the lightest worker not serving it
 (§5.5). Redirects and replicas last H. Every `gc_interval_s`, `tree.gc` drops nodes nobody holds and nobody
-used within W (claim 10), freeing at most `gc_budget_blocks` per tick (the rest on the next ticks). Switches
+used within W (claim 10), freeing at most `gc_budget_blocks` per tick (the rest on the next ticks). Every tick
+simulates each worker's eviction order as far as the largest of the recent Ms needed, and prices its victims
+(`warm_eviction_orders`), so a select's M is mostly a bisection and memo hits. Switches
 `enable_rebalancing`, `enable_replication`, `enable_pd_balancing` give the ablation keys `e2_base` (all off),
 `e2_rebal` (+rebalancing, replication), `e2` (all on).
 
@@ -67,7 +69,9 @@ State changes only in hooks: on_dispatch inserts the prompt and assigns the path
 BlockStored/BlockRemoved/AllBlocksCleared into resident runs; on_worker_change drops a worker that is gone or
 unhealthy from the tree and the loads. `select` memoises only the fleet reference, each worker's static
 WorkerInfo facts (profile, block size, capacity), which hooks need and do not receive, and its last prefix match,
-which the dispatch of that request reuses while no hook has changed the tree since (`held`).
+which the dispatch of that request reuses while no hook has changed the tree since (`held`). M's eviction orders
+and victim terms are caches (each the same however far it was computed), and the sizes M was asked to price are
+kept for the tick to compute those caches ahead of the selects (`warm_eviction_orders`); no decision reads them.
 """
 
 from __future__ import annotations
@@ -149,6 +153,9 @@ class E2Config(BaseModel):
     replication_ttft_factor: float = Field(default=2.0, gt=1)  # "average queueing time doubles over H"
     gc_interval_s: float = Field(default=10.0, gt=0)
     gc_budget_blocks: int = Field(default=20_000, gt=0)  # blocks one tick's gc may free (~4-13 ms); the rest next tick
+    # on_tick extends each worker's eviction order to the largest of the last N evictions M was asked to price,
+    # and prices its victims, so selects find M ready (`warm_eviction_orders`; 0 = off; decisions are the same)
+    warm_eviction_needs: int = Field(default=256, ge=0)
     default_profile: str = DEFAULT_PROFILE  # for unknown profile names and before the online fit is ready
     online_fit_min_samples: int = Field(default=8, ge=1)
     online_fit_decay: float = Field(default=1.0, gt=0, le=1)  # 1.0 = plain running least squares
@@ -243,6 +250,8 @@ class PrebleE2(Policy):
         self.resident_count: dict[WorkerId, int] = {}  # blocks resident per events
         self.lru: dict[WorkerId, LruIndex] = {}  # per worker: M's eviction order, kept by the hooks (`_touch`)
         self.hit_times: dict[WorkerId, deque[float]] = {}  # per worker: dispatch times within W (`cold_floor`)
+        # the blocks the last `warm_eviction_needs` Ms were asked to evict (`warm_eviction_orders`)
+        self.recent_needs: deque[int] = deque(maxlen=self.cfg.warm_eviction_needs or 1)
         self.moved_load = MovedLoad()  # per worker: (t, Δload s) from rebalancing and replication
         self.dirty_ttft: dict[tuple[int, WorkerId], Any] = {}  # (id(key node), worker) -> node: new TTFT samples
         self.in_flight: dict[str, _InFlight] = {}
@@ -466,6 +475,7 @@ class PrebleE2(Policy):
     def _evict_s(self, w: WorkerView, evict: int, now: float, protected: set[int]) -> float:
         """M: the recompute cost of what evicting `evict` blocks on w would take from others."""
         wid = w.worker_id
+        self.recent_needs.append(evict)
         return self.lru[wid].eviction_cost(
             wid, evict, protected, now, self.cfg.node_window_s, w.block_size, self.cost_model(wid),
             self.cfg.eviction_cost,
@@ -950,6 +960,29 @@ class PrebleE2(Policy):
         for w in self.history:  # expiry and moves above changed L: price it here, off the selects' path
             self.load_s(w, now, LOAD_PIECES_AHEAD)  # (a history is kept only where L is priced)
         self.advance_cold(now)
+        if self.cfg.warm_eviction_needs:
+            self.warm_eviction_orders(now)
+
+    def warm_eviction_orders(self, now: float) -> None:
+        """Simulate each worker's eviction order as far as the largest recent need, and price its victims, here,
+        off the selects' path (`LruIndex.warm`).
+
+        NOTE: why: on full caches of long prompts (video QA, 16 workers) the slowest 1% of selects priced M on
+        ~12 workers, each extending its kept order and pricing terms afresh (~10 steps, ~4 terms); the hooks
+        between two ticks keep most of an order and its terms (`EvictionOrder`'s rules), so the select is left a
+        bisection and memo hits. The decisions are the same: an order's steps and a term do not depend on when
+        they were computed (the replay test checks every M against the full scan). The tick pays a walk of every
+        worker's order up to the need each time, memo hits where nothing changed (README "Decision cost").
+        """
+        needs = self.recent_needs
+        if not needs:
+            return
+        need = max(needs)
+        window_s, mode = self.cfg.node_window_s, self.cfg.eviction_cost
+        for w, idx in self.lru.items():
+            facts = self._facts.get(w)
+            if facts is not None:
+                idx.warm(w, need, now, window_s, facts.block_size, self.cost_model(w), mode)
 
     def cold_floor(self, w: WorkerId, now: float) -> float:
         """A time at or before every request through any node on w within the node window W: the earliest

@@ -477,9 +477,7 @@ class LruPricing:
         left = need_blocks
         if not self.heap or left <= 0:
             return out
-        order = self._order
-        if order is None:
-            order = self._order = EvictionOrder(self, worker, NodeStats)
+        order = self.order(worker)
         i = 0
         while left > 0:
             step = order.at(i)
@@ -510,14 +508,31 @@ class LruPricing:
             return 0.0
         if self.cold_blocks(protected) >= need_blocks:  # 0 before the first `advance`
             return 0.0
-        order = self._order
-        if order is None:
-            order = self._order = EvictionOrder(self, worker, NodeStats)
+        order = self.order(worker)
         # each victim's term, kept with the order between selects while it holds; a cost model fitted online
         # (`OnlineFit`) changes in place, so its terms are priced afresh. The order prices "text" terms itself (in
         # C in its Cython build).
         return order.price(need_blocks, protected, now - window_s, block_size, cost, isinstance(cost, ProfileCost),
                            _alg2_term if mode == "alg2" else None)
+
+    def warm(
+        self, worker: Any, need_blocks: int, now: float, window_s: float, block_size: int, cost: CostModel,
+        mode: str,
+    ) -> None:
+        """`eviction_cost` for `need_blocks` with nothing protected, for its side effects only: the order
+        simulated that far and its victims' terms in the memo, where a later `eviction_cost` finds them while
+        they hold. A cost model fitted online keeps no terms, so then only the order is simulated."""
+        if isinstance(cost, ProfileCost):
+            self.eviction_cost(worker, need_blocks, set(), now, window_s, block_size, cost, mode)
+        elif self.heap and need_blocks > 0 and self.cold_blocks(set()) < need_blocks:
+            self.order(worker).reach(need_blocks)
+
+    def order(self, worker: Any) -> Any:
+        """The kept eviction order, started afresh when the hooks dropped it."""
+        order = self._order
+        if order is None:
+            order = self._order = EvictionOrder(self, worker, NodeStats)
+        return order
 
 
 class LruIndex(LruPricing, LruIndexCore):

@@ -27,7 +27,7 @@ from switchyard.bench.preble_workloads import PrebleSpec, make_toolbench
 from switchyard.bench.sim import SimConfig, Simulator
 from switchyard.bench.workloads import WorkloadSpec, make_workload
 from switchyard.ext import lru_order, lru_order_py, radix, radix_py
-from switchyard.router.fleet import Fleet
+from switchyard.router.fleet import Fleet, WorkerState
 from switchyard.router.policies import preble_e2, preble_load
 from switchyard.router.policies.base import Decision, RoutingContext, WorkerId
 from switchyard.router.policies.preble_cost import OnlineFit, profile_cost
@@ -578,6 +578,59 @@ def test_eviction_cost_memo_follows_the_window_and_the_cost_model() -> None:
     assert first == 3 * fit.prefill_s(384, 128)
     fit.add_prefill(300, 0.9)  # the fit moves under the same object
     assert m(3.0, fit) == 3 * fit.prefill_s(384, 128) != first
+
+
+@pytest.mark.usefixtures("impl")
+@pytest.mark.parametrize("profiled", [True, False])
+def test_a_tick_prices_the_recent_needs_eviction_ahead_of_the_selects(profiled: bool) -> None:
+    """`warm_eviction_orders`: after a dispatch drops w0's eviction order, the next tick simulates it again as far
+    as the largest recent need and prices its victims, so the select's M is a memo hit; with the warm-up off the
+    order waits for the select. M is the same float either way. A worker without a profile (its cost fitted
+    online, which keeps no terms) gets the order only."""
+    pols = {n: PrebleE2(E2Config.paper(warm_eviction_needs=n)) for n in (0, 8)}
+    fleet = make_fleet(2, kv_capacity_blocks=40)
+    if profiled:
+        fleet = Fleet()
+        for i in range(2):
+            info = dataclasses.replace(make_worker_info(i, kv_capacity_blocks=40), perf_profile=DEFAULT_PROFILE)
+            fleet.add_worker(info, state=WorkerState.READY, healthy=True)
+    a, ctx = req("a", shared=512), req("new", shared=0)  # ctx: 32 missed blocks, 8 free -> evict 24 of a's 32
+    pt = COST.prefill_s(384, 128)
+    for policy in pols.values():
+        for i in range(3):
+            place(policy, fleet, dataclasses.replace(a, request_id=f"a{i}"), "w0", now=float(i))
+        policy.on_kv_events(W0, stored(a, 1, ts=2.0))
+        assert policy.loadcost(fleet.get(W0), ctx, 0, [], now=2.5).evict_s == 3 * pt  # type: ignore[arg-type]
+        assert list(policy.recent_needs) == [24]
+        place(policy, fleet, dataclasses.replace(a, request_id="a3"), "w0", now=2.6)  # a hit on the victim
+        assert policy.lru[W0]._order is None  # dropped with its terms
+        policy.on_tick(2.7)
+    warm, cold = pols[8].lru[W0]._order, pols[0].lru[W0]._order
+    assert cold is None
+    assert warm is not None and warm.reached(id(policy.tree.match(a.block_hashes).path[-1]))
+    assert [got[0] for got in warm.memo.values()] == ([4 * pt] if profiled else [])  # (a's node, 24 blocks): 4 in W
+    for policy in pols.values():
+        assert policy.loadcost(fleet.get(W0), ctx, 0, [], now=3.0).evict_s == 4 * pt  # type: ignore[arg-type]
+    assert pols[8].lru[W0]._order is warm  # the select used the tick's order
+
+
+def test_the_tick_warm_up_leaves_every_decision_as_it_was() -> None:
+    """The same run with the eviction warm-up on and off, on caches small enough that M is priced: the same
+    worker for every request, the same summary."""
+    spec = WorkloadSpec(rate=30.0, num_requests=240, prompt_len="lognormal:1400:0.4", output_len="lognormal:48:0.5",
+                        prefix_groups=20, prefix_len=1000)
+    runs = {}
+    for n in (0, 256):
+        for name in ("e2", "switchyard"):
+            cfg = SimConfig(policy=name, num_workers=3, engine_overrides={"num_kv_blocks": 300},
+                            policy_params={"warm_eviction_needs": n})
+            sim = Simulator(make_workload(spec, seed=4), cfg)
+            res = sim.run()
+            runs[name, n] = ([(r.request_id, r.worker_id) for r in res.records], res.summary(2.0, 0.1))
+            if n:  # M was priced (the ticks had needs to warm)
+                assert len(sim.policy.recent_needs) > 100  # type: ignore[attr-defined]
+    for name in ("e2", "switchyard"):
+        assert runs[name, 256] == runs[name, 0]
 
 
 def test_online_fit_for_profileless_workers() -> None:
