@@ -281,9 +281,16 @@ cdef class EvictionOrder:
                 return None
         return self.steps[i]
 
-    def reach(self, long long blocks):
-        """Simulate until the steps hold `blocks` resident blocks; False when the candidates ran out first."""
-        return self._reach(blocks)
+    def reach(self, long long blocks, Py_ssize_t max_steps=-1):
+        """Simulate until the steps hold `blocks` resident blocks; False when the candidates ran out first, or
+        when `max_steps` (if >= 0) more steps did not get there (a later call goes on from there)."""
+        if max_steps < 0:
+            return self._reach(blocks)
+        while not self.cum or <long long>self.cum[len(self.cum) - 1] - self.cum_base < blocks:
+            if max_steps == 0 or not self._step():
+                return False
+            max_steps -= 1
+        return True
 
     cdef bint _reach(self, long long blocks) except -1:
         while not self.cum or <long long>self.cum[len(self.cum) - 1] - self.cum_base < blocks:  # (no [-1])

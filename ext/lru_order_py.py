@@ -181,12 +181,14 @@ class EvictionOrder:
                 return None
         return steps[i]
 
-    def reach(self, blocks: int) -> bool:
-        """Simulate until the steps hold `blocks` resident blocks; False when the candidates ran out first."""
+    def reach(self, blocks: int, max_steps: int = -1) -> bool:
+        """Simulate until the steps hold `blocks` resident blocks; False when the candidates ran out first, or
+        when `max_steps` (if >= 0) more steps did not get there (a later call goes on from there)."""
         cum = self.cum
         while not cum or cum[-1] - self.cum_base < blocks:
-            if not self._step():
+            if max_steps == 0 or not self._step():
                 return False
+            max_steps -= 1
         return True
 
     def hot_victims(self, need_blocks: int, protected: set[int]) -> list[tuple[Any, int]]:

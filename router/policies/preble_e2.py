@@ -156,6 +156,7 @@ class E2Config(BaseModel):
     # on_tick extends each worker's eviction order to the largest of the last N evictions M was asked to price,
     # and prices its victims, so selects find M ready (`warm_eviction_orders`; 0 = off; decisions are the same)
     warm_eviction_needs: int = Field(default=256, ge=0)
+    warm_eviction_steps: int = Field(default=512, ge=1)  # order steps one tick may simulate (~3 µs each); the rest next tick
     default_profile: str = DEFAULT_PROFILE  # for unknown profile names and before the online fit is ready
     online_fit_min_samples: int = Field(default=8, ge=1)
     online_fit_decay: float = Field(default=1.0, gt=0, le=1)  # 1.0 = plain running least squares
@@ -252,6 +253,7 @@ class PrebleE2(Policy):
         self.hit_times: dict[WorkerId, deque[float]] = {}  # per worker: dispatch times within W (`cold_floor`)
         # the blocks the last `warm_eviction_needs` Ms were asked to evict (`warm_eviction_orders`)
         self.recent_needs: deque[int] = deque(maxlen=self.cfg.warm_eviction_needs or 1)
+        self._warm_from = 0  # the worker (index in `lru`) the next warm-up starts from
         self.moved_load = MovedLoad()  # per worker: (t, Δload s) from rebalancing and replication
         self.dirty_ttft: dict[tuple[int, WorkerId], Any] = {}  # (id(key node), worker) -> node: new TTFT samples
         self.in_flight: dict[str, _InFlight] = {}
@@ -972,17 +974,27 @@ class PrebleE2(Policy):
         between two ticks keep most of an order and its terms (`EvictionOrder`'s rules), so the select is left a
         bisection and memo hits. The decisions are the same: an order's steps and a term do not depend on when
         they were computed (the replay test checks every M against the full scan). The tick pays a walk of every
-        worker's order up to the need each time, memo hits where nothing changed (README "Decision cost").
+        worker's order up to the need each time, memo hits where nothing changed, and at most
+        `warm_eviction_steps` steps in all (a fresh order over many small cold nodes can take thousands: ~6 ms
+        at 5,000), so no tick stalls the loop on it (README "Decision cost").
         """
         needs = self.recent_needs
         if not needs:
             return
         need = max(needs)
-        window_s, mode = self.cfg.node_window_s, self.cfg.eviction_cost
-        for w, idx in self.lru.items():
+        cfg = self.cfg
+        budget = cfg.warm_eviction_steps
+        ws = list(self.lru)
+        start = self._warm_from % len(ws) if ws else 0
+        for i in range(start, start + len(ws)):  # from where the last tick's budget ran out: every worker in turn
+            w = ws[i % len(ws)]
             facts = self._facts.get(w)
             if facts is not None:
-                idx.warm(w, need, now, window_s, facts.block_size, self.cost_model(w), mode)
+                budget -= self.lru[w].warm(w, need, now, cfg.node_window_s, facts.block_size, self.cost_model(w),
+                                           cfg.eviction_cost, budget)
+                if budget <= 0:
+                    self._warm_from = i
+                    return
 
     def cold_floor(self, w: WorkerId, now: float) -> float:
         """A time at or before every request through any node on w within the node window W: the earliest

@@ -517,15 +517,19 @@ class LruPricing:
 
     def warm(
         self, worker: Any, need_blocks: int, now: float, window_s: float, block_size: int, cost: CostModel,
-        mode: str,
-    ) -> None:
-        """`eviction_cost` for `need_blocks` with nothing protected, for its side effects only: the order
-        simulated that far and its victims' terms in the memo, where a later `eviction_cost` finds them while
-        they hold. A cost model fitted online keeps no terms, so then only the order is simulated."""
-        if isinstance(cost, ProfileCost):
+        mode: str, max_steps: int,
+    ) -> int:
+        """Simulate the order towards `need_blocks` (at most `max_steps` steps; a later call goes on) and, once
+        it is there, price its victims with nothing protected (`eviction_cost`, for its memo), so a later
+        `eviction_cost` finds both while they hold. A cost model fitted online keeps no terms: the order only.
+        Returns the steps simulated."""
+        if not self.heap or need_blocks <= 0 or self.cold_blocks(set()) >= need_blocks:
+            return 0  # M is 0 without an order
+        order = self.order(worker)
+        before = len(order.steps)  # (no hook runs in between, so nothing leaves the steps)
+        if order.reach(need_blocks, max_steps) and isinstance(cost, ProfileCost):
             self.eviction_cost(worker, need_blocks, set(), now, window_s, block_size, cost, mode)
-        elif self.heap and need_blocks > 0 and self.cold_blocks(set()) < need_blocks:
-            self.order(worker).reach(need_blocks)
+        return len(order.steps) - before
 
     def order(self, worker: Any) -> Any:
         """The kept eviction order, started afresh when the hooks dropped it."""

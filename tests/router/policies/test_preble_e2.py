@@ -580,6 +580,15 @@ def test_eviction_cost_memo_follows_the_window_and_the_cost_model() -> None:
     assert m(3.0, fit) == 3 * fit.prefill_s(384, 128) != first
 
 
+def profiled_fleet(n: int, kv_capacity_blocks: int) -> Fleet:
+    """`make_fleet`, each worker with the default performance profile (a `ProfileCost`, whose M terms are kept)."""
+    fleet = Fleet()
+    for i in range(n):
+        info = dataclasses.replace(make_worker_info(i, kv_capacity_blocks=kv_capacity_blocks), perf_profile=DEFAULT_PROFILE)
+        fleet.add_worker(info, state=WorkerState.READY, healthy=True)
+    return fleet
+
+
 @pytest.mark.usefixtures("impl")
 @pytest.mark.parametrize("profiled", [True, False])
 def test_a_tick_prices_the_recent_needs_eviction_ahead_of_the_selects(profiled: bool) -> None:
@@ -588,12 +597,7 @@ def test_a_tick_prices_the_recent_needs_eviction_ahead_of_the_selects(profiled: 
     order waits for the select. M is the same float either way. A worker without a profile (its cost fitted
     online, which keeps no terms) gets the order only."""
     pols = {n: PrebleE2(E2Config.paper(warm_eviction_needs=n)) for n in (0, 8)}
-    fleet = make_fleet(2, kv_capacity_blocks=40)
-    if profiled:
-        fleet = Fleet()
-        for i in range(2):
-            info = dataclasses.replace(make_worker_info(i, kv_capacity_blocks=40), perf_profile=DEFAULT_PROFILE)
-            fleet.add_worker(info, state=WorkerState.READY, healthy=True)
+    fleet = profiled_fleet(2, kv_capacity_blocks=40) if profiled else make_fleet(2, kv_capacity_blocks=40)
     a, ctx = req("a", shared=512), req("new", shared=0)  # ctx: 32 missed blocks, 8 free -> evict 24 of a's 32
     pt = COST.prefill_s(384, 128)
     for policy in pols.values():
@@ -612,6 +616,33 @@ def test_a_tick_prices_the_recent_needs_eviction_ahead_of_the_selects(profiled: 
     for policy in pols.values():
         assert policy.loadcost(fleet.get(W0), ctx, 0, [], now=3.0).evict_s == 4 * pt  # type: ignore[arg-type]
     assert pols[8].lru[W0]._order is warm  # the select used the tick's order
+
+
+@pytest.mark.usefixtures("impl")
+def test_the_tick_warm_up_stays_within_its_step_budget() -> None:
+    """Ten 4-block prompts fill w0 (40 blocks); a need of 30 blocks takes 8 victims. With 3 steps per tick the
+    order grows 3 steps a tick and is priced at the tick that reaches the need, no earlier; the warmed M is
+    the one a fresh order gives."""
+    policy = PrebleE2(E2Config.paper(warm_eviction_steps=3))
+    fleet = profiled_fleet(1, kv_capacity_blocks=40)
+    for i in range(10):
+        ctx = req(f"r{i}", shared=0, prompt_len=64)
+        place(policy, fleet, ctx, "w0", now=float(i))
+        policy.on_kv_events(W0, stored(ctx, i + 1, ts=float(i)))
+    policy.recent_needs.append(30)
+    idx = policy.lru[W0]
+    grown = []
+    for t in (10.0, 10.1, 10.2):
+        policy.on_tick(t)
+        grown.append((len(idx._order.steps), len(idx._order.memo)))
+    assert grown == [(3, 0), (6, 0), (8, 8)]  # (the 8th victim is a partial take: 2 of its 4 blocks)
+    fresh = PrebleE2(E2Config.paper(warm_eviction_needs=0))
+    for i in range(10):
+        ctx = req(f"r{i}", shared=0, prompt_len=64)
+        place(fresh, fleet, ctx, "w0", now=float(i))
+        fresh.on_kv_events(W0, stored(ctx, i + 1, ts=float(i)))
+    big = req("big", shared=0, prompt_len=480)  # 30 missed blocks, none free
+    assert policy.loadcost(fleet.get(W0), big, 0, [], now=10.3) == fresh.loadcost(fleet.get(W0), big, 0, [], now=10.3)  # type: ignore[arg-type]
 
 
 def test_the_tick_warm_up_leaves_every_decision_as_it_was() -> None:
