@@ -57,8 +57,12 @@ def test_cython_order_equals_reference(seed: int) -> None:
         for v, idx in policy.lru.items():
             ref = lru_order_py.EvictionOrder(idx, v, NodeStats)
             fast = _lru_order_c.EvictionOrder(idx, v, NodeStats)
-            # read part of the way first (`reach`), as eviction_cost does, then to the end
+            # read part of the way first (`reach`), as eviction_cost does, then to the end; first with a step
+            # budget, as the tick's warm-up does: it stops there, and the next call goes on
             need = rng.choice([1, 4, 20])
+            budget = rng.choice([0, 1, 3])
+            assert fast.reach(need, budget) == ref.reach(need, budget)
+            assert len(fast.steps) == len(ref.steps) <= budget
             assert fast.reach(need) == ref.reach(need)
             assert _walk(fast) == _walk(ref)
             assert (fast.cum, fast.hot, fast.pos) == (ref.cum, ref.hot, ref.pos)
