@@ -5,6 +5,7 @@ doubling detector, and the simulated LRU eviction behind M. Plain data; `preble_
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections import deque
@@ -517,19 +518,27 @@ class LruPricing:
 
     def warm(
         self, worker: Any, need_blocks: int, now: float, window_s: float, block_size: int, cost: CostModel,
-        mode: str, max_steps: int,
+        mode: str, max_work: int,
     ) -> int:
-        """Simulate the order towards `need_blocks` (at most `max_steps` steps; a later call goes on) and, once
-        it is there, price its victims with nothing protected (`eviction_cost`, for its memo), so a later
-        `eviction_cost` finds both while they hold. A cost model fitted online keeps no terms: the order only.
-        Returns the steps simulated."""
+        """Simulate the order towards `need_blocks` and, once it is there, price its victims with nothing
+        protected (`eviction_cost`, for its memo), so a later `eviction_cost` finds both while they hold; within
+        `max_work` units, a step simulated or a victim priced each (a later call goes on from the steps taken;
+        victims are priced all or none). A cost model fitted online keeps no terms: the order only. Returns the
+        units used."""
         if not self.heap or need_blocks <= 0 or self.cold_blocks(set()) >= need_blocks:
             return 0  # M is 0 without an order
         order = self.order(worker)
         before = len(order.steps)  # (no hook runs in between, so nothing leaves the steps)
-        if order.reach(need_blocks, max_steps) and isinstance(cost, ProfileCost):
-            self.eviction_cost(worker, need_blocks, set(), now, window_s, block_size, cost, mode)
-        return len(order.steps) - before
+        if not order.reach(need_blocks, max_work):
+            return len(order.steps) - before
+        used = len(order.steps) - before
+        if isinstance(cost, ProfileCost):
+            last = bisect.bisect_left(order.cum, need_blocks + order.cum_base)  # the step that completes the need
+            victims = bisect.bisect_right(order.hot, order.base + last)  # the hot ones up to it: what M prices
+            if used + victims <= max_work:
+                self.eviction_cost(worker, need_blocks, set(), now, window_s, block_size, cost, mode)
+                used += victims
+        return used
 
     def order(self, worker: Any) -> Any:
         """The kept eviction order, started afresh when the hooks dropped it."""

@@ -619,30 +619,50 @@ def test_a_tick_prices_the_recent_needs_eviction_ahead_of_the_selects(profiled: 
 
 
 @pytest.mark.usefixtures("impl")
-def test_the_tick_warm_up_stays_within_its_step_budget() -> None:
-    """Ten 4-block prompts fill w0 (40 blocks); a need of 30 blocks takes 8 victims. With 3 steps per tick the
-    order grows 3 steps a tick and is priced at the tick that reaches the need, no earlier; the warmed M is
-    the one a fresh order gives."""
-    policy = PrebleE2(E2Config.paper(warm_eviction_steps=3))
+@pytest.mark.parametrize(("budget", "grown"), [
+    (3, [(3, 0), (6, 0), (8, 0), (8, 0)]),  # 3 steps a tick; pricing 8 victims never fits in 3 units
+    (12, [(8, 0), (8, 8), (8, 8), (8, 8)]),  # 8 steps, then the 8 victims priced (4 units left is too few)
+])
+def test_the_tick_warm_up_stays_within_its_budget(budget: int, grown: list[tuple[int, int]]) -> None:
+    """Ten 4-block prompts fill w0 (40 blocks); a need of 30 blocks takes 8 victims, all hot. A tick's warm-up
+    simulates at most `warm_eviction_steps` steps, and prices the victims only where the rest of the budget
+    covers all of them; the M a select then gets is a fresh order's either way."""
+    policy = PrebleE2(E2Config.paper(warm_eviction_steps=budget))
+    fresh = PrebleE2(E2Config.paper(warm_eviction_needs=0))
     fleet = profiled_fleet(1, kv_capacity_blocks=40)
-    for i in range(10):
-        ctx = req(f"r{i}", shared=0, prompt_len=64)
-        place(policy, fleet, ctx, "w0", now=float(i))
-        policy.on_kv_events(W0, stored(ctx, i + 1, ts=float(i)))
+    for p in (policy, fresh):
+        for i in range(10):
+            ctx = req(f"r{i}", shared=0, prompt_len=64)
+            place(p, fleet, ctx, "w0", now=float(i))
+            p.on_kv_events(W0, stored(ctx, i + 1, ts=float(i)))
     policy.recent_needs.append(30)
     idx = policy.lru[W0]
-    grown = []
-    for t in (10.0, 10.1, 10.2):
+    got = []
+    for t in (10.0, 10.1, 10.2, 10.3):
         policy.on_tick(t)
-        grown.append((len(idx._order.steps), len(idx._order.memo)))
-    assert grown == [(3, 0), (6, 0), (8, 8)]  # (the 8th victim is a partial take: 2 of its 4 blocks)
-    fresh = PrebleE2(E2Config.paper(warm_eviction_needs=0))
-    for i in range(10):
-        ctx = req(f"r{i}", shared=0, prompt_len=64)
-        place(fresh, fleet, ctx, "w0", now=float(i))
-        fresh.on_kv_events(W0, stored(ctx, i + 1, ts=float(i)))
+        got.append((len(idx._order.steps), len(idx._order.memo)))
+    assert got == grown  # (the 8th victim is a partial take: 2 of its 4 blocks)
     big = req("big", shared=0, prompt_len=480)  # 30 missed blocks, none free
-    assert policy.loadcost(fleet.get(W0), big, 0, [], now=10.3) == fresh.loadcost(fleet.get(W0), big, 0, [], now=10.3)  # type: ignore[arg-type]
+    assert policy.loadcost(fleet.get(W0), big, 0, [], now=10.4) == fresh.loadcost(fleet.get(W0), big, 0, [], now=10.4)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("impl")
+def test_the_tick_warm_up_takes_the_workers_in_turn() -> None:
+    """When a tick's budget runs out on one worker, the next tick starts at the next one, so every worker's
+    order is warmed in turn however long one of them takes."""
+    policy = PrebleE2(E2Config.paper(warm_eviction_steps=3))
+    fleet = profiled_fleet(2, kv_capacity_blocks=40)
+    for w in ("w0", "w1"):
+        for i in range(10):
+            ctx = req(f"{w}r{i}", shared=0, prompt_len=64)
+            place(policy, fleet, ctx, w, now=float(i))
+            policy.on_kv_events(WorkerId(w), stored(ctx, i + 1, ts=float(i)))
+    policy.recent_needs.append(30)
+    got = []
+    for t in (10.0, 10.1, 10.2, 10.3):
+        policy.on_tick(t)
+        got.append(tuple(len(o.steps) if (o := policy.lru[w]._order) is not None else 0 for w in (W0, W1)))
+    assert got == [(3, 0), (3, 3), (6, 3), (6, 6)]
 
 
 def test_the_tick_warm_up_leaves_every_decision_as_it_was() -> None:
