@@ -157,7 +157,7 @@ class E2Config(BaseModel):
     # and prices its victims, so selects find M ready (`warm_eviction_orders`; 0 = off; decisions are the same)
     warm_eviction_needs: int = Field(default=256, ge=0)
     # the work one tick's warm-up may do: order steps simulated (~3 µs each) plus victims priced (memo hits mostly)
-    warm_eviction_steps: int = Field(default=512, ge=1)
+    warm_eviction_budget: int = Field(default=512, ge=1)
     default_profile: str = DEFAULT_PROFILE  # for unknown profile names and before the online fit is ready
     online_fit_min_samples: int = Field(default=8, ge=1)
     online_fit_decay: float = Field(default=1.0, gt=0, le=1)  # 1.0 = plain running least squares
@@ -976,7 +976,7 @@ class PrebleE2(Policy):
         bisection and memo hits. The decisions are the same: an order's steps and a term do not depend on when
         they were computed (the replay test checks every M against the full scan). The tick pays a walk of every
         worker's order up to the need each time, memo hits where nothing changed, and at most
-        `warm_eviction_steps` units of work in all, a step or a victim priced each (a fresh order over many small
+        `warm_eviction_budget` units of work in all, a step or a victim priced each (a fresh order over many small
         cold nodes can take thousands of steps: ~6 ms at 5,000; many small hot victims, as many lookups), so no
         tick stalls the loop on it (README "Decision cost").
         """
@@ -985,7 +985,7 @@ class PrebleE2(Policy):
             return
         need = max(needs)
         cfg = self.cfg
-        budget = cfg.warm_eviction_steps
+        budget = cfg.warm_eviction_budget
         ws = list(self.lru)
         start = self._warm_from % len(ws) if ws else 0
         for i in range(start, start + len(ws)):  # round robin from where the last tick's budget ran out

@@ -625,9 +625,10 @@ def test_a_tick_prices_the_recent_needs_eviction_ahead_of_the_selects(profiled: 
 ])
 def test_the_tick_warm_up_stays_within_its_budget(budget: int, grown: list[tuple[int, int]]) -> None:
     """Ten 4-block prompts fill w0 (40 blocks); a need of 30 blocks takes 8 victims, all hot. A tick's warm-up
-    simulates at most `warm_eviction_steps` steps, and prices the victims only where the rest of the budget
-    covers all of them; the M a select then gets is a fresh order's either way."""
-    policy = PrebleE2(E2Config.paper(warm_eviction_steps=budget))
+    does at most `warm_eviction_budget` units of work (a step simulated or a victim priced), and prices the
+    victims only where the rest of the budget covers all of them; the M a select then gets is a fresh order's
+    either way."""
+    policy = PrebleE2(E2Config.paper(warm_eviction_budget=budget))
     fresh = PrebleE2(E2Config.paper(warm_eviction_needs=0))
     fleet = profiled_fleet(1, kv_capacity_blocks=40)
     for p in (policy, fresh):
@@ -650,7 +651,7 @@ def test_the_tick_warm_up_stays_within_its_budget(budget: int, grown: list[tuple
 def test_the_tick_warm_up_takes_the_workers_in_turn() -> None:
     """When a tick's budget runs out on one worker, the next tick starts at the next one, so every worker's
     order is warmed in turn however long one of them takes."""
-    policy = PrebleE2(E2Config.paper(warm_eviction_steps=3))
+    policy = PrebleE2(E2Config.paper(warm_eviction_budget=3))
     fleet = profiled_fleet(2, kv_capacity_blocks=40)
     for w in ("w0", "w1"):
         for i in range(10):
