@@ -89,6 +89,11 @@ class RouterMetrics:
             "switchyard_routing_decision_seconds", "Time of one Policy.select call", ["policy"],
             buckets=CPU_BUCKETS_S, registry=r,
         )
+        self.tick_time = Histogram(
+            "switchyard_policy_tick_seconds", "Time of one Policy.on_tick call (background work: E2's rebalancing, "
+            "gc and eviction-order warm-up; the event loop stops meanwhile)", ["policy"],
+            buckets=GC_BUCKETS_S, registry=r,
+        )
         self.tokenize_time = Histogram(
             "switchyard_tokenization_seconds", "Tokenization (chat template) plus block hashing of a prompt",
             ["model"], buckets=CPU_BUCKETS_S, registry=r,

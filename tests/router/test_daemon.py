@@ -73,7 +73,8 @@ def sample(daemon: RouterDaemon, name: str, **labels: str) -> float:
 
 async def test_policy_actions_are_exported() -> None:
     """E2's rebalancing redirects and replicas (`Policy.counters`) reach switchyard_policy_actions_total at the next
-    tick: a series per action from the first tick, advanced by what the policy counted since."""
+    tick: a series per action from the first tick, advanced by what the policy counted since; each tick's duration
+    reaches switchyard_policy_tick_seconds."""
     async with stack([FakeWorker("w0")], routing={"policy": "e2", "tick_interval_ms": 10}) as (daemon, _):
         def value(action: str) -> float | None:
             return daemon.metrics.registry.get_sample_value(
@@ -81,6 +82,8 @@ async def test_policy_actions_are_exported() -> None:
 
         await until(lambda: value("replications") is not None)
         assert value("rebalance_redirects") == value("replications") == 0
+        # every tick is timed (the event loop stops while the policy's background work runs)
+        assert sample(daemon, "switchyard_policy_tick_seconds_count", policy="e2") >= 1
         # the count a rebalancing pass keeps (causing a real one takes hundreds of requests within E2's window H;
         # bench suite section f and test_skew_rules_spread_a_hot_prefix do that in virtual time)
         daemon.policy.num_redirects += 3  # type: ignore[attr-defined]
