@@ -13,6 +13,7 @@ def make_worker_info(
     block_size: int = 16,
     kv_capacity_blocks: int = 1000,
     max_num_seqs: int = 8,
+    perf_profile: str = "",
 ) -> WorkerInfo:
     return WorkerInfo(
         worker_id=WorkerId(f"w{i}"),
@@ -22,6 +23,7 @@ def make_worker_info(
         kv_capacity_blocks=kv_capacity_blocks,
         max_num_seqs=max_num_seqs,
         address=f"127.0.0.1:{50100 + i}",
+        perf_profile=perf_profile,
     )
 
 
@@ -33,13 +35,15 @@ def make_fleet(
     kv_capacity_blocks: int = 1000,
     max_num_seqs: int = 8,
     now: float = 0.0,
+    perf_profile: str = "",
 ) -> Fleet:
-    """`n` ready, healthy workers w0..w{n-1} of one model, in registration order, with empty stats."""
+    """`n` ready, healthy workers w0..w{n-1} of one model, in registration order, with empty stats ("" profile:
+    the router fits each worker's cost online; a profile name: its `ProfileCost`)."""
     fleet = Fleet()
     fleet.set_time(now)
     for i in range(n):
         fleet.add_worker(
-            make_worker_info(i, model, max_model_len, block_size, kv_capacity_blocks, max_num_seqs),
+            make_worker_info(i, model, max_model_len, block_size, kv_capacity_blocks, max_num_seqs, perf_profile),
             state=WorkerState.READY,
             healthy=True,
         )

@@ -20,9 +20,7 @@ PROFILE = "llama3-8b-a100"
 def one_worker(perf_profile: str = "") -> tuple[Fleet, WorkerRecord]:
     """One worker with 1000 blocks of 16 = 16,000 KV tokens."""
     fleet = Fleet()
-    info = dataclasses.replace(
-        make_worker_info(0, kv_capacity_blocks=1000, block_size=16), perf_profile=perf_profile
-    )
+    info = make_worker_info(0, kv_capacity_blocks=1000, block_size=16, perf_profile=perf_profile)
     return fleet, fleet.add_worker(info, state=WorkerState.READY, healthy=True)
 
 
@@ -196,7 +194,7 @@ def test_sync_all_moves_every_clock_as_sync_does(rate_source: str) -> None:
     fleet = Fleet()
     ws = [
         fleet.add_worker(
-            dataclasses.replace(make_worker_info(i, kv_capacity_blocks=1000, block_size=16), perf_profile=rate_source),
+            make_worker_info(i, kv_capacity_blocks=1000, block_size=16, perf_profile=rate_source),
             state=WorkerState.READY,
             healthy=True,
         )

@@ -27,7 +27,7 @@ from switchyard.bench.preble_workloads import PrebleSpec, make_toolbench
 from switchyard.bench.sim import SimConfig, Simulator
 from switchyard.bench.workloads import WorkloadSpec, make_workload
 from switchyard.ext import lru_order, lru_order_py, radix, radix_py
-from switchyard.router.fleet import Fleet, WorkerState
+from switchyard.router.fleet import Fleet
 from switchyard.router.policies import preble_e2, preble_load
 from switchyard.router.policies.base import Decision, RoutingContext, WorkerId
 from switchyard.router.policies.preble_cost import OnlineFit, profile_cost
@@ -580,15 +580,6 @@ def test_eviction_cost_memo_follows_the_window_and_the_cost_model() -> None:
     assert m(3.0, fit) == 3 * fit.prefill_s(384, 128) != first
 
 
-def profiled_fleet(n: int, kv_capacity_blocks: int) -> Fleet:
-    """`make_fleet`, each worker with the default performance profile (a `ProfileCost`, whose M terms are kept)."""
-    fleet = Fleet()
-    for i in range(n):
-        info = dataclasses.replace(make_worker_info(i, kv_capacity_blocks=kv_capacity_blocks), perf_profile=DEFAULT_PROFILE)
-        fleet.add_worker(info, state=WorkerState.READY, healthy=True)
-    return fleet
-
-
 @pytest.mark.usefixtures("impl")
 @pytest.mark.parametrize("profiled", [True, False])
 def test_a_tick_prices_the_recent_needs_eviction_ahead_of_the_selects(profiled: bool) -> None:
@@ -597,7 +588,7 @@ def test_a_tick_prices_the_recent_needs_eviction_ahead_of_the_selects(profiled: 
     order waits for the select. M is the same float either way. A worker without a profile (its cost fitted
     online, which keeps no terms) gets the order only."""
     pols = {n: PrebleE2(E2Config.paper(warm_eviction_needs=n)) for n in (0, 8)}
-    fleet = profiled_fleet(2, kv_capacity_blocks=40) if profiled else make_fleet(2, kv_capacity_blocks=40)
+    fleet = make_fleet(2, kv_capacity_blocks=40, perf_profile=DEFAULT_PROFILE if profiled else "")
     a, ctx = req("a", shared=512), req("new", shared=0)  # ctx: 32 missed blocks, 8 free -> evict 24 of a's 32
     pt = COST.prefill_s(384, 128)
     for policy in pols.values():
@@ -630,7 +621,7 @@ def test_the_tick_warm_up_stays_within_its_budget(budget: int, grown: list[tuple
     either way."""
     policy = PrebleE2(E2Config.paper(warm_eviction_budget=budget))
     fresh = PrebleE2(E2Config.paper(warm_eviction_needs=0))
-    fleet = profiled_fleet(1, kv_capacity_blocks=40)
+    fleet = make_fleet(1, kv_capacity_blocks=40, perf_profile=DEFAULT_PROFILE)
     for p in (policy, fresh):
         for i in range(10):
             ctx = req(f"r{i}", shared=0, prompt_len=64)
@@ -652,7 +643,7 @@ def test_the_tick_warm_up_takes_the_workers_in_turn() -> None:
     """When a tick's budget runs out on one worker, the next tick starts at the next one, so every worker's
     order is warmed in turn however long one of them takes."""
     policy = PrebleE2(E2Config.paper(warm_eviction_budget=3))
-    fleet = profiled_fleet(2, kv_capacity_blocks=40)
+    fleet = make_fleet(2, kv_capacity_blocks=40, perf_profile=DEFAULT_PROFILE)
     for w in ("w0", "w1"):
         for i in range(10):
             ctx = req(f"{w}r{i}", shared=0, prompt_len=64)
