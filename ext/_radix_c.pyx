@@ -567,6 +567,14 @@ cdef class RadixTree:
     cdef uint64_t _used_mask[_NW]
     cdef int _nw  # the mask words in use: 1 + the highest word of _used_mask with a bit set (0: none)
     cdef dict _dead  # gc's candidates: whole second of last_access -> [node] (see radix_py)
+    # The last walk of a tuple of hashes (`_walk`): the tuple itself (held, so its identity cannot be reused), the
+    # shape version it walked, its path, matched blocks, last node's matched blocks, and whether it was strict.
+    cdef uint64_t _shape  # bumped by every change to the nodes' spans or links (`_reshaped`)
+    cdef object _walk_seq
+    cdef uint64_t _walk_shape
+    cdef list _walk_path
+    cdef Py_ssize_t _walk_matched, _walk_last_m
+    cdef bint _walk_strict
 
     def __cinit__(self):
         cdef int s
@@ -579,6 +587,8 @@ cdef class RadixTree:
         if self._slots == NULL:
             raise MemoryError()
         self._num_nodes = 0
+        self._shape = 0
+        self._walk_seq = None
         self._next_seq = 0  # the root takes 0, as in the reference
         for s in range(_NW):
             self._used_mask[s] = 0
@@ -838,15 +848,43 @@ cdef class RadixTree:
             out.append((last, start, end))
         return out
 
-    cdef Py_ssize_t _walk(self, PyObject** items, Py_ssize_t n, list path, Py_ssize_t* last_m,
-                          bint strict=False) except -1:
-        """Append the matched nodes to path; returns the matched blocks, *last_m = those of the last node.
-        `strict`: also stop at a child's first hash that is not a uint64 (a float equal to an int finds its child),
-        so `insert` converts, and refuses, every hash it did not walk."""
+    cdef inline void _reshaped(self) noexcept:
+        """A node's span or links changed: no earlier walk holds (`_walk`'s memo)."""
+        self._shape += 1
+        self._walk_seq = None
+        self._walk_path = None
+
+    cdef Py_ssize_t _walk(self, object seq, list path, Py_ssize_t* last_m, bint strict=False) except -1:
+        """Append the matched nodes of `seq` (`_fast_seq`'s) to path; returns the matched blocks, *last_m = those of
+        the last node. `strict`: also stop at a child's first hash that is not a uint64 (a float equal to an int
+        finds its child), so `insert` converts, and refuses, every hash it did not walk.
+
+        NOTE: a dispatch walks the prompt its select walked (E2: `match_cached`, then `insert`; a video-QA prompt
+        is ~1,500 blocks, ~10-14 µs a walk), so the last walk of a tuple is kept and answers a walk of the same
+        tuple object until the tree's shape changes (`_reshaped`). Exact: a tuple and its ints are immutable, the
+        memo holds the tuple (its address is not reused), and a walk reads only spans and links. A non-strict
+        walk answers a strict one once each path node's first hash is checked (the only hashes the strict test
+        adds); a strict walk answers only strict ones (it may stop where a non-strict one goes on).
+        """
+        cdef PyObject** items = PySequence_Fast_ITEMS(seq)
+        cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
         cdef Node node = self._root
         cdef Node child
-        cdef Py_ssize_t i = 0, m = 0
+        cdef Py_ssize_t i = 0, m = 0, j, pos
         cdef uint64_t v
+        cdef bint memo = PyTuple_CheckExact(seq)
+        if memo and seq is self._walk_seq and self._walk_shape == self._shape and (strict or not self._walk_strict):
+            if strict and not self._walk_strict:
+                pos = 0
+                for j in range(PyList_GET_SIZE(self._walk_path)):
+                    if not _as_u64(<object>items[pos], &v):
+                        memo = False  # walk it, strictly
+                        break
+                    pos += (<Node>PyList_GET_ITEM(self._walk_path, j))._n
+            if memo:
+                path.extend(self._walk_path)
+                last_m[0] = self._walk_last_m
+                return self._walk_matched
         while i < n:
             if strict and not _as_u64(<object>items[i], &v):
                 break
@@ -865,6 +903,13 @@ cdef class RadixTree:
                 break
             node = child
         last_m[0] = m
+        if memo:
+            self._walk_seq = seq
+            self._walk_shape = self._shape
+            self._walk_path = list(path)
+            self._walk_matched = i
+            self._walk_last_m = m
+            self._walk_strict = strict
         return i
 
     # ---- match ---------------------------------------------------------------------------------------------
@@ -932,7 +977,7 @@ cdef class RadixTree:
         cdef object seq = _fast_seq(block_hashes)
         cdef Py_ssize_t last_m = 0
         cdef list path = []
-        cdef Py_ssize_t matched = self._walk(PySequence_Fast_ITEMS(seq), PySequence_Fast_GET_SIZE(seq), path, &last_m)
+        cdef Py_ssize_t matched = self._walk(seq, path, &last_m)
         return path, matched
 
     def match(self, block_hashes):
@@ -950,7 +995,7 @@ cdef class RadixTree:
         cdef int s, wi
         cdef Node node
         cdef object key = None
-        res.matched_blocks = self._walk(PySequence_Fast_ITEMS(seq), n, path, &last_m)
+        res.matched_blocks = self._walk(seq, path, &last_m)
         for j in range(PyList_GET_SIZE(path)):
             node = <Node>PyList_GET_ITEM(path, j)
             if node._n > node.context_blocks:
@@ -987,7 +1032,7 @@ cdef class RadixTree:
         cdef Py_ssize_t r, a, best = 0
         cdef object sl, ev
         cdef uint64_t h
-        self._walk(items, n, path, &last_m)
+        self._walk(seq, path, &last_m)
         self._runs(path, last_m, res_run, asg_run)
         for w in workers:
             sl = self._worker_to_slot.get(w)
@@ -1063,6 +1108,7 @@ cdef class RadixTree:
         node._parent._children[PyLong_FromUnsignedLongLong(upper._blocks[0])] = upper
         upper._children[PyLong_FromUnsignedLongLong(node._blocks[0])] = node
         node._parent = upper
+        self._reshaped()
         cdef size_t mask = self._reserve(upper._blocks, k, False)  # replacements: no new slots
         for i in range(k):
             if i + _PREFETCH_AHEAD < k:
@@ -1098,6 +1144,7 @@ cdef class RadixTree:
             return None
         leaf._n = r
         parent._children[<object>keys[0]] = leaf
+        self._reshaped()
         self._num_nodes += 1
         return leaf
 
@@ -1121,7 +1168,7 @@ cdef class RadixTree:
         cdef Node under, node
         # NOTE: only the unmatched tail is converted (a video-QA prompt is ~1,500 blocks, nearly all matched): the
         # strict walk stops at the first hash that is not a uint64, so one raises here, before the tree changes.
-        cdef Py_ssize_t matched = self._walk(items, n, path, &last_m, True)
+        cdef Py_ssize_t matched = self._walk(seq, path, &last_m, True)
         cdef uint64_t* buf = self._to_buffer(items + matched, n - matched)
         try:
             # NOTE: wraparound is off in this module: index with len - 1, never -1.
@@ -1299,6 +1346,7 @@ cdef class RadixTree:
                     continue
                 parent = node._parent
                 del parent._children[PyLong_FromUnsignedLongLong(node._blocks[0])]
+                self._reshaped()
                 mask = self._reserve(node._blocks, node._n, False)  # deletions never move the table
                 for j in range(node._n):
                     if j + _PREFETCH_AHEAD < node._n:

@@ -430,19 +430,28 @@ class SideBySide(RuleBasedStateMachine):
         super().__init__()
         self.trees = [radix_py.RadixTree()] + ([_radix_c.RadixTree()] if _radix_c is not None else [])
         self.hash_of: dict[tuple[int, ...], int] = {}  # token prefix -> chained "block hash"
+        self.chains: dict[tuple[int, ...], tuple[int, ...]] = {}  # tokens -> their one tuple of hashes
         self.paths: list[list] = []  # per insert: the path from each tree
         self.held: dict[str, set[int]] = {}  # model: blocks each worker's cache really holds
         self.evs: list[dict] = [{} for _ in self.trees]  # per tree, E2's evicted sets: its own `block_set()`s
         self.now = 0.0
 
-    def chain(self, tokens: list[int]) -> list[int]:
+    def chain(self, tokens: list[int]) -> tuple[int, ...]:
+        """The hashes of tokens, as the same tuple object each time (a RoutingContext's `block_hashes`, walked by
+        select and then by the dispatch's insert): the C build answers a walk of the tuple it walked last from a
+        memo until the tree's shape changes, and the reference has none, so a stale memo shows as a difference."""
+        key = tuple(tokens)
+        got = self.chains.get(key)
+        if got is not None:
+            return got
         out = []
         for i in range(1, len(tokens) + 1):
             prefix = tuple(tokens[:i])
             if prefix not in self.hash_of:  # large, distinct, deterministic uint64 values
                 self.hash_of[prefix] = ((len(self.hash_of) + 1) * 0x9E3779B97F4A7C15) % 2**64
             out.append(self.hash_of[prefix])
-        return out
+        got = self.chains[key] = tuple(out)
+        return got
 
     def tick(self, dt: float) -> float:
         self.now += dt
@@ -523,7 +532,7 @@ class SideBySide(RuleBasedStateMachine):
 
     @rule(worker=WORKERS, tokens=st.just([]) | TOKENS, data=st.data())
     def mark_evicted(self, worker: str, tokens: list[int], data: st.DataObject) -> None:
-        candidates = self.chain(tokens) + sorted(self.held.get(worker, ()))  # mostly blocks it holds
+        candidates = list(self.chain(tokens)) + sorted(self.held.get(worker, ()))  # mostly blocks it holds
         evicted = data.draw(st.lists(st.sampled_from(candidates), max_size=3)) if candidates else []
         if data.draw(st.booleans()):  # or a chain's tail, as a worker evicts it: tail first or head first
             tail = self.chain(tokens)[data.draw(st.integers(0, 3)):]
@@ -699,3 +708,28 @@ def test_block_index_at_scale_matches_the_reference(seed: int) -> None:
     for h in used:
         a, b = (t.node_of(h) for t in trees)
         assert (a is None) == (b is None) and (a is None or (tuple(a[0].blocks), a[1]) == (tuple(b[0].blocks), b[1]))
+
+
+def test_a_walk_memo_never_outlives_a_change_of_shape() -> None:
+    """The C build answers a walk of the tuple it walked last from a memo (`_walk`): every change to the nodes'
+    spans or links must drop it, or the next walk reports the old path (a leaf, a split, a gc removal)."""
+    if _radix_c is None:
+        pytest.skip("compiled radix tree not built")
+    tree = _radix_c.RadixTree()
+    whole, head = (11, 12, 13), (11, 12)
+    assert tree.walk(whole) == ([], 0)
+    tree.insert(whole, 1.0)  # a leaf under the root
+    path, matched = tree.walk(whole)
+    assert [n.num_blocks for n in path] == [3] and matched == 3
+    assert tree.walk(head)[1] == 2
+    tree.insert(head, 1.0)  # splits the leaf at 2
+    path, matched = tree.walk(head)
+    assert [n.num_blocks for n in path] == [2] and matched == 2
+    path, matched = tree.walk(whole)
+    assert [n.num_blocks for n in path] == [2, 1] and matched == 3
+    assert tree.gc(100.0, 10.0) == 2  # both nodes: nothing resident or assigned, past the window
+    assert tree.walk(whole) == ([], 0)
+    strict = (11, 12.5)  # a walk that stopped at a bad hash does not answer insert's strict one wrongly
+    assert tree.walk(strict) == ([], 0)
+    with pytest.raises(ValueError):
+        tree.insert(strict, 101.0)
