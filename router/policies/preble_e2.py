@@ -860,11 +860,19 @@ class PrebleE2(Policy):
                 keys = ev.block_hashes if ev.parent_block_hash is None else (ev.parent_block_hash, *ev.block_hashes)
                 before = [run[0] for run in tree.runs_of(keys)]  # a split keeps these
                 parents = [node.parent for node in before]
+                num_nodes = tree.num_nodes
                 tree.mark_resident(w, ev.block_hashes, ev.parent_block_hash, batch.ts)
-                # no split (every node keeps its parent): only w's residency moved, and a new leaf holds w alone,
-                # so only w's index can change (a shared prefix's other holders: the whole fleet) are not asked
-                split = any(node.parent is not p for node, p in zip(before, parents, strict=True))
-                self._touch(before + [run[0] for run in tree.runs_of(keys)], None if split else w)
+                if tree.num_nodes == num_nodes:
+                    # NOTE: exact: no node added, so none split (a split adds its upper half) and no leaf: the
+                    # blocks lie in the same nodes under the same parents, and the runs after are `before` again.
+                    # Nearly every event: the router inserted the prompt's nodes at dispatch.
+                    self._touch(before, w)
+                else:
+                    # no split (every node keeps its parent): only w's residency moved, and a new leaf holds w
+                    # alone, so only w's index can change (a shared prefix's other holders: the whole fleet) are
+                    # not asked
+                    split = any(node.parent is not p for node, p in zip(before, parents, strict=True))
+                    self._touch(before + [run[0] for run in tree.runs_of(keys)], None if split else w)
                 self.resident_count[w] = self.resident_count.get(w, 0) + len(ev.block_hashes)
                 evicted = self.evicted.get(w)
                 if evicted:
