@@ -13,6 +13,7 @@ import time
 
 import grpc
 import pytest
+from polling import until
 
 from switchyard.bench import procs
 from switchyard.router.client import RouterClient, make_request
@@ -24,13 +25,9 @@ MODEL = "mistral-7b-sim"
 BLOCK = 16
 
 
-def _wait_resident(client: RouterClient, worker_id: str, min_blocks: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(w.worker_id == worker_id and w.num_resident_blocks >= min_blocks for w in client.list_workers()):
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"router never saw {min_blocks} resident blocks on {worker_id}")
+def _wait_resident(client: RouterClient, worker_id: str, min_blocks: int) -> None:
+    until(lambda: any(w.worker_id == worker_id and w.num_resident_blocks >= min_blocks for w in client.list_workers()),
+          what=f"the router to see {min_blocks} resident blocks on {worker_id}")
 
 
 @pytest.mark.parametrize("policy", ["e2"])

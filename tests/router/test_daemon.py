@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import grpc
@@ -18,6 +18,7 @@ import pytest
 from factories import make_stats
 from fake_worker import FakeWorker, Script
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from polling import until_async
 
 from switchyard.auth import KeySpec
 from switchyard.router.admission import LONG_INPUT, AdmittedRequest, Sampling
@@ -59,13 +60,6 @@ async def stack(fakes: list[FakeWorker], api_key: str | None = None,
             await w.stop()
 
 
-async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Poll router-side state that has no notification hook (bounded; fails the test on timeout)."""
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.005)
-
-
 def sample(daemon: RouterDaemon, name: str, **labels: str) -> float:
     value = daemon.metrics.registry.get_sample_value(name, labels)
     return value or 0.0
@@ -80,16 +74,16 @@ async def test_policy_actions_are_exported() -> None:
             return daemon.metrics.registry.get_sample_value(
                 "switchyard_policy_actions_total", {"policy": "e2", "action": action})
 
-        await until(lambda: value("replications") is not None)
+        await until_async(lambda: value("replications") is not None)
         assert value("rebalance_redirects") == value("replications") == 0
         # every tick is timed (the event loop stops while the policy's background work runs)
         assert sample(daemon, "switchyard_policy_tick_seconds_count", policy="e2") >= 1
         # the count a rebalancing pass keeps (causing a real one takes hundreds of requests within E2's window H;
         # bench suite section f and test_skew_rules_spread_a_hot_prefix do that in virtual time)
         daemon.policy.num_redirects += 3  # type: ignore[attr-defined]
-        await until(lambda: value("rebalance_redirects") == 3)
+        await until_async(lambda: value("rebalance_redirects") == 3)
         daemon.policy.num_redirects += 1  # type: ignore[attr-defined]
-        await until(lambda: value("rebalance_redirects") == 4)
+        await until_async(lambda: value("rebalance_redirects") == 4)
         assert value("replications") == 0
 
 
@@ -111,7 +105,7 @@ async def test_streaming_generate_end_to_end() -> None:
         assert sample(daemon, "switchyard_requests_total", model="m", worker="w0", status="ok") == 1
         assert sample(daemon, "switchyard_ttft_seconds_count", model="m") == 1
         assert sample(daemon, "switchyard_routing_decision_seconds_count", policy=DEFAULT_POLICY) == 1
-        await until(lambda: daemon.fleet.get(WorkerId("w0")).in_flight == 0)  # type: ignore[union-attr]
+        await until_async(lambda: daemon.fleet.get(WorkerId("w0")).in_flight == 0)  # type: ignore[union-attr]
 
 
 async def test_complete_relays_the_workers_text() -> None:
@@ -223,7 +217,7 @@ async def test_a_stalled_worker_stream_fails_its_attempt() -> None:
             await client.complete("m", prompt="x", max_tokens=5, request_id="s3")
         assert e.value.code() is grpc.StatusCode.UNAVAILABLE
         assert "after 1 tokens were delivered" in e.value.details() and "no chunk for 0.3 s" in e.value.details()
-        await until(lambda: daemon.dispatcher.num_active == 0 and daemon.fleet.get(WorkerId("w0")).in_flight == 0)  # type: ignore[union-attr]
+        await until_async(lambda: daemon.dispatcher.num_active == 0 and daemon.fleet.get(WorkerId("w0")).in_flight == 0)  # type: ignore[union-attr]
 
 
 async def test_client_cancel_aborts_on_the_worker() -> None:
@@ -233,8 +227,8 @@ async def test_client_cancel_aborts_on_the_worker() -> None:
         assert [c.token_ids[0] async for c in _take(call, 2)] == [1000, 1001]
         call.cancel()
         await w.wait_for(lambda: "c1" in w.aborted and "c1" in w.cancelled)
-        await until(lambda: daemon.fleet.get(WorkerId("w0")).in_flight == 0)  # type: ignore[union-attr]
-        await until(lambda: sample(daemon, "switchyard_cancelled_total", model="m", stage="dispatched") == 1)
+        await until_async(lambda: daemon.fleet.get(WorkerId("w0")).in_flight == 0)  # type: ignore[union-attr]
+        await until_async(lambda: sample(daemon, "switchyard_cancelled_total", model="m", stage="dispatched") == 1)
 
 
 async def _take(call, n: int):  # type: ignore[no-untyped-def]
@@ -250,8 +244,8 @@ async def test_deadline_while_dispatched_aborts_on_the_worker() -> None:
             await client.complete("m", prompt="x", max_tokens=10, request_id="d1", timeout=0.3)
         assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
         await w.wait_for(lambda: "d1" in w.cancelled)
-        await until(lambda: sample(daemon, "switchyard_deadline_exceeded_total", model="m", stage="dispatched") == 1)
-        await until(lambda: daemon.fleet.get(WorkerId("w0")).in_flight == 0)  # type: ignore[union-attr]
+        await until_async(lambda: sample(daemon, "switchyard_deadline_exceeded_total", model="m", stage="dispatched") == 1)
+        await until_async(lambda: daemon.fleet.get(WorkerId("w0")).in_flight == 0)  # type: ignore[union-attr]
 
 
 class _ShiftedClock:
@@ -301,7 +295,7 @@ async def test_queue_holds_releases_and_rejects_when_full() -> None:
         first = asyncio.create_task(client.complete("m", prompt="a", max_tokens=2, request_id="q1"))
         await w.wait_for(lambda: "q1" in w.active)
         second = asyncio.create_task(client.complete("m", prompt="b", max_tokens=2, request_id="q2"))
-        await until(lambda: len(daemon.queue) == 1)
+        await until_async(lambda: len(daemon.queue) == 1)
         assert [r.request_id for r in w.received] == ["q1"]  # q2 is held in the router, not sent
         call = client._stub.Complete(_req("q3"), timeout=5)
         with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -327,14 +321,14 @@ async def test_cancel_and_deadline_remove_from_the_queue() -> None:
         first = asyncio.create_task(client.complete("m", prompt="a", max_tokens=2, request_id="q1"))
         await w.wait_for(lambda: "q1" in w.active)
         waiting = client.generate_call("m", prompt="b", max_tokens=2, request_id="q2")
-        await until(lambda: len(daemon.queue) == 1)
+        await until_async(lambda: len(daemon.queue) == 1)
         waiting.cancel()
-        await until(lambda: len(daemon.queue) == 0)
+        await until_async(lambda: len(daemon.queue) == 0)
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await client.complete("m", prompt="c", max_tokens=2, request_id="q3", timeout=0.2)
         assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-        await until(lambda: len(daemon.queue) == 0)
-        await until(lambda: sample(daemon, "switchyard_deadline_exceeded_total", model="m", stage="queued") == 1)
+        await until_async(lambda: len(daemon.queue) == 0)
+        await until_async(lambda: sample(daemon, "switchyard_deadline_exceeded_total", model="m", stage="queued") == 1)
         assert sample(daemon, "switchyard_cancelled_total", model="m", stage="queued") == 1
         w.gate.set()
         await first
@@ -350,14 +344,14 @@ async def test_a_cancel_that_meets_the_release_in_one_loop_iteration_is_not_sent
     async with stack([w]) as (daemon, _):
         rec = daemon.fleet.get(WorkerId("w0"))
         assert rec is not None
-        await until(lambda: rec.num_waiting == 1)
+        await until_async(lambda: rec.num_waiting == 1)
         req = AdmittedRequest(
             request_id="x1", model="m", prompt_token_ids=(5, 6, 7), block_hashes=(), sampling=Sampling(max_tokens=2),
             arrival_s=daemon.clock.now(),
         )
         chunks = daemon.dispatcher.generate(req, time_remaining_s=30.0)
         task = asyncio.create_task(anext(chunks))  # type: ignore[arg-type]
-        await until(lambda: len(daemon.queue) == 1)
+        await until_async(lambda: len(daemon.queue) == 1)
         daemon.fleet.apply_stats(rec.worker_id, make_stats(), daemon.clock.now())  # room, as a Stats poll reports
         daemon.dispatcher.pump()  # binds x1 (in_flight 1) and resolves its waiter ...
         assert rec.in_flight == 1
@@ -396,11 +390,11 @@ async def test_a_policy_that_raises_fails_its_own_request_with_internal_and_noth
             raise RuntimeError("scripted on_tick failure")
 
         policy.select, policy.on_dispatch, policy.on_tick = failing_select, failing_on_dispatch, failing_tick  # type: ignore[method-assign]
-        await until(lambda: rec.num_waiting == 1)
+        await until_async(lambda: rec.num_waiting == 1)
         bad = asyncio.create_task(client.complete("m", prompt="a", max_tokens=1, request_id="bad-select"))
-        await until(lambda: len(daemon.queue) == 1)
+        await until_async(lambda: len(daemon.queue) == 1)
         good = asyncio.create_task(client.complete("m", prompt="b", max_tokens=1, request_id="good"))
-        await until(lambda: len(daemon.queue) == 2)
+        await until_async(lambda: len(daemon.queue) == 2)
         w.num_waiting = 0  # the next Stats poll releases both, the failing one first
         async with asyncio.timeout(5):
             with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -410,9 +404,9 @@ async def test_a_policy_that_raises_fails_its_own_request_with_internal_and_noth
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await client.complete("m", prompt="c", max_tokens=1, request_id="bad-dispatch")  # the fast path
         assert e.value.code() is grpc.StatusCode.INTERNAL
-        await until(lambda: daemon.dispatcher.num_active == 0)
+        await until_async(lambda: daemon.dispatcher.num_active == 0)
         assert rec.in_flight == 0
-        await until(lambda: ticks[0] >= 3)
+        await until_async(lambda: ticks[0] >= 3)
 
 
 async def test_a_long_prompt_is_tokenized_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -431,7 +425,7 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(monkeypatch: pytest
     monkeypatch.setattr(TOK, "encode", held_encode)
     async with stack([FakeWorker("w0", max_model_len=4096)]) as (_daemon, client):
         long = asyncio.create_task(client.complete("m", prompt=long_text, max_tokens=1, request_id="long"))
-        await until(held.is_set)
+        await until_async(held.is_set)
         short = await client.complete("m", prompt="short", max_tokens=1, request_id="short")
         assert not release.is_set() and not long.done()  # served while the long prompt was still tokenizing
         release.set()
@@ -442,9 +436,9 @@ async def test_stats_waiting_holds_until_the_worker_reports_room() -> None:
     w = FakeWorker("w0", max_num_seqs=8)
     w.num_waiting = 2
     async with stack([w]) as (daemon, client):
-        await until(lambda: daemon.fleet.get(WorkerId("w0")).num_waiting == 2)  # type: ignore[union-attr]
+        await until_async(lambda: daemon.fleet.get(WorkerId("w0")).num_waiting == 2)  # type: ignore[union-attr]
         task = asyncio.create_task(client.complete("m", prompt="x", max_tokens=1, request_id="h1"))
-        await until(lambda: len(daemon.queue) == 1)
+        await until_async(lambda: len(daemon.queue) == 1)
         w.num_waiting = 0  # the next Stats poll releases it
         resp = await task
         assert resp.timings.queue_s > 0
@@ -492,7 +486,7 @@ async def test_no_healthy_worker_is_unavailable() -> None:
     w = FakeWorker("w0")
     async with stack([w]) as (daemon, client):
         await w.stop()
-        await until(lambda: not daemon.fleet.get(WorkerId("w0")).healthy)  # type: ignore[union-attr]
+        await until_async(lambda: not daemon.fleet.get(WorkerId("w0")).healthy)  # type: ignore[union-attr]
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await client.complete("m", prompt="x", max_tokens=2)
         assert e.value.code() is grpc.StatusCode.UNAVAILABLE and "no healthy worker" in e.value.details()
@@ -579,7 +573,7 @@ async def test_deregistering_a_worker_while_it_registers_ends_the_register_call(
     async with stack([FakeWorker("w0")], workers={"connect_timeout_s": 30.0}) as (daemon, client):
         address = "127.0.0.1:1"  # nothing listens: Info waits for a connection up to connect_timeout_s
         register = asyncio.create_task(client.register_worker(address))
-        await until(lambda: any(s.address == address for s in daemon.registry.statuses()))
+        await until_async(lambda: any(s.address == address for s in daemon.registry.statuses()))
         assert (await client.deregister_worker(address)).state == "removed"
         async with asyncio.timeout(5):
             with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -605,7 +599,7 @@ async def test_register_rejects_mismatched_tokenizer_and_unreachable_address() -
 async def test_kv_events_feed_the_prefix_view() -> None:
     w = FakeWorker("w0", block_size=4)
     async with stack([w]) as (daemon, client):
-        await until(lambda: len(w._kv_queues) == 1)  # the router subscribed
+        await until_async(lambda: len(w._kv_queues) == 1)  # the router subscribed
         ids = list(range(100, 112))  # 12 tokens = 3 blocks of 4
         await client.complete("m", token_ids=ids, max_tokens=1)
         spec = daemon.registry.spec("m")
@@ -613,10 +607,10 @@ async def test_kv_events_feed_the_prefix_view() -> None:
         from switchyard.router.admission import block_hashes
 
         hashes = block_hashes(ids, spec, "", "")
-        await until(lambda: daemon.fleet.cached_prefix_blocks("m", hashes) == {"w0": 3})
+        await until_async(lambda: daemon.fleet.cached_prefix_blocks("m", hashes) == {"w0": 3})
         [status] = await client.list_workers()
         assert status.num_resident_blocks == 3
-        await until(lambda: sample(daemon, "switchyard_worker_prefix_cache_hit_ratio", worker="w0") == 0.25)
+        await until_async(lambda: sample(daemon, "switchyard_worker_prefix_cache_hit_ratio", worker="w0") == 0.25)
         # the stream's own metrics: one subscription, the batch that stored the 3 blocks, its lag
         assert sample(daemon, "switchyard_kv_streams_total", worker="w0") == 1
         assert sample(daemon, "switchyard_kv_event_batches_total", worker="w0") >= 1
@@ -643,13 +637,13 @@ async def test_the_workers_request_events_show_the_other_replicas_requests() -> 
     stream left behind is dropped; a lost worker's mirrored requests end."""
     w = FakeWorker("w0", block_size=4)
     async with stack([w], routing={"policy": "e2"}) as (daemon, client):
-        await until(lambda: len(w._kv_queues) == 1)
+        await until_async(lambda: len(w._kv_queues) == 1)
         mirror = daemon.registry.mirror
         await client.complete("m", token_ids=list(range(100, 112)), max_tokens=1)
         assert w.received[-1].origin == daemon.registry.origin != ""
         w.push_kv(_admitted("r1", "replica-a"))
         w.push_kv(_admitted("r2", daemon.registry.origin))  # ours: the dispatcher told the policy already
-        await until(lambda: sample(daemon, "switchyard_kv_event_batches_total", worker="w0") >= 3)
+        await until_async(lambda: sample(daemon, "switchyard_kv_event_batches_total", worker="w0") >= 3)
         [status] = await client.list_workers()
         assert (status.peer_in_flight, set(mirror.live)) == (1, {peer_key("replica-a", "r1")})
         assert sample(daemon, "switchyard_worker_peer_in_flight", worker="w0") == 1
@@ -657,7 +651,7 @@ async def test_the_workers_request_events_show_the_other_replicas_requests() -> 
         snapshot = _admitted("r3", "replica-a")
         snapshot.snapshot = True  # r1 ended unseen (a gap): only r3 is open
         w.push_kv(snapshot)
-        await until(lambda: set(mirror.live) == {peer_key("replica-a", "r3")})
+        await until_async(lambda: set(mirror.live) == {peer_key("replica-a", "r3")})
         assert peer_key("replica-a", "r1") not in daemon.policy.in_flight  # type: ignore[attr-defined]
         await client.deregister_worker("w0")
         assert len(mirror) == 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -32,6 +32,7 @@ from switchyard.workers.tokenizer import ChatMessage, load_tokenizer
 # it collects a test there; this file must also run alone.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fake_worker import FakeWorker, Script  # noqa: E402
+from polling import until_async  # noqa: E402
 
 TOK = load_tokenizer(None)
 PRIOR = 256  # LengthFallback's default prior, what an untaught fallback answers
@@ -295,12 +296,6 @@ async def stack(
         await worker.stop()
 
 
-async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.005)
-
-
 async def test_daemon_hands_the_models_prediction_to_the_worker(model_dir: Path) -> None:
     w = FakeWorker("w0")
     async with stack(w, model=str(model_dir)) as (daemon, client):
@@ -344,9 +339,9 @@ async def test_queued_request_binds_with_the_prediction_made_while_it_waited(mod
         second = asyncio.create_task(
             client.complete("m", prompt="tell me a story", max_tokens=90, request_id="q2")
         )
-        await until(lambda: daemon.queue.size("m") == 1)
+        await until_async(lambda: daemon.queue.size("m") == 1)
         # its prediction finished while it waited
-        await until(lambda: sample(daemon.metrics, "switchyard_predictor_latency_seconds_count") == 2)
+        await until_async(lambda: sample(daemon.metrics, "switchyard_predictor_latency_seconds_count") == 2)
         w.gate.set()
         resp = await second
         await first
