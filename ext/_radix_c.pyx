@@ -860,11 +860,12 @@ cdef class RadixTree:
         finds its child), so `insert` converts, and refuses, every hash it did not walk.
 
         NOTE: a dispatch walks the prompt its select walked (E2: `match_cached`, then `insert`; a video-QA prompt
-        is ~1,500 blocks: 2.7 µs a warm walk, 0.1 µs from the memo), so the last walk of a tuple is kept and answers a walk of the same
-        tuple object until the tree's shape changes (`_reshaped`). Exact: a tuple and its ints are immutable, the
-        memo holds the tuple (its address is not reused), and a walk reads only spans and links. A non-strict
-        walk answers a strict one once each path node's first hash is checked (the only hashes the strict test
-        adds); a strict walk answers only strict ones (it may stop where a non-strict one goes on).
+        is ~1,500 blocks: 2.7 µs a warm walk, 0.1 µs from the memo), so the last walk of a tuple is kept and
+        answers a walk of the same tuple object until the tree's shape changes (`_reshaped`). Exact: a tuple and
+        its ints are immutable, the memo holds the tuple (its address is not reused), and a walk reads only spans
+        and links. A non-strict walk answers a strict one once each path node's first hash is checked (the only
+        hashes the strict test adds); a strict walk answers only strict ones (it may stop where a non-strict one
+        goes on).
         """
         cdef PyObject** items = PySequence_Fast_ITEMS(seq)
         cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
