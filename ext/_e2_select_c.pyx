@@ -464,16 +464,20 @@ cdef class ArgminEnv:
     cdef public dict cost_memo, outstanding, num_queued
     cdef public object cost_model, batched_tokens
     cdef public double queue_weight, prefix_weight, decode_weight, interference_weight
+    cdef public double externality_weight, interference_term_weight, behind_weight, window_s
     cdef public bint queue_by_sum, joint_prefill
 
     def __init__(self, *, dict cost_memo, cost_model, dict outstanding, dict num_queued, batched_tokens,
                  double queue_weight, double prefix_weight, double decode_weight, double interference_weight,
-                 bint queue_by_sum, bint joint_prefill):
+                 bint queue_by_sum, bint joint_prefill, double externality_weight, double interference_term_weight,
+                 double behind_weight, double window_s):
         self.cost_memo, self.cost_model, self.outstanding = cost_memo, cost_model, outstanding
         self.num_queued, self.batched_tokens = num_queued, batched_tokens
         self.queue_weight, self.prefix_weight, self.decode_weight = queue_weight, prefix_weight, decode_weight
         self.interference_weight, self.queue_by_sum, self.joint_prefill = (interference_weight, queue_by_sum,
                                                                           joint_prefill)
+        self.externality_weight, self.interference_term_weight = externality_weight, interference_term_weight
+        self.behind_weight, self.window_s = behind_weight, window_s
 
 
 cdef struct ArgminBound:
@@ -588,6 +592,95 @@ def argmin_order(ArgminEnv env, pool, dict cached, Py_ssize_t p, Py_ssize_t d, P
         return [(b[i].lb, b[i].rot, b[i].i) for i in range(m)]
     finally:
         PyMem_Free(b)
+
+
+cdef int _co_sums(list batch, Py_ssize_t i_rem, Py_ssize_t i_ctx, Py_ssize_t prompt_tokens, Py_ssize_t d,
+                  Py_ssize_t* m_sum, double* own_ctx, double* pair_ctx) except -1:
+    """`co_residency`'s sums over `batch`, reading each tuple's remaining tokens at i_rem and context at i_ctx."""
+    cdef Py_ssize_t m, rem, c, i, n = len(batch)
+    cdef double half
+    cdef tuple x
+    m_sum[0], own_ctx[0], pair_ctx[0] = 0, 0.0, 0.0
+    for i in range(n):
+        x = <tuple>batch[i]
+        rem, c = x[i_rem], x[i_ctx]
+        m = rem if rem < d else d
+        half = <double>(m - 1) / 2.0
+        m_sum[0] += m
+        own_ctx[0] += <double>m * (<double>c + half)
+        pair_ctx[0] += <double>m * (<double>prompt_tokens + half)
+    return 0
+
+
+def head_terms(ArgminEnv env, w, cost, list running, list queued, Py_ssize_t p, Py_ssize_t d,
+               Py_ssize_t cached_blocks, double load, double r, double q, double arrivals_per_s,
+               double prefill_load, load_span_s):
+    """As `e2_select_py.head_terms`: the same floats in the same order, the batch's sums in C (ints below 2^53,
+    so each conversion is exact) and the profile's formulas in C for `ProfileCost`."""
+    cdef Py_ssize_t shared = cached_blocks * <Py_ssize_t>w.block_size
+    cdef Py_ssize_t last = p - 1 if p > 1 else 0
+    cdef Py_ssize_t missed = p - (shared if shared <= last else last)
+    cdef Py_ssize_t n = len(running) + len(queued), t, k = 0, b, ctx = 0, i, m_sum
+    cdef double queue, d_self, d_in, d_out, gain, interference, backlog, busy, horizon, behind, lam
+    cdef double in_run = 0.0, out_run = 0.0, in_q = 0.0, out_q = 0.0, own_ctx, pair_ctx
+    cdef PyObject* got = PyDict_GetItem(env.outstanding, w.worker_id)
+    cdef object o = <object>got if got is not NULL else None
+    if env.queue_by_sum:
+        queue = q
+    else:
+        t = 0
+        if o is not None:
+            t = o.queued_tokens
+            if t < 0:
+                t = 0
+        queue = 0.0
+        if t:
+            b = env.batched_tokens(w)
+            if env.joint_prefill and t + missed <= b:
+                queue = _prefill_s(cost, t + missed, 0) - _prefill_s(cost, missed, 0)
+                if not queue > 0.0:
+                    queue = 0.0
+            else:
+                k = -_floordiv(-t, b)
+                queue = <double>k * _prefill_s(cost, -_floordiv(-t, k), 0)
+        if n:
+            for i in range(len(running)):
+                ctx += <Py_ssize_t>(<tuple>running[i])[1]
+            for i in range(len(queued)):
+                ctx += <Py_ssize_t>(<tuple>queued[i])[0]
+            queue += (<double>k + 1.5) * _decode_marginal_s(cost, <double>n, <double>ctx / <double>n)
+    d_self = _decode_s(cost, d, <double>p + <double>(d - 1) / 2.0)
+    _co_sums(running, 0, 1, p, d, &m_sum, &own_ctx, &pair_ctx)
+    if m_sum:
+        in_run = _decode_marginal_s(cost, <double>m_sum, own_ctx / <double>m_sum)
+        out_run = _decode_marginal_s(cost, <double>m_sum, pair_ctx / <double>m_sum)
+    _co_sums(queued, 2, 0, p, d, &m_sum, &own_ctx, &pair_ctx)
+    if m_sum:
+        in_q = _decode_marginal_s(cost, <double>m_sum, own_ctx / <double>m_sum)
+        out_q = _decode_marginal_s(cost, <double>m_sum, pair_ctx / <double>m_sum)
+    d_in = in_run + in_q
+    d_out = out_run + out_q
+    t = o.queued_tokens if o is not None and env.joint_prefill else 0
+    if t > 0 and t + missed <= <Py_ssize_t>env.batched_tokens(w):
+        gain = _prefill_s(cost, t + missed, 0) - _prefill_s(cost, t, 0) + r - _prefill_s(cost, missed, 0)
+    else:
+        gain = r - _prefill_s(cost, 0, 0)
+    if not gain > 0.0:
+        gain = 0.0
+    interference = <double>n * gain
+    backlog = queue + r
+    busy = backlog
+    if not prefill_load <= 0.0:
+        horizon = env.window_s if load_span_s is None else <double>load_span_s
+        if prefill_load < 1.0 and backlog < horizon * (1.0 - prefill_load):
+            horizon = backlog / (1.0 - prefill_load)
+        busy = backlog if backlog > horizon else horizon
+    behind = arrivals_per_s * busy * gain
+    lam = env.externality_weight
+    return (queue, d_self, d_in, d_out, interference, behind, missed,
+            load + env.queue_weight * queue + env.prefix_weight * r,
+            env.decode_weight * (d_self + d_in + lam * d_out),
+            lam * (env.interference_term_weight * interference + env.behind_weight * behind))
 
 
 def prefill(cost, Py_ssize_t missed, Py_ssize_t cached):

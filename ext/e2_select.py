@@ -1,5 +1,5 @@
-"""Selects E2's per-select loops and the default policy's bound pass: the Cython build when present, else the
-Python reference.
+"""Selects E2's per-select loops and the default policy's bound pass and per-worker terms: the Cython build when
+present, else the Python reference.
 
 SWITCHYARD_NO_EXTENSIONS=1 forces the reference. `IMPLEMENTATION` says which one loaded. The contract is the
 docstring of `e2_select_py`.
@@ -12,6 +12,7 @@ import os
 from switchyard.ext.e2_select_py import (
     ArgminEnv,
     BoundsEnv,
+    HeadTerms,
     Priced,
     SelectEnv,
     argmin_bounds,
@@ -21,6 +22,7 @@ from switchyard.ext.e2_select_py import (
     decode,
     decode_marginal,
     exploit_set,
+    head_terms,
     m_is_zero,
     prefill,
     raw_bounds,
@@ -42,6 +44,7 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
             decode,
             decode_marginal,
             exploit_set,
+            head_terms,
             m_is_zero,
             prefill,
             raw_bounds,
@@ -53,6 +56,7 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
         pass
 
 __all__ = [
-    "IMPLEMENTATION", "ArgminEnv", "BoundsEnv", "Priced", "SelectEnv", "argmin_bounds", "argmin_order", "cheapest",
-    "co_residency", "decode", "decode_marginal", "exploit_set", "m_is_zero", "prefill", "raw_bounds", "select_e2",
+    "IMPLEMENTATION", "ArgminEnv", "BoundsEnv", "HeadTerms", "Priced", "SelectEnv", "argmin_bounds", "argmin_order",
+    "cheapest", "co_residency", "decode", "decode_marginal", "exploit_set", "head_terms", "m_is_zero", "prefill",
+    "raw_bounds", "select_e2",
 ]

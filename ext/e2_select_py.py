@@ -15,7 +15,8 @@ Reference build (obviously correct); `_e2_select_c.pyx` is the Cython build, `e2
   DECODERATIO, the DEBUG line) and for M.
 - `argmin_bounds` / `argmin_order`: the default policy's (`switchyard`, placement "argmin") lower bound of each
   pool worker's cost, and the order its branch and bound prices them in (an `ArgminEnv` holds what they read);
-  `co_residency`, `decode`, `decode_marginal` and `prefill`, terms it prices per worker.
+  `head_terms`, the terms it prices per worker before M, O and W; `co_residency`, `decode`, `decode_marginal` and
+  `prefill`, the formulas inside them.
 
 Duck-typed (nothing here imports from `router/`): a worker view has `worker_id`, `kv_usage_frac`, `block_size`
 and `kv_capacity_blocks`; a cost model `prefill_s(missed, cached)` (the Cython build computes it in C from
@@ -192,22 +193,29 @@ class ArgminEnv:
     - `outstanding[w]`: `queued_s` (E2's Σ PT of queued prefills) and `queued_tokens` (their missed tokens).
     - `num_queued[w]`: w's requests without a first token yet.
     - `batched_tokens(view)`: w's max_num_batched_tokens B (read only when tokens are queued on w).
+    - The weights: the bound's `interference_weight` is i·λ; `head_terms` weighs I and B as λ·(i·I + b·B), with
+      `externality_weight` λ, `interference_term_weight` i and `behind_weight` b, and `window_s` is the span the
+      arrival rates are measured over (B's busy period at most).
     """
 
     __slots__ = ("cost_memo", "cost_model", "outstanding", "num_queued", "batched_tokens", "queue_weight",
-                 "prefix_weight", "decode_weight", "interference_weight", "queue_by_sum", "joint_prefill")
+                 "prefix_weight", "decode_weight", "interference_weight", "queue_by_sum", "joint_prefill",
+                 "externality_weight", "interference_term_weight", "behind_weight", "window_s")
 
     def __init__(
         self, *, cost_memo: dict[Any, Any], cost_model: Callable[[Any], Any], outstanding: dict[Any, Any],
         num_queued: dict[Any, int], batched_tokens: Callable[[Any], int], queue_weight: float,
         prefix_weight: float, decode_weight: float, interference_weight: float, queue_by_sum: bool,
-        joint_prefill: bool,
+        joint_prefill: bool, externality_weight: float, interference_term_weight: float, behind_weight: float,
+        window_s: float,
     ) -> None:
         self.cost_memo, self.cost_model, self.outstanding = cost_memo, cost_model, outstanding
         self.num_queued, self.batched_tokens = num_queued, batched_tokens
         self.queue_weight, self.prefix_weight, self.decode_weight = queue_weight, prefix_weight, decode_weight
         self.interference_weight, self.queue_by_sum, self.joint_prefill = (interference_weight, queue_by_sum,
                                                                           joint_prefill)
+        self.externality_weight, self.interference_term_weight = externality_weight, interference_term_weight
+        self.behind_weight, self.window_s = behind_weight, window_s
 
 
 def argmin_bounds(env: ArgminEnv, pool: Sequence[Any], cached: dict[Any, int], p: int, d: int) -> list[float]:
@@ -270,6 +278,81 @@ def argmin_order(
     n = len(pool)
     return sorted(zip(argmin_bounds(env, pool, cached, p, d), [(i - turn) % n for i in range(n)], range(n),
                       strict=True))
+
+
+HeadTerms = tuple[float, float, float, float, float, float, int, float, float, float]
+
+
+def head_terms(
+    env: ArgminEnv, w: Any, cost: Any, running: Sequence[tuple[int, int]], queued: Sequence[tuple[int, int, int]],
+    p: int, d: int, cached_blocks: int, load: float, r: float, q: float, arrivals_per_s: float,
+    prefill_load: float, load_span_s: float | None,
+) -> HeadTerms:
+    """The default policy's terms of w's cost other than M, O and W, and their weighted parts (`Switchyard.terms`,
+    whose term methods these are, inlined: the same floats in the same order):
+    (Q, D_self, D_in, D_out, I, B, missed tokens, head, dec, inter), where head = L + qw·Q + pw·R,
+    dec = dw·(D_self + D_in + λ·D_out) and inter = λ·(i·I + b·B).
+
+    `running` [(remaining, context)] and `queued` [(prompt, private prompt, D)] are w's anticipated batch; L, R
+    and E2's Q come from E2's bound kernel (`raw_bounds`); B's ρ and span from w's busy fraction.
+    - missed = p − min(cached blocks × block size, p − 1) (`Switchyard.missed_tokens`);
+    - Q: "sum" pricing, E2's Q; else `Switchyard.batched_queue_s`: the T queued missed tokens (at least 0) in
+      k = ceil(T / B) chunks, k × PREFILLTIME(ceil(T / k), 0), or with `joint_prefill` and T + missed <= B,
+      max(0, PREFILLTIME(T + missed, 0) − PREFILLTIME(missed, 0)) and k = 0; plus, with n = running + queued
+      co-runners of total context c, (k + 1.5) × decode_marginal_s(n, c / n);
+    - D_self = DECODETIME(d, p + (d − 1)/2); D_in, D_out: `co_residency` of the running, plus of the queued as
+      (D, prompt);
+    - gain (`Switchyard.prefill_step_gain_s`): with `joint_prefill` and 0 < T, T + missed <= B,
+      PREFILLTIME(T + missed, 0) − PREFILLTIME(T, 0) + R − PREFILLTIME(missed, 0), else R − PREFILLTIME(0, 0),
+      at least 0; I = n × gain;
+    - B = arrivals_per_s × busy × gain, busy = `Switchyard.busy_s(Q + R, ρ, span)`.
+    """
+    wid = w.worker_id
+    shared = cached_blocks * w.block_size
+    last = p - 1 if p > 1 else 0
+    missed = p - (shared if shared <= last else last)
+    o = env.outstanding.get(wid)
+    n = len(running) + len(queued)
+    if env.queue_by_sum:
+        queue = q
+    else:
+        t = max(0, o.queued_tokens) if o is not None else 0
+        k = 0
+        queue = 0.0
+        if t:
+            b = env.batched_tokens(w)
+            if env.joint_prefill and t + missed <= b:
+                queue = cost.prefill_s(t + missed, 0) - cost.prefill_s(missed, 0)
+                queue = queue if queue > 0.0 else 0.0
+            else:
+                k = -(-t // b)
+                queue = k * cost.prefill_s(-(-t // k), 0)
+        if n:
+            ctx = sum(c for _, c in running) + sum(px for px, _, _ in queued)
+            queue += (k + 1.5) * cost.decode_marginal_s(n, ctx / n)
+    d_self = cost.decode_s(d, p + (d - 1) / 2)
+    in_run, out_run = co_residency(running, p, d, cost)
+    in_q, out_q = co_residency([(dx, px) for px, _, dx in queued], p, d, cost)
+    d_in, d_out = in_run + in_q, out_run + out_q
+    t = o.queued_tokens if o is not None and env.joint_prefill else 0
+    if t > 0 and t + missed <= env.batched_tokens(w):
+        gain = cost.prefill_s(t + missed, 0) - cost.prefill_s(t, 0) + r - cost.prefill_s(missed, 0)
+    else:
+        gain = r - cost.prefill_s(0, 0)
+    gain = gain if gain > 0.0 else 0.0
+    interference = n * gain
+    busy = backlog = queue + r
+    if not prefill_load <= 0.0:  # (`busy_s`'s test, NaN included)
+        horizon = env.window_s if load_span_s is None else load_span_s
+        if prefill_load < 1.0 and backlog < horizon * (1.0 - prefill_load):
+            horizon = backlog / (1.0 - prefill_load)
+        busy = backlog if backlog > horizon else horizon
+    behind = arrivals_per_s * busy * gain
+    lam = env.externality_weight
+    head = load + env.queue_weight * queue + env.prefix_weight * r
+    dec = env.decode_weight * (d_self + d_in + lam * d_out)
+    inter = lam * (env.interference_term_weight * interference + env.behind_weight * behind)
+    return queue, d_self, d_in, d_out, interference, behind, missed, head, dec, inter
 
 
 def prefill(cost: Any, missed: int, cached: int) -> float:

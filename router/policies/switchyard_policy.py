@@ -154,8 +154,8 @@ from switchyard.ext.e2_select import (
     argmin_bounds,
     argmin_order,
     co_residency,
-    decode,
     decode_marginal,
+    head_terms,
     prefill,
     raw_bounds,
 )
@@ -402,6 +402,8 @@ class Switchyard(PrebleE2):
             prefix_weight=cfg.prefix_weight, decode_weight=cfg.decode_weight,
             interference_weight=cfg.interference_weight * cfg.externality_weight,
             queue_by_sum=cfg.queue_pricing == "sum", joint_prefill=cfg.joint_prefill,
+            externality_weight=cfg.externality_weight, interference_term_weight=cfg.interference_weight,
+            behind_weight=cfg.behind_weight, window_s=cfg.arrival_window_s,
         )
 
     def arrival_rate(self, model: str) -> ArrivalRate:
@@ -622,23 +624,17 @@ class Switchyard(PrebleE2):
         if ant is None:
             ant = self.tracker.sync(w, now)
         running, queued = self.batch(wid, ant)
-        missed = self.missed_tokens(w, cached_blocks, p)
-        queue = (q if cfg.queue_pricing == "sum"
-                 else self.batched_queue_s(w, running, queued, cost, missed))
-        d_self = decode(cost, d, p + (d - 1) / 2)
-        in_run, out_run = self.co_residency_s(running, p, d, cost)
-        in_q, out_q = self.co_residency_s([(dx, px) for px, _, dx in queued], p, d, cost)
-        d_in, d_out = in_run + in_q, out_run + out_q
-        gain = self.prefill_step_gain_s(w, cost, r, missed)
-        interference = (len(running) + len(queued)) * gain
-        # the requests that reach w before r's prefill is done wait behind it (FCFS admission), each by its step;
-        # under prefill load ρ they keep arriving until w's backlog drains (busy period: module docstring)
-        behind = arrivals_per_s * self.busy_s(queue + r, prefill_load, load_span_s) * gain
+        # Q (`batched_queue_s`, or E2's under "sum" pricing), D_self, D_co (`co_residency_s` of the running and the
+        # queued), I (n × `prefill_step_gain_s`) and B: the requests that reach w before r's prefill is done wait
+        # behind it (FCFS admission), each by its step, and under prefill load ρ they keep arriving until w's
+        # backlog drains (`busy_s`: module docstring); with their weighted sums head = L + Q + R, dec = D and
+        # inter = λ·(I + B). One call (`ext/e2_select.head_terms`, in Cython: these methods' floats, which a test
+        # checks).
+        queue, d_self, d_in, d_out, interference, behind, missed, head, dec, inter = head_terms(
+            self._argmin_env, w, cost, running, queued, p, d, cached_blocks, load, r, q, arrivals_per_s,
+            prefill_load, load_span_s)
         # the total's sum, left to right: head + λe·M + d·D + λ·(i·I + b·B) + β·O + W (the same float as one
         # expression); the checks against `beat` price the terms not known yet at 0, in the same sum
-        head = load + cfg.queue_weight * queue + cfg.prefix_weight * r
-        dec = cfg.decode_weight * (d_self + d_in + lam * d_out)
-        inter = lam * (cfg.interference_weight * interference + cfg.behind_weight * behind)
         ew, ow, kw = lam * cfg.eviction_weight, cfg.overflow_weight, cfg.kv_wait_weight
         if beat is not None and head + ew * 0.0 + dec + inter + ow * 0.0 + kw * 0.0 > beat:
             return None  # loses before M, O and W are priced

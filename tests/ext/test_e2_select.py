@@ -372,7 +372,9 @@ def _argmin_envs(rng: random.Random, ids: list[int]) -> tuple[object, object, di
         batched_tokens=lambda v: batched[v.worker_id], queue_weight=rng.choice([0.0, 1.0, 0.7]),
         prefix_weight=rng.choice([1.0, 0.5]), decode_weight=rng.choice([1.0, 0.0]),
         interference_weight=rng.choice([0.1, 0.0, 0.25]), queue_by_sum=rng.random() < 0.3,
-        joint_prefill=rng.random() < 0.7,
+        joint_prefill=rng.random() < 0.7, externality_weight=rng.choice([0.1, 0.0, 1.0]),
+        interference_term_weight=rng.choice([1.0, 0.0, 2.5]), behind_weight=rng.choice([1.0, 0.0, 0.5]),
+        window_s=rng.choice([10.0, 60.0]),
     )
     return e2_select_py.ArgminEnv(**kw), _e2_select_c.ArgminEnv(**kw), batched  # type: ignore[union-attr]
 
@@ -411,6 +413,79 @@ def test_cython_argmin_bounds_equal_reference(seed: int) -> None:
     assert all(seen.values()), seen
 
 
+@pytest.mark.c_extension
+@pytest.mark.skipif(_e2_select_c is None, reason="Cython extension not built")
+@pytest.mark.parametrize("seed", range(3))
+def test_cython_head_terms_equal_reference(seed: int) -> None:
+    """The default policy's per-worker terms before M, O and W: the Cython build returns the reference's floats
+    and ints, over random states that take every branch (no co-runners, running and queued ones shorter and
+    longer than the request, queued tokens joint with r's and chunked, "sum" pricing, prefill loads idle, under
+    and over 1 with and without a measured span, fitted cost models priced through Python)."""
+    rng = random.Random(100 + seed)
+    seen = {"co": 0, "alone": 0, "joint": 0, "chunked": 0, "by_sum": 0, "loaded": 0, "over": 0, "span": 0}
+    for _ in range(1500):
+        ids = rng.sample(range(40), 1)
+        ref_env, c_env, batched = _argmin_envs(rng, ids)
+        v = SyView(WorkerId(f"w{ids[0]}"), rng.choice([1, 16, 32]))
+        cost = ref_env.cost_model(v.worker_id)  # type: ignore[attr-defined]
+        running = [(rng.randint(1, 900), rng.randint(1, 60_000)) for _ in range(rng.choice([0, 0, 1, 5, 40]))]
+        queued = [(px := rng.randint(1, 20_000), rng.randint(0, px), rng.randint(1, 900))
+                  for _ in range(rng.choice([0, 0, 1, 3]))]
+        p, d = rng.choice([1, 2, 17, 700, 5000]), rng.choice([1, 2, 50, 900])
+        cached = rng.choice([0, 0, 3, 40, 500])
+        load, r, q = rng.choice([0.0, rng.random()]), rng.random(), rng.choice([0.0, rng.random()])
+        rho = rng.choice([0.0, -0.1, 0.3, 0.95, 1.0, 2.5])
+        span = rng.choice([None, None, 0.5, 30.0])
+        arrivals = rng.choice([0.0, 3.0, 40.0])
+        args = (v, cost, running, queued, p, d, cached, load, r, q, arrivals, rho, span)
+        got = _e2_select_c.head_terms(c_env, *args)  # type: ignore[union-attr]
+        want = e2_select_py.head_terms(ref_env, *args)  # type: ignore[arg-type]
+        assert got == want and [type(x) for x in got] == [type(x) for x in want], (got, want)
+        o = ref_env.outstanding.get(v.worker_id)  # type: ignore[attr-defined]
+        if o is not None and o.queued_tokens > 0 and not ref_env.queue_by_sum:  # type: ignore[attr-defined]
+            fits = o.queued_tokens + want[6] <= batched[v.worker_id]
+            seen["joint" if fits and ref_env.joint_prefill else "chunked"] += 1  # type: ignore[attr-defined]
+        seen["co" if running or queued else "alone"] += 1
+        seen["by_sum"] += ref_env.queue_by_sum  # type: ignore[attr-defined]
+        seen["loaded"] += 0.0 < rho < 1.0 and arrivals > 0.0
+        seen["over"] += rho >= 1.0
+        seen["span"] += span is not None and rho > 0.0
+    assert all(seen.values()), seen
+
+
+@pytest.mark.parametrize("mod", ["py", "c"])
+def test_head_terms_price_each_term(mod: str) -> None:
+    """A worked case: Q from the chunked queued prefill plus the batch's decode marginal over k + 1.5 iterations,
+    D_self, D_co over a running and a queued co-runner, I and B from r's step gain, each weighted."""
+    impl = e2_select_py if mod == "py" else _e2_select_c
+    if impl is None:
+        pytest.skip("Cython extension not built")
+    cost = FitCost(1.0)
+    a = WorkerId("a")
+    env = impl.ArgminEnv(
+        cost_memo={}, cost_model=lambda w: cost, outstanding={a: Queued(0.3, 3000)}, num_queued={a: 1},
+        batched_tokens=lambda v: 2048, queue_weight=1.0, prefix_weight=1.0, decode_weight=0.5,
+        interference_weight=0.1, queue_by_sum=False, joint_prefill=True, externality_weight=0.1,
+        interference_term_weight=2.0, behind_weight=1.0, window_s=10.0,
+    )
+    running, queued = [(100, 4000)], [(1200, 1000, 30)]  # (remaining, context); (prompt, private prompt, D)
+    p, d, load, r = 800, 11, 0.25, cost.prefill_s(800, 0)
+    got = impl.head_terms(env, SyView(a, 16), cost, running, queued, p, d, 0, load, r, 0.0, 4.0, 0.5, None)
+    # 3000 queued tokens > B: k = 2 chunks of 1500, then the two co-runners' mean context over 2 + 1.5 iterations
+    queue = 2 * cost.prefill_s(1500, 0) + 3.5 * cost.decode_marginal_s(2, (4000 + 1200) / 2)
+    d_self = cost.decode_s(11, 805.0)
+    # running: m = min(11, 100) = 11 shared iterations; queued: min(11, 30) = 11, as (30, 1200)
+    d_in = (cost.decode_marginal_s(11, 11 * (4000 + 5.0) / 11) + cost.decode_marginal_s(11, 11 * (1200 + 5.0) / 11))
+    d_out = 2 * cost.decode_marginal_s(11, 11 * (800 + 5.0) / 11)
+    gain = r - cost.prefill_s(0, 0)  # 3000 + 800 > B: r's prefill runs after them
+    backlog = queue + r
+    busy = max(backlog, backlog / (1 - 0.5)) if backlog < 10.0 * 0.5 else backlog
+    want = (queue, d_self, d_in, d_out, 2 * gain, 4.0 * busy * gain, 800, load + queue + r,
+            0.5 * (d_self + d_in + 0.1 * d_out), 0.1 * (2.0 * 2 * gain + 1.0 * 4.0 * busy * gain))
+    assert got == pytest.approx(want, rel=1e-12)
+    assert got[6] == 800 and type(got[6]) is int
+
+
 @pytest.mark.parametrize("mod", ["py", "c"])
 def test_argmin_bounds_price_each_term(mod: str) -> None:
     """A worked case: R and D_self from the cost model, Q from the queued prefill (chunked, and joint with r's),
@@ -424,7 +499,7 @@ def test_argmin_bounds_price_each_term(mod: str) -> None:
     env = impl.ArgminEnv(
         cost_memo={}, cost_model=lambda w: cost, outstanding=out, num_queued={b: 2}, batched_tokens=lambda v: 2048,
         queue_weight=1.0, prefix_weight=1.0, decode_weight=0.5, interference_weight=0.1, queue_by_sum=False,
-        joint_prefill=True,
+        joint_prefill=True, externality_weight=0.1, interference_term_weight=1.0, behind_weight=1.0, window_s=10.0,
     )
     pool = [SyView(a, 16), SyView(b, 16), SyView(c, 16)]
     p, d = 800, 11

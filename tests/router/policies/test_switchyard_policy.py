@@ -23,7 +23,7 @@ from factories import make_fleet, make_requests, make_worker_info
 from switchyard.bench.sim import SimConfig, Simulator
 from switchyard.bench.workloads import WorkloadSpec, make_workload
 from switchyard.ext import e2_select_py
-from switchyard.ext.e2_select import argmin_order
+from switchyard.ext.e2_select import argmin_order, head_terms, raw_bounds
 from switchyard.router.fleet import Fleet, StatsSample, WorkerState
 from switchyard.router.policies.base import Decision, FleetView, RoutingContext, WorkerId, WorkerView
 from switchyard.router.policies.preble_cost import profile_cost
@@ -662,13 +662,42 @@ def _bound_from_terms(pol: Switchyard, w: WorkerView, ctx: RoutingContext, cache
             + cfg.interference_weight * cfg.externality_weight * interference)
 
 
+def _head_from_terms(
+    pol: Switchyard, w: WorkerView, ctx: RoutingContext, cached_blocks: int, batch: tuple[list, list],  # type: ignore[type-arg]
+    d: int, bounds: tuple[float, float, float], arrivals: float, rho: float, span: float | None,
+) -> tuple[float | int, ...]:
+    """A worker's terms before M, O and W and their weighted sums, composed from the policy's own term methods
+    (what `head_terms` must equal)."""
+    cfg = pol.sy
+    lam = cfg.externality_weight
+    p = ctx.num_prompt_tokens
+    cost = pol.cost_model(w.worker_id)
+    running, queued = batch
+    load, r, q = bounds
+    missed = Switchyard.missed_tokens(w, cached_blocks, p)
+    queue = q if cfg.queue_pricing == "sum" else pol.batched_queue_s(w, running, queued, cost, missed)
+    d_self = cost.decode_s(d, p + (d - 1) / 2)
+    in_run, out_run = pol.co_residency_s(running, p, d, cost)
+    in_q, out_q = pol.co_residency_s([(dx, px) for px, _, dx in queued], p, d, cost)
+    d_in, d_out = in_run + in_q, out_run + out_q
+    gain = pol.prefill_step_gain_s(w, cost, r, missed)
+    interference = (len(running) + len(queued)) * gain
+    behind = arrivals * pol.busy_s(queue + r, rho, span) * gain
+    return (queue, d_self, d_in, d_out, interference, behind, missed,
+            load + cfg.queue_weight * queue + cfg.prefix_weight * r,
+            cfg.decode_weight * (d_self + d_in + lam * d_out),
+            lam * (cfg.interference_weight * interference + cfg.behind_weight * behind))
+
+
 @pytest.mark.parametrize("overrides", [{}, {"joint_prefill": False}, {"queue_pricing": "sum"}],
                          ids=["default", "no_joint", "sum"])
 def test_bound_pass_equals_the_terms_it_bounds(overrides: dict) -> None:  # type: ignore[type-arg]
     """The bound pass (`ext/e2_select.argmin_bounds`, in Cython) gives, float for float, the sum of the policy's own
     term methods (R, D_self, Q's prefill part, I over the queued requests) on the states of a loaded run, every
-    bound is at most the worker's full cost, and the select's order is the bounds sorted with E2's rotation."""
-    seen = {"queued_tokens": 0, "queued_requests": 0, "selects": 0}
+    bound is at most the worker's full cost, the select's order is the bounds sorted with E2's rotation, and the
+    per-worker terms' kernel (`ext/e2_select.head_terms`, in Cython, and its reference) gives, float for float,
+    what the term methods it inlines compose to (Q, D_self, D_co, I, B and their weighted sums)."""
+    seen = {"queued_tokens": 0, "queued_requests": 0, "selects": 0, "batch": 0, "busy": 0}
 
     class Checked(Switchyard):
         def select(self, ctx: RoutingContext, fleet: FleetView, now: float) -> Decision | None:
@@ -681,9 +710,22 @@ def test_bound_pass_equals_the_terms_it_bounds(overrides: dict) -> None:  # type
                 assert got == [_bound_from_terms(self, w, ctx, cached[w.worker_id], d) for w in pool]
                 assert got == e2_select_py.argmin_bounds(self._argmin_env, pool, cached, ctx.num_prompt_tokens, d)
                 ants = self.tracker.sync_all(pool, now)
+                arrivals = self.arrival_rate(ctx.model).rate(now) / len(pool)
                 for w, ant, bound in zip(pool, ants, got, strict=True):
                     t = self.terms(w, ctx, cached[w.worker_id], path, d, now, None, ant)
                     assert t is not None and bound <= t.total_s + 1e-9 * max(1.0, t.total_s)
+                    # the per-worker terms' kernel gives the floats of the term methods it inlines
+                    wid, cb = w.worker_id, cached[w.worker_id]
+                    batch = self.batch(wid, ant)
+                    load, r, q, _ = raw_bounds(self._bounds_env, (w,), {wid: cb}, ctx.num_prompt_tokens, now)[0]
+                    wb = self.busy.get(wid)
+                    rho, span = wb.load(now) if wb is not None else (0.0, None)
+                    args = (ctx.num_prompt_tokens, d, cb, load, r, q, arrivals, rho, span)
+                    head = head_terms(self._argmin_env, w, self.cost_model(wid), *batch, *args)
+                    assert head == _head_from_terms(self, w, ctx, cb, batch, d, (load, r, q), arrivals, rho, span)
+                    assert head == e2_select_py.head_terms(self._argmin_env, w, self.cost_model(wid), *batch, *args)
+                    seen["batch"] += bool(batch[0]) and bool(batch[1])
+                    seen["busy"] += rho > 0.0 and arrivals > 0.0
                 n, turn = len(pool), self._turn
                 assert argmin_order(self._argmin_env, pool, cached, ctx.num_prompt_tokens, d, turn) == sorted(
                     zip(got, [(i - turn) % n for i in range(n)], range(n), strict=True))
