@@ -26,6 +26,23 @@ from heapq import heapify as _heapify, heappop as _heappop, heappush as _heappus
 from switchyard.ext.lru_order_py import COLD_BUCKETS_PER_S, cold_bucket as _py_cold_bucket
 
 
+cdef extern from "Python.h":
+    void PyObject_GC_UnTrack(void* op)
+
+
+cdef inline list _untracked(list heap):
+    """`heap`, out of the cyclic collector's sight.
+
+    NOTE: why: a full collection traverses every element of a tracked list, and each heap holds an entry per
+    candidate node (~110k in all at 100k preloaded nodes): that walk was ~7 ms of each full collection, on the
+    daemon's event loop (README, "Decision cost"). Safe: an entry is (last access, seq, node), and nothing a node
+    holds refers back to an index or its heap (the tree's nodes are `no_gc`; a policy's `node.stats` must not
+    refer to nodes or trees), so no cycle can pass through the list; what its entries reference stays reachable
+    from it, as it is. A list assigned from Python is tracked as usual (only slower to collect)."""
+    PyObject_GC_UnTrack(<void*>heap)
+    return heap
+
+
 cdef enum:
     RETIRED_CAP = 1024  # as the reference's
     MEMO_CAP = 4096
@@ -554,7 +571,7 @@ cdef class LruIndexCore:
     def __init__(self):
         self.entries = {}
         self.held = {}
-        self.heap = []
+        self.heap = _untracked([])
         self.keyed = {}
         self._order = None
         self.worker = None
@@ -762,7 +779,7 @@ cdef class LruIndexCore:
         cdef bint popped = False
         cdef tuple e
         if len(heap) > 2 * len(keyed) + 64:
-            self.heap = [e for e in heap if _live(keyed, <tuple>e)]
+            self.heap = _untracked([e for e in heap if _live(keyed, <tuple>e)])
             _heapify(self.heap)
             if order is not None:
                 _rebased(order, self.heap)

@@ -3,6 +3,7 @@ through E2's hooks (dispatches, stored and removed blocks, clears, gc) on random
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -341,3 +342,42 @@ def test_cython_index_core_equals_reference(seed: int, monkeypatch: pytest.Monke
             assert ms[0] == ms[1]
             priced += ms[0] > 0
     assert dropped > 0 and ticks > 50 and priced > 20
+
+
+@pytest.mark.c_extension
+@pytest.mark.skipif(_lru_order_c is None, reason="Cython extension not built")
+def test_cython_heaps_stay_out_of_the_collectors_sight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Cython core's heap list is untracked by the cyclic collector when made and when a compaction rebuilds
+    it (a full collection would walk every entry: ~7k per worker at 100k preloaded nodes), and what its entries
+    hold stays alive through a collection."""
+    import dataclasses
+
+    from factories import make_requests
+    from hook_fuzz import chained
+
+    from switchyard.router.policies import preble_e2
+    from switchyard.router.policies.base import Decision
+    from switchyard.router.policies.preble_load import LruPricing
+    from switchyard.workers.engine.kv_events import BlockStored, KvEventBatch
+
+    class CythonLruIndex(LruPricing, _lru_order_c.LruIndexCore):
+        __slots__ = ()
+
+    monkeypatch.setattr(preble_e2, "LruIndex", CythonLruIndex)
+    policy = PrebleE2(E2Config.paper(node_window_s=1e6))
+    w = WORKERS[0]
+    prompts = [chained([i, 1, 2]) for i in range(100)]  # 100 distinct resident prompts on w
+    for i, hashes in enumerate(prompts):
+        policy.on_kv_events(w, KvEventBatch(i + 1, float(i), (BlockStored(hashes, None, (), 16),)))
+    idx = policy.lru[w]
+    assert isinstance(idx, CythonLruIndex) and not gc.is_tracked(idx.heap)
+    heaps = {id(idx.heap)}
+    base = make_requests(1, prompt_len=48, shared_prefix=0, max_tokens=4)[0]
+    for step in range(600):  # the newest ten touched again and again: their old entries pile up under the top
+        ctx = dataclasses.replace(base, request_id=f"r{step}", block_hashes=prompts[90 + step % 10])
+        policy.on_dispatch(ctx, Decision(worker_id=w), 100.0 + step)
+        assert policy.lru[w] is idx and not gc.is_tracked(idx.heap)
+        heaps.add(id(idx.heap))
+    assert len(heaps) > 1  # compacted at least once (a new list)
+    gc.collect()
+    assert sorted(e[2].num_blocks for e in idx.heap if idx.keyed.get(id(e[2])) == e[0]) == [3] * 100
