@@ -221,6 +221,7 @@ class RadixTree:
         # becomes one; node._gc_queued), lazily, in buckets by the whole second of its last_access then (never
         # above its current one)
         self._dead: dict[int, list[Node]] = {}
+        self.gc_visits = 0  # candidates gc has taken off its queue, in all: its work, whatever it removed
 
     # ---- read-only -------------------------------------------------------------------------------------
 
@@ -488,15 +489,18 @@ class RadixTree:
         chain of dead leaves goes at once), visiting only the queued candidates of the buckets old enough.
 
         NOTE: exact, and O(candidates visited), not O(nodes): every attached node without children or residents
-        is queued under a bucket at most its last_access's, and a node passes the test (now - last_access >
-        window_s) only if its last_access is below now - window_s, give or take rounding: so no bucket above
-        floor(now - window_s) + 1 can hold one. A visited node that gained children or a resident worker is
+        is queued under a bucket b at most its last_access, and rounded subtraction is monotone, so a node of b
+        passes the test (now - last_access > window_s) only if now - b > window_s: the pass stops at the first
+        bucket where that fails (an earlier bound, floor(now - window_s) + 1, let it visit the nodes of the next
+        second every call, ~40k at a time after a burst, to queue them again). A visited node that gained children or a resident worker is
         dropped (it is queued again when it loses them); one not old enough is queued again, after the pass,
         under its current last_access. A parent left childless is queued at once, and the pass takes the lowest
         bucket each time, so it reaches the parent too.
 
-        `budget_blocks`: stop once the removed nodes hold that many blocks (a bound on one call's time; a mass
-        expiry is then spread over several calls); the candidates not visited stay queued, in order. Which dead
+        `budget_blocks`: stop once the removed nodes' blocks plus the candidates visited reach it (a bound on one
+        call's time: a visit that removes nothing, a resident or young candidate, is work too; a mass expiry is then
+        spread over several calls); the candidates not visited stay queued, in order. `gc_visits` counts the
+        visits of every call. Which dead
         nodes a budgeted call takes first follows the candidate queue, which the two builds fill in different
         orders: the removed nodes are dead by the definition in both, and calls until one stops short of its
         budget remove the same set. `removed_out` gets (blocks, assigned workers) of each removed node that had
@@ -504,19 +508,21 @@ class RadixTree:
         E2's blocks evicted since assignment) has each removed node's blocks dropped from the sets of the
         workers it was assigned to: a hash can be in a worker's set only while its node is assigned there.
         """
-        removed = freed = 0
+        removed = freed = visited = 0
         dead = self._dead
-        limit = math.floor(now - window_s) + 1
         young: list[Node] = []
         while dead:
             b = min(dead)
-            if b > limit:
+            if not now - b > window_s:
                 break
             bucket = dead.pop(b)
             for at, node in enumerate(bucket):
-                if budget_blocks is not None and freed >= budget_blocks:
-                    dead[b] = bucket[at:] + dead.get(b, [])  # still flagged queued
+                if budget_blocks is not None and freed + visited >= budget_blocks:
+                    del bucket[:at]  # the rest, still flagged queued, in order (in place: the build's reason)
+                    bucket.extend(dead.get(b, ()))
+                    dead[b] = bucket
                     break
+                visited += 1
                 node._gc_queued = False
                 if not node.is_attached or node.children or node.resident:
                     continue
@@ -542,10 +548,11 @@ class RadixTree:
                 freed += node.num_blocks
                 if parent is not self._root and not parent.children and not parent.resident:
                     self._candidate(parent)
-            if budget_blocks is not None and freed >= budget_blocks:
+            if budget_blocks is not None and freed + visited >= budget_blocks:
                 break
         for node in young:
             self._candidate(node)
+        self.gc_visits += visited
         return removed
 
     # ---- tests -------------------------------------------------------------------------------------------

@@ -58,8 +58,10 @@ Background (`on_tick`): every `rebalance_interval_s`, if windowed requests ≥ `
 workers and max L > Th_bal × min L, redirect the heavy worker's cheapest key nodes (≥ 2 requests in H) to the
 lightest until the gap closes (§5.4, the code's REBALANCE); a key node whose TTFT on a worker doubles over H
 (2nd-half mean ≥ `replication_ttft_factor` × 1st-half) gets a replica on the lightest worker not serving it
-(§5.5). Redirects and replicas last H. Every `gc_interval_s`, `tree.gc` drops nodes nobody holds and nobody
-used within W (claim 10), freeing at most `gc_budget_blocks` per tick (the rest on the next ticks). Every tick
+(§5.5). Redirects and replicas last H. Every `gc_interval_s` (default: every tick), `tree.gc` drops nodes nobody
+holds and nobody used within W (claim 10), within max(`gc_budget_blocks`, twice the blocks inserted since the last
+gc) of blocks freed plus candidates visited per tick, the rest on the next ticks: the gc keeps pace with the inserts, and a mass expiry (a burst's
+prompts, all unused since) is spread over the ticks rather than stalling one (README "Decision cost"). Every tick
 simulates each worker's eviction order as far as the largest of the recent Ms needed, and prices its victims
 (`warm_eviction_orders`), so a select's M is mostly a bisection and memo hits. Switches
 `enable_rebalancing`, `enable_replication`, `enable_pd_balancing` give the ablation keys `e2_base` (all off),
@@ -151,8 +153,10 @@ class E2Config(BaseModel):
     rebalance_interval_s: float = Field(default=1.0, gt=0)  # on_tick cadence of the background pass
     enable_replication: bool = True  # §5.5
     replication_ttft_factor: float = Field(default=2.0, gt=1)  # "average queueing time doubles over H"
-    gc_interval_s: float = Field(default=10.0, gt=0)
-    gc_budget_blocks: int = Field(default=20_000, gt=0)  # blocks one tick's gc may free (~4-13 ms); the rest next tick
+    gc_interval_s: float = Field(default=0.0, ge=0)  # 0: every tick
+    # one tick's gc work, in blocks freed plus candidates visited: at least this (~0.1-1 ms), at most twice the
+    # blocks inserted since the last gc run, so it keeps pace with the inserts; the rest on the next ticks
+    gc_budget_blocks: int = Field(default=2_000, gt=0)
     # on_tick extends each worker's eviction order to the largest of the last N evictions M was asked to price,
     # and prices its victims, so selects find M ready (`warm_eviction_orders`; 0 = off; decisions are the same)
     warm_eviction_needs: int = Field(default=256, ge=0)
@@ -286,6 +290,7 @@ class PrebleE2(Policy):
         self._tree_gen = 0
         self._decisions: dict[tuple[WorkerId, str], Decision] = {}  # `_decide`'s, per (worker, fixed reason)
         self._next_gc = 0.0
+        self._blocks_after_gc = 0  # the tree's blocks after the last gc run: what was inserted since sets the budget
         self._next_rebalance = 0.0
         self.num_redirects = 0
         self.num_replications = 0
@@ -963,10 +968,13 @@ class PrebleE2(Policy):
             for model in sorted(self._models):
                 rebalance(self, model, now)
         if now >= self._next_gc:
-            before = self.tree.num_blocks
-            self.gc(now, self.cfg.gc_budget_blocks)
+            before, visits = self.tree.num_blocks, self.tree.gc_visits
+            # only gc removes nodes, so the growth since its last run is what was inserted since
+            budget = max(self.cfg.gc_budget_blocks, 2 * (before - self._blocks_after_gc))
+            self.gc(now, budget)
+            self._blocks_after_gc = self.tree.num_blocks
             # a mass expiry (every node of a burst, in one second) goes over the next ticks, not in one stall
-            budget_hit = before - self.tree.num_blocks >= self.cfg.gc_budget_blocks
+            budget_hit = before - self.tree.num_blocks + self.tree.gc_visits - visits >= budget
             self._next_gc = now if budget_hit else now + self.cfg.gc_interval_s
         for w in self.history:  # expiry and moves above changed L: price it here, off the selects' path
             self.load_s(w, now, LOAD_PIECES_AHEAD)  # (a history is kept only where L is priced)
@@ -1035,8 +1043,9 @@ class PrebleE2(Policy):
         return list(self._fleet.routable(model)) if self._fleet is not None else []
 
     def gc(self, now: float, budget_blocks: int | None = None) -> int:
-        """Drop tree nodes with no resident worker and no request within W (up to `budget_blocks` blocks), and
-        their blocks from the evicted sets of the workers they were assigned to.
+        """Drop tree nodes with no resident worker and no request within W (within `budget_blocks` of blocks freed
+        plus candidates visited: `RadixTree.gc`), and their blocks from the evicted sets of the workers they were
+        assigned to.
 
         NOTE: exact and O(removed blocks x their workers): a hash enters w's set only while its node is assigned
         to w, and a node loses an assignment only here or when the worker is unassigned (which drops the set),

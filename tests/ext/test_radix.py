@@ -181,6 +181,23 @@ def test_gc_removes_unreferenced_nodes_after_the_window(impl) -> None:  # type: 
     t.check_invariants()
 
 
+def test_gc_visits_no_candidate_before_it_can_expire(impl) -> None:  # type: ignore[no-untyped-def]
+    """A burst of 500 prompts last used at t=0.5: until now - 0 > W no gc call takes one of them off the queue
+    (a node of the bucket of second 0 passes only then), and the first call after removes them all. The bound
+    before visited the whole bucket on every call of the second before (re-queuing each node)."""
+    t = impl.RadixTree()
+    for k in range(500):
+        t.insert([10_000 + k, 20_000 + k], now=0.5)
+    for now in (0.6, 59.5, 59.9, 60.0):
+        assert t.gc(now=now, window_s=60.0) == 0
+    assert t.gc_visits == 0 and t.num_nodes == 500
+    assert t.gc(now=60.4, window_s=60.0) == 0  # second 0 may hold a node old enough now: visited, none is
+    assert t.gc_visits == 500
+    assert t.gc(now=60.6, window_s=60.0) == 500 and t.num_nodes == 0
+    assert t.gc_visits == 1000
+    t.check_invariants()
+
+
 def test_remove_worker_and_unassign(impl) -> None:  # type: ignore[no-untyped-def]
     t = impl.RadixTree()
     path = t.insert([1, 2, 3], now=0.0)
@@ -562,9 +579,10 @@ class SideBySide(RuleBasedStateMachine):
         before = [{id(x): (tuple(x.blocks), set(x.assigned)) for x in exp} for exp in expected]
         outs: list[list] = [[] for _ in self.trees]
         sets_before = [{w: set(hs) for w, hs in evs.items()} for evs in self.evs]
+        visits = [t.gc_visits for t in self.trees]
         got = [t.gc(now, window, budget, out, evicted=evs) for t, out, evs in zip(self.trees, outs, self.evs, strict=True)]
-        for t, exp, n, was, out, evs, ev0 in zip(self.trees, expected, got, before, outs, self.evs, sets_before,
-                                                 strict=True):
+        for t, exp, n, was, out, evs, ev0, v0 in zip(self.trees, expected, got, before, outs, self.evs, sets_before,
+                                                     visits, strict=True):
             gone = [x for x in exp if not x.is_attached]
             assert len(gone) == n  # only nodes the definition removes
             assert sorted(out) == sorted(was[id(x)] for x in gone if was[id(x)][1])  # (blocks, assigned) as it was
@@ -572,10 +590,14 @@ class SideBySide(RuleBasedStateMachine):
                 for w in was[id(x)][1]:
                     ev0.get(w, set()).difference_update(was[id(x)][0])
             assert {w: set(hs) for w, hs in evs.items()} == ev0
-            if budget is None or sum(x.num_blocks for x in exp) <= budget:
+            visited = t.gc_visits - v0
+            assert visited >= len(gone)
+            if budget is None:
                 assert len(gone) == len(exp)
-            else:  # stopped at the first node that reached the budget; the rest stay for the next call
-                assert budget <= sum(x.num_blocks for x in gone) < budget + max(x.num_blocks for x in exp)
+            elif len(gone) < len(exp):  # stopped at the visit that took the blocks freed plus the candidates
+                # visited to the budget; the rest stay for the next call
+                work = sum(x.num_blocks for x in gone) + visited
+                assert budget <= work < budget + 1 + max(x.num_blocks for x in exp)
                 assert dead_by_definition(t, now, window) == [x for x in exp if x.is_attached]
         if budget is not None:
             # which dead nodes a budgeted pass takes first follows each build's candidate queue (unspecified);

@@ -1132,13 +1132,16 @@ def test_evicted_sets_hold_exactly_the_assigned_blocks_removed_by_events(seed: i
 
 def test_a_mass_expiry_is_collected_over_several_ticks() -> None:
     """30 prompts of 32 blocks, all last used at t=0, expire together: each tick frees at most the budget (plus
-    the node that crossed it), and the ticks right after go on until the tree is empty (claim 10, spread)."""
+    the node that crossed it), and the ticks right after go on until the tree is empty (claim 10, spread), though
+    the gc runs every 10 s otherwise."""
     policy = PrebleE2(E2Config.paper(node_window_s=5.0, gc_interval_s=10.0, gc_budget_blocks=100))
     for k in range(30):
         ctx = dataclasses.replace(req(f"m{k}", shared=0), block_hashes=tuple(10_000 * (k + 1) + i for i in range(32)))
         policy.on_dispatch(ctx, Decision(worker_id=W0), 0.0)
     assert policy.tree.num_blocks == 960
-    freed, t = [], 5.5
+    policy.on_tick(0.1)  # the burst's own tick: nothing has expired yet
+    assert policy.tree.num_blocks == 960
+    freed, t = [], 10.5
     for _ in range(12):  # 960 blocks at ~128 per tick: 8 consecutive ticks, not one every gc_interval_s
         before = policy.tree.num_blocks
         policy.on_tick(t)
@@ -1146,3 +1149,25 @@ def test_a_mass_expiry_is_collected_over_several_ticks() -> None:
         t += 0.1
     assert policy.tree.num_blocks == 0
     assert max(freed) <= 100 + 31 and sum(1 for f in freed if f) >= 8
+
+
+@pytest.mark.parametrize("per_tick", [60, 300])
+def test_gc_keeps_pace_with_the_inserts(per_tick: int) -> None:
+    """New prompts arrive every tick, each used once: the gc, run every tick, frees what expires as fast as it
+    is inserted, also when that is more than `gc_budget_blocks` a tick (its budget is at least twice the blocks
+    inserted since its last run), so the tree holds about W's worth of prompts, not a growing backlog."""
+    policy = PrebleE2(E2Config.paper(node_window_s=2.0, gc_budget_blocks=100))
+    t, k = 0.0, 0
+    sizes = []
+    for _ in range(300):
+        for _ in range(per_tick // 30):
+            k += 1
+            ctx = dataclasses.replace(req(f"p{k}", shared=0), block_hashes=tuple(10_000 * k + i for i in range(30)))
+            policy.on_dispatch(ctx, Decision(worker_id=W0), t)
+            policy.on_finish(f"p{k}", W0, t, 1)
+        t += 0.1
+        policy.on_tick(t)
+        sizes.append(policy.tree.num_blocks)
+    window = per_tick * (2.0 / 0.1 + 3)  # W's ticks of inserts, plus the bucket rounding's
+    assert max(sizes[100:]) <= window, (max(sizes[100:]), window)
+    assert sizes[-1] >= per_tick * 2.0 / 0.1 * 0.9  # and the young ones are kept (W)
