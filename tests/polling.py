@@ -6,11 +6,25 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
-def until(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
+def until(
+    predicate: Callable[[], T], timeout_s: float = 10.0, what: str = "condition",
+    ignore: tuple[type[BaseException], ...] = (),
+) -> T:
+    """The predicate's first truthy value; an exception of a type in `ignore` (a server not up yet) counts as
+    falsy."""
     deadline = time.monotonic() + timeout_s
-    while not predicate():
+    while True:
+        try:
+            value = predicate()
+        except ignore:
+            value = None  # type: ignore[assignment]
+        if value:
+            return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)

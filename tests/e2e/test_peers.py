@@ -11,12 +11,12 @@ import json
 import re
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import zmq
+from polling import until
 
 from switchyard.bench import peers, procs
 from switchyard.workers.zmq_kv_publisher import END_SEQ
@@ -92,13 +92,8 @@ def wait_router_indexed(
         return
     assert log_path is not None
     pattern = re.compile(rf"sequence advanced source={re.escape(ep.url)} rank=0 seq=(\d+)")
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        text = re.sub(r"\x1b\[[0-9;]*m", "", log_path.read_text())
-        if any(int(m) >= seq for m in pattern.findall(text)):
-            return
-        time.sleep(0.02)  # polling the router's own report, bounded by the deadline
-    raise AssertionError(f"vllm-router did not index {ep.url} up to seq {seq}")
+    until(lambda: any(int(m) >= seq for m in pattern.findall(re.sub(r"\x1b\[[0-9;]*m", "", log_path.read_text()))),
+          timeout_s, f"vllm-router to index {ep.url} up to seq {seq}")
 
 
 async def stream(session, url: str, prompt: str, request_id: str) -> tuple[str, dict, int]:  # type: ignore[no-untyped-def]

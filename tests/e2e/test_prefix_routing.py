@@ -9,7 +9,6 @@ the worker itself reports the prefix-cache hit.
 from __future__ import annotations
 
 import random
-import time
 
 import grpc
 import pytest
@@ -103,13 +102,9 @@ def _requests_received(address: str) -> int:
 
 def _wait_peer(client: RouterClient, n: int = 1, timeout_s: float = 10.0) -> str:
     """The worker on which this replica counts `n` requests another replica sent (from the workers' events)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = [w.worker_id for w in client.list_workers() if w.peer_in_flight >= n]
-        if got:
-            return got[0]
-        time.sleep(0.02)
-    raise AssertionError("the replica never learned of the other replica's request")
+    got = until(lambda: [w.worker_id for w in client.list_workers() if w.peer_in_flight >= n], timeout_s,
+                "the replica to learn of the other replica's request")
+    return got[0]
 
 
 def _in_flight_on(client: RouterClient) -> str:

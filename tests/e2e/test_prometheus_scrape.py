@@ -11,13 +11,13 @@ import json
 import shutil
 import socket
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from polling import until
 from tls_certs import Pki
 
 from switchyard.bench import procs
@@ -41,20 +41,6 @@ def _query(port: int, expr: str) -> list[dict]:
         body = json.load(r)
     assert body["status"] == "success", body
     return body["data"]["result"]
-
-
-def _until(pred, timeout_s: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            value = pred()
-        except OSError:
-            value = None
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 @pytest.fixture
@@ -103,8 +89,10 @@ def scrape_with_prometheus(binary: str, router: procs.Proc, pki: Pki | None, tmp
     )
     try:
         # The target is up once Prometheus has scraped it successfully.
-        _until(lambda: any(r["value"][1] == "1" for r in _query(port, 'up{job="switchyard"}')), 60, "a scrape")
-        ok = _until(lambda: _query(port, 'switchyard_requests_total{status="ok"}'), 30, "request counter")
+        until(lambda: any(r["value"][1] == "1" for r in _query(port, 'up{job="switchyard"}')), 60, "a scrape",
+              ignore=(OSError,))
+        ok = until(lambda: _query(port, 'switchyard_requests_total{status="ok"}'), 30, "request counter",
+                   ignore=(OSError,))
         assert sum(float(r["value"][1]) for r in ok) == 3
         assert ok[0]["metric"]["model"] == MODEL
         ttft = _query(port, "switchyard_ttft_seconds_count")
