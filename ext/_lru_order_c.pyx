@@ -35,7 +35,7 @@ cdef inline list _untracked(list heap):
 
     NOTE: why: a full collection traverses every element of a tracked list, and each heap holds an entry per
     candidate node (~110k in all at 100k preloaded nodes): that walk was ~7 ms of each full collection, on the
-    daemon's event loop (README, "Decision cost"). Safe: an entry is (last access, seq, node), and nothing a node
+    daemon's event loop (ext/README.md, "radix"). Safe: an entry is (last access, seq, node), and nothing a node
     holds refers back to an index or its heap (the tree's nodes are `no_gc`; a policy's `node.stats` must not
     refer to nodes or trees), so no cycle can pass through the list; what its entries reference stays reachable
     from it, as it is. A list assigned from Python is tracked as usual (only slower to collect)."""

@@ -491,19 +491,18 @@ class RadixTree:
         NOTE: exact, and O(candidates visited), not O(nodes): every attached node without children or residents
         is queued under a bucket b at most its last_access, and rounded subtraction is monotone, so a node of b
         passes the test (now - last_access > window_s) only if now - b > window_s: the pass stops at the first
-        bucket where that fails (an earlier bound, floor(now - window_s) + 1, let it visit the nodes of the next
-        second every call, ~40k at a time after a burst, to queue them again). A visited node that gained children or a resident worker is
-        dropped (it is queued again when it loses them); one not old enough is queued again, after the pass,
-        under its current last_access. A parent left childless is queued at once, and the pass takes the lowest
-        bucket each time, so it reaches the parent too.
+        bucket where that fails (an earlier bound, floor(now - window_s) + 1, had it visit the next second's
+        nodes on every call, ~40k at a time after a burst, only to queue them again). A visited node that gained
+        children or a resident worker is dropped (it is queued again when it loses them); one not old enough is
+        queued again, after the pass, under its current last_access. A parent left childless is queued at once,
+        and the pass takes the lowest bucket each time, so it reaches the parent too.
 
         `budget_blocks`: stop once the removed nodes' blocks plus the candidates visited reach it (a bound on one
-        call's time: a visit that removes nothing, a resident or young candidate, is work too; a mass expiry is then
-        spread over several calls); the candidates not visited stay queued, in order. `gc_visits` counts the
-        visits of every call. Which dead
-        nodes a budgeted call takes first follows the candidate queue, which the two builds fill in different
-        orders: the removed nodes are dead by the definition in both, and calls until one stops short of its
-        budget remove the same set. `removed_out` gets (blocks, assigned workers) of each removed node that had
+        call's time: a visit that removes nothing, a resident or young candidate, is work too; a mass expiry is
+        then spread over several calls); the candidates not visited stay queued, in order. `gc_visits` counts
+        the visits of every call. Which dead nodes a budgeted call takes first follows the candidate queue, which
+        the two builds fill in different orders: the removed nodes are dead by the definition in both, and calls
+        until one stops short of its budget remove the same set. `removed_out` gets (blocks, assigned workers) of each removed node that had
         assigned workers, for side tables keyed by block and worker. `evicted` (worker -> set of block hashes,
         E2's blocks evicted since assignment) has each removed node's blocks dropped from the sets of the
         workers it was assigned to: a hash can be in a worker's set only while its node is assigned there.
@@ -518,7 +517,7 @@ class RadixTree:
             bucket = dead.pop(b)
             for at, node in enumerate(bucket):
                 if budget_blocks is not None and freed + visited >= budget_blocks:
-                    del bucket[:at]  # the rest, still flagged queued, in order (in place: the build's reason)
+                    del bucket[:at]  # the rest, still flagged queued, in order (in place, as the Cython build)
                     bucket.extend(dead.get(b, ()))
                     dead[b] = bucket
                     break

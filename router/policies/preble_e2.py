@@ -59,9 +59,10 @@ workers and max L > Th_bal × min L, redirect the heavy worker's cheapest key no
 lightest until the gap closes (§5.4, the code's REBALANCE); a key node whose TTFT on a worker doubles over H
 (2nd-half mean ≥ `replication_ttft_factor` × 1st-half) gets a replica on the lightest worker not serving it
 (§5.5). Redirects and replicas last H. Every `gc_interval_s` (default: every tick), `tree.gc` drops nodes nobody
-holds and nobody used within W (claim 10), within max(`gc_budget_blocks`, twice the blocks inserted since the last
-gc) of blocks freed plus candidates visited per tick, the rest on the next ticks: the gc keeps pace with the inserts, and a mass expiry (a burst's
-prompts, all unused since) is spread over the ticks rather than stalling one (README "Decision cost"). Every tick
+holds and nobody used within W (claim 10), within a work budget per tick (blocks freed plus candidates visited:
+`gc_budget_blocks`, or twice the blocks inserted since the last gc if more), the rest on the next ticks: the gc
+keeps pace with the inserts, and a mass expiry (a burst's prompts, all unused since) is spread over the ticks
+rather than stalling one (README "Decision cost"). Every tick
 simulates each worker's eviction order as far as the largest of the recent Ms needed, and prices its victims
 (`warm_eviction_orders`), so a select's M is mostly a bisection and memo hits. Switches
 `enable_rebalancing`, `enable_replication`, `enable_pd_balancing` give the ablation keys `e2_base` (all off),
