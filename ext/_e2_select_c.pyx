@@ -485,13 +485,37 @@ cdef struct ArgminBound:
     Py_ssize_t rot, i
 
 
+cdef double _queued_prefill(ArgminEnv env, object w, object cost, Py_ssize_t t, Py_ssize_t missed,
+                           Py_ssize_t* k) except? -1.0:
+    """As `e2_select_py._queued_prefill` (t > 0); the chunks' count into k[0]."""
+    cdef Py_ssize_t b = env.batched_tokens(w)
+    cdef double q
+    k[0] = 0
+    if env.joint_prefill and t + missed <= b:
+        q = _prefill_s(cost, t + missed, 0) - _prefill_s(cost, missed, 0)
+        return q if q > 0.0 else 0.0
+    k[0] = -_floordiv(-t, b)
+    return <double>k[0] * _prefill_s(cost, -_floordiv(-t, k[0]), 0)
+
+
+cdef double _step_gain(ArgminEnv env, object w, object cost, object o, double r, Py_ssize_t missed) except? -1.0:
+    """As `e2_select_py._step_gain`."""
+    cdef Py_ssize_t t = o.queued_tokens if o is not None and env.joint_prefill else 0
+    cdef double gain
+    if t > 0 and t + missed <= <Py_ssize_t>env.batched_tokens(w):
+        gain = _prefill_s(cost, t + missed, 0) - _prefill_s(cost, t, 0) + r - _prefill_s(cost, missed, 0)
+    else:
+        gain = r - _prefill_s(cost, 0, 0)
+    return gain if gain > 0.0 else 0.0
+
+
 cdef int _argmin_fill(ArgminEnv env, object pool, dict cached, Py_ssize_t p, Py_ssize_t d, Py_ssize_t turn,
                       ArgminBound* out, Py_ssize_t m) except -1:
     """Each pool worker's bound into out[0..m) (`e2_select_py.argmin_bounds`, the same floats in the same order).
     R and D_self are priced once per (cost model, cached tokens), up to _MEMO pairs (the same floats again)."""
-    cdef Py_ssize_t i = 0, tok, missed, t, b, k, nq, nmemo = 0, j
+    cdef Py_ssize_t i = 0, tok, missed, k, nq, nmemo = 0, j
     cdef Py_ssize_t last = p - 1 if p > 1 else 0
-    cdef double r, d_self, q, gain, interference, ctx = <double>p + <double>(d - 1) / 2.0
+    cdef double r, d_self, q, interference, ctx = <double>p + <double>(d - 1) / 2.0
     cdef double qw = env.queue_weight, pw = env.prefix_weight, dw = env.decode_weight, iw = env.interference_weight
     cdef PyObject* got
     cdef object wid, cost, o, oq
@@ -531,25 +555,12 @@ cdef int _argmin_fill(ArgminEnv env, object pool, dict cached, Py_ssize_t p, Py_
                 if oq > 0.0:
                     q = PyFloat_AsDouble(oq)
         elif o is not None and o.queued_tokens > 0:
-            t = o.queued_tokens
-            b = env.batched_tokens(w)
-            if env.joint_prefill and t + missed <= b:
-                q = _prefill_s(cost, t + missed, 0) - _prefill_s(cost, missed, 0)
-                if not q > 0.0:
-                    q = 0.0
-            else:
-                k = -_floordiv(-t, b)
-                q = <double>k * _prefill_s(cost, -_floordiv(-t, k), 0)
+            q = _queued_prefill(env, w, cost, o.queued_tokens, missed, &k)
         got = PyDict_GetItem(env.num_queued, wid)
         nq = <Py_ssize_t>(<object>got) if got is not NULL else 0
         interference = 0.0
         if nq:
-            t = o.queued_tokens if o is not None and env.joint_prefill else 0
-            if t > 0 and t + missed <= <Py_ssize_t>env.batched_tokens(w):
-                gain = _prefill_s(cost, t + missed, 0) - _prefill_s(cost, t, 0) + r - _prefill_s(cost, missed, 0)
-            else:
-                gain = r - _prefill_s(cost, 0, 0)
-            interference = <double>nq * (gain if gain > 0.0 else 0.0)
+            interference = <double>nq * _step_gain(env, w, cost, o, r, missed)
         out[i].lb = qw * q + pw * r + dw * d_self + iw * interference
         out[i].rot = _pymod(i - turn, m)
         out[i].i = i
@@ -620,7 +631,7 @@ def head_terms(ArgminEnv env, w, cost, list running, list queued, Py_ssize_t p, 
     cdef Py_ssize_t shared = cached_blocks * <Py_ssize_t>w.block_size
     cdef Py_ssize_t last = p - 1 if p > 1 else 0
     cdef Py_ssize_t missed = p - (shared if shared <= last else last)
-    cdef Py_ssize_t n = len(running) + len(queued), t, k = 0, b, ctx = 0, i, m_sum
+    cdef Py_ssize_t n = len(running) + len(queued), t, k = 0, ctx = 0, i, m_sum
     cdef double queue, d_self, d_in, d_out, gain, interference, backlog, busy, horizon, behind, lam
     cdef double in_run = 0.0, out_run = 0.0, in_q = 0.0, out_q = 0.0, own_ctx, pair_ctx
     cdef PyObject* got = PyDict_GetItem(env.outstanding, w.worker_id)
@@ -633,16 +644,7 @@ def head_terms(ArgminEnv env, w, cost, list running, list queued, Py_ssize_t p, 
             t = o.queued_tokens
             if t < 0:
                 t = 0
-        queue = 0.0
-        if t:
-            b = env.batched_tokens(w)
-            if env.joint_prefill and t + missed <= b:
-                queue = _prefill_s(cost, t + missed, 0) - _prefill_s(cost, missed, 0)
-                if not queue > 0.0:
-                    queue = 0.0
-            else:
-                k = -_floordiv(-t, b)
-                queue = <double>k * _prefill_s(cost, -_floordiv(-t, k), 0)
+        queue = _queued_prefill(env, w, cost, t, missed, &k) if t else 0.0
         if n:
             for i in range(len(running)):
                 ctx += <Py_ssize_t>(<tuple>running[i])[1]
@@ -660,13 +662,7 @@ def head_terms(ArgminEnv env, w, cost, list running, list queued, Py_ssize_t p, 
         out_q = _decode_marginal_s(cost, <double>m_sum, pair_ctx / <double>m_sum)
     d_in = in_run + in_q
     d_out = out_run + out_q
-    t = o.queued_tokens if o is not None and env.joint_prefill else 0
-    if t > 0 and t + missed <= <Py_ssize_t>env.batched_tokens(w):
-        gain = _prefill_s(cost, t + missed, 0) - _prefill_s(cost, t, 0) + r - _prefill_s(cost, missed, 0)
-    else:
-        gain = r - _prefill_s(cost, 0, 0)
-    if not gain > 0.0:
-        gain = 0.0
+    gain = _step_gain(env, w, cost, o, r, missed)
     interference = <double>n * gain
     backlog = queue + r
     busy = backlog

@@ -218,6 +218,31 @@ class ArgminEnv:
         self.behind_weight, self.window_s = behind_weight, window_s
 
 
+def _queued_prefill(env: ArgminEnv, w: Any, cost: Any, t: int, missed: int) -> tuple[float, int]:
+    """(Q's prefill part, k chunks) for t > 0 missed tokens queued on w ahead of a request that misses `missed`
+    (`Switchyard.queued_prefill_s`): with `joint_prefill` and t + missed <= B, one iteration beside them,
+    max(0, PREFILLTIME(t + missed, 0) − PREFILLTIME(missed, 0)) and k = 0; else k = ceil(t / B) chunks,
+    k × PREFILLTIME(ceil(t / k), 0)."""
+    b = env.batched_tokens(w)
+    if env.joint_prefill and t + missed <= b:
+        q = cost.prefill_s(t + missed, 0) - cost.prefill_s(missed, 0)
+        return (q if q > 0.0 else 0.0), 0
+    k = -(-t // b)
+    return k * cost.prefill_s(-(-t // k), 0), k
+
+
+def _step_gain(env: ArgminEnv, w: Any, cost: Any, o: Any, r: float, missed: int) -> float:
+    """What a request's prefill adds to each iteration it rides in (`Switchyard.prefill_step_gain_s`): with
+    `joint_prefill` and 0 < T, T + missed <= B (T: o's queued missed tokens), PREFILLTIME(T + missed, 0) −
+    PREFILLTIME(T, 0) + R − PREFILLTIME(missed, 0), else R − PREFILLTIME(0, 0); at least 0."""
+    t = o.queued_tokens if o is not None and env.joint_prefill else 0
+    if t > 0 and t + missed <= env.batched_tokens(w):
+        gain = cost.prefill_s(t + missed, 0) - cost.prefill_s(t, 0) + r - cost.prefill_s(missed, 0)
+    else:
+        gain = r - cost.prefill_s(0, 0)
+    return gain if gain > 0.0 else 0.0
+
+
 def argmin_bounds(env: ArgminEnv, pool: Sequence[Any], cached: dict[Any, int], p: int, d: int) -> list[float]:
     """Per pool worker, in pool order, the default policy's lower bound of its cost for a request of p prompt
     tokens (worker w holds the leading `cached[w]` blocks) and d predicted output tokens:
@@ -249,23 +274,11 @@ def argmin_bounds(env: ArgminEnv, pool: Sequence[Any], cached: dict[Any, int], p
             if o is not None:
                 q = max(0.0, o.queued_s)
         elif o is not None and o.queued_tokens > 0:
-            t = o.queued_tokens
-            b = env.batched_tokens(w)
-            if env.joint_prefill and t + missed <= b:
-                q = cost.prefill_s(t + missed, 0) - cost.prefill_s(missed, 0)
-                q = q if q > 0.0 else 0.0
-            else:
-                k = -(-t // b)
-                q = k * cost.prefill_s(-(-t // k), 0)
+            q = _queued_prefill(env, w, cost, o.queued_tokens, missed)[0]
         nq = env.num_queued.get(wid, 0)
         interference = 0.0
         if nq:
-            t = o.queued_tokens if o is not None and env.joint_prefill else 0
-            if t > 0 and t + missed <= env.batched_tokens(w):
-                gain = cost.prefill_s(t + missed, 0) - cost.prefill_s(t, 0) + r - cost.prefill_s(missed, 0)
-            else:
-                gain = r - cost.prefill_s(0, 0)
-            interference = nq * (gain if gain > 0.0 else 0.0)
+            interference = nq * _step_gain(env, w, cost, o, r, missed)
         out.append(qw * q + pw * r + dw * d_self + iw * interference)
     return out
 
@@ -317,16 +330,7 @@ def head_terms(
         queue = q
     else:
         t = max(0, o.queued_tokens) if o is not None else 0
-        k = 0
-        queue = 0.0
-        if t:
-            b = env.batched_tokens(w)
-            if env.joint_prefill and t + missed <= b:
-                queue = cost.prefill_s(t + missed, 0) - cost.prefill_s(missed, 0)
-                queue = queue if queue > 0.0 else 0.0
-            else:
-                k = -(-t // b)
-                queue = k * cost.prefill_s(-(-t // k), 0)
+        queue, k = _queued_prefill(env, w, cost, t, missed) if t else (0.0, 0)
         if n:
             ctx = sum(c for _, c in running) + sum(px for px, _, _ in queued)
             queue += (k + 1.5) * cost.decode_marginal_s(n, ctx / n)
@@ -334,12 +338,7 @@ def head_terms(
     in_run, out_run = co_residency(running, p, d, cost)
     in_q, out_q = co_residency([(dx, px) for px, _, dx in queued], p, d, cost)
     d_in, d_out = in_run + in_q, out_run + out_q
-    t = o.queued_tokens if o is not None and env.joint_prefill else 0
-    if t > 0 and t + missed <= env.batched_tokens(w):
-        gain = cost.prefill_s(t + missed, 0) - cost.prefill_s(t, 0) + r - cost.prefill_s(missed, 0)
-    else:
-        gain = r - cost.prefill_s(0, 0)
-    gain = gain if gain > 0.0 else 0.0
+    gain = _step_gain(env, w, cost, o, r, missed)
     interference = n * gain
     busy = backlog = queue + r
     if not prefill_load <= 0.0:  # (`busy_s`'s test, NaN included)
