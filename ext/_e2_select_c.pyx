@@ -487,7 +487,7 @@ cdef struct ArgminBound:
 
 cdef double _queued_prefill(ArgminEnv env, object w, object cost, Py_ssize_t t, Py_ssize_t missed,
                            Py_ssize_t* k) except? -1.0:
-    """As `e2_select_py._queued_prefill` (t > 0); the chunks' count into k[0]."""
+    """As `e2_select_py.queued_prefill` (t > 0); the chunks' count into k[0]."""
     cdef Py_ssize_t b = env.batched_tokens(w)
     cdef double q
     k[0] = 0
@@ -499,7 +499,7 @@ cdef double _queued_prefill(ArgminEnv env, object w, object cost, Py_ssize_t t, 
 
 
 cdef double _step_gain(ArgminEnv env, object w, object cost, object o, double r, Py_ssize_t missed) except? -1.0:
-    """As `e2_select_py._step_gain`."""
+    """As `e2_select_py.step_gain`."""
     cdef Py_ssize_t t = o.queued_tokens if o is not None and env.joint_prefill else 0
     cdef double gain
     if t > 0 and t + missed <= <Py_ssize_t>env.batched_tokens(w):
@@ -666,7 +666,7 @@ def head_terms(ArgminEnv env, w, cost, list running, list queued, Py_ssize_t p, 
     interference = <double>n * gain
     backlog = queue + r
     busy = backlog
-    if not prefill_load <= 0.0:
+    if not prefill_load <= 0.0:  # `e2_select_py.busy_period`
         horizon = env.window_s if load_span_s is None else <double>load_span_s
         if prefill_load < 1.0 and backlog < horizon * (1.0 - prefill_load):
             horizon = backlog / (1.0 - prefill_load)

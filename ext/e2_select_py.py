@@ -218,11 +218,12 @@ class ArgminEnv:
         self.behind_weight, self.window_s = behind_weight, window_s
 
 
-def _queued_prefill(env: ArgminEnv, w: Any, cost: Any, t: int, missed: int) -> tuple[float, int]:
-    """(Q's prefill part, k chunks) for t > 0 missed tokens queued on w ahead of a request that misses `missed`
-    (`Switchyard.queued_prefill_s`): with `joint_prefill` and t + missed <= B, one iteration beside them,
-    max(0, PREFILLTIME(t + missed, 0) − PREFILLTIME(missed, 0)) and k = 0; else k = ceil(t / B) chunks,
-    k × PREFILLTIME(ceil(t / k), 0)."""
+def queued_prefill(env: ArgminEnv, w: Any, cost: Any, t: int, missed: int) -> tuple[float, int]:
+    """(Q's prefill part, k iterations ahead of the request's own) for t > 0 missed tokens queued on w ahead of a
+    request that misses `missed`: they run in k = ceil(t / B) chunked iterations of B = max_num_batched_tokens,
+    k × PREFILLTIME(ceil(t / k), 0). With `joint_prefill`, when the request's tokens fit beside them in one
+    iteration (t + missed <= B), they run together: it waits max(0, PREFILLTIME(t + missed, 0) −
+    PREFILLTIME(missed, 0)) beyond its own prefill, and k = 0."""
     b = env.batched_tokens(w)
     if env.joint_prefill and t + missed <= b:
         q = cost.prefill_s(t + missed, 0) - cost.prefill_s(missed, 0)
@@ -231,16 +232,32 @@ def _queued_prefill(env: ArgminEnv, w: Any, cost: Any, t: int, missed: int) -> t
     return k * cost.prefill_s(-(-t // k), 0), k
 
 
-def _step_gain(env: ArgminEnv, w: Any, cost: Any, o: Any, r: float, missed: int) -> float:
-    """What a request's prefill adds to each iteration it rides in (`Switchyard.prefill_step_gain_s`): with
-    `joint_prefill` and 0 < T, T + missed <= B (T: o's queued missed tokens), PREFILLTIME(T + missed, 0) −
-    PREFILLTIME(T, 0) + R − PREFILLTIME(missed, 0), else R − PREFILLTIME(0, 0); at least 0."""
+def step_gain(env: ArgminEnv, w: Any, cost: Any, o: Any, r: float, missed: int) -> float:
+    """What a request's prefill adds to each iteration it rides in (I's and B's step), at least 0: R −
+    PREFILLTIME(0, 0) alone; with `joint_prefill`, when the T missed tokens already queued on w (`o`, w's
+    outstanding record) and the request's `missed` fit one iteration (0 < T, T + missed <= B), the growth of that
+    iteration, PREFILLTIME(T + missed, 0) − PREFILLTIME(T, 0), so a per-iteration prefill overhead the queued
+    prompts pay anyway is not charged twice; its attention over its cached prefix, R − PREFILLTIME(missed, 0),
+    either way."""
     t = o.queued_tokens if o is not None and env.joint_prefill else 0
     if t > 0 and t + missed <= env.batched_tokens(w):
         gain = cost.prefill_s(t + missed, 0) - cost.prefill_s(t, 0) + r - cost.prefill_s(missed, 0)
     else:
         gain = r - cost.prefill_s(0, 0)
     return gain if gain > 0.0 else 0.0
+
+
+def busy_period(backlog_s: float, rho: float, span_s: float | None, window_s: float) -> float:
+    """How long a worker stays busy with `backlog_s` of prefill queued (the request's included) while work keeps
+    arriving at utilisation ρ: the M/G/1 busy period backlog / (1 − ρ), at most the span ρ was measured over
+    (`span_s`, else `window_s`, the arrival window once it is full; ρ >= 1: a backlog that does not drain within
+    it), never less than the backlog itself. ρ <= 0: the backlog."""
+    if rho <= 0.0:
+        return backlog_s
+    horizon = window_s if span_s is None else span_s
+    if rho < 1.0 and backlog_s < horizon * (1.0 - rho):
+        horizon = backlog_s / (1.0 - rho)
+    return backlog_s if backlog_s > horizon else horizon
 
 
 def argmin_bounds(env: ArgminEnv, pool: Sequence[Any], cached: dict[Any, int], p: int, d: int) -> list[float]:
@@ -274,11 +291,11 @@ def argmin_bounds(env: ArgminEnv, pool: Sequence[Any], cached: dict[Any, int], p
             if o is not None:
                 q = max(0.0, o.queued_s)
         elif o is not None and o.queued_tokens > 0:
-            q = _queued_prefill(env, w, cost, o.queued_tokens, missed)[0]
+            q = queued_prefill(env, w, cost, o.queued_tokens, missed)[0]
         nq = env.num_queued.get(wid, 0)
         interference = 0.0
         if nq:
-            interference = nq * _step_gain(env, w, cost, o, r, missed)
+            interference = nq * step_gain(env, w, cost, o, r, missed)
         out.append(qw * q + pw * r + dw * d_self + iw * interference)
     return out
 
@@ -302,23 +319,23 @@ def head_terms(
     prefill_load: float, load_span_s: float | None,
 ) -> HeadTerms:
     """The default policy's terms of w's cost other than M, O and W, and their weighted parts (`Switchyard.terms`,
-    whose term methods these are, inlined: the same floats in the same order):
+    the terms it prices before M, O and W: one call, the same floats in the same order as its sum):
     (Q, D_self, D_in, D_out, I, B, missed tokens, head, dec, inter), where head = L + qw·Q + pw·R,
     dec = dw·(D_self + D_in + λ·D_out) and inter = λ·(i·I + b·B).
 
     `running` [(remaining, context)] and `queued` [(prompt, private prompt, D)] are w's anticipated batch; L, R
     and E2's Q come from E2's bound kernel (`raw_bounds`); B's ρ and span from w's busy fraction.
-    - missed = p − min(cached blocks × block size, p − 1) (`Switchyard.missed_tokens`);
-    - Q: "sum" pricing, E2's Q; else `Switchyard.batched_queue_s`: the T queued missed tokens (at least 0) in
-      k = ceil(T / B) chunks, k × PREFILLTIME(ceil(T / k), 0), or with `joint_prefill` and T + missed <= B,
-      max(0, PREFILLTIME(T + missed, 0) − PREFILLTIME(missed, 0)) and k = 0; plus, with n = running + queued
-      co-runners of total context c, (k + 1.5) × decode_marginal_s(n, c / n);
+    - missed = p − min(cached blocks × block size, p − 1) (`Switchyard.missed_tokens`: the last token is
+      always computed);
+    - Q, the request's wait for its first token beyond its own prefill, as the engine batches it: "sum" pricing,
+      E2's Q; else `queued_prefill` of the T >= 0 missed tokens queued on w (0 and k = 0 without any), plus,
+      since every iteration until its first token also carries w's n decoders (running + queued, total context
+      c) and it waits half an iteration on average for the one in flight, (k + 1.5) × decode_marginal_s(n, c/n);
     - D_self = DECODETIME(d, p + (d − 1)/2); D_in, D_out: `co_residency` of the running, plus of the queued as
       (D, prompt);
-    - gain (`Switchyard.prefill_step_gain_s`): with `joint_prefill` and 0 < T, T + missed <= B,
-      PREFILLTIME(T + missed, 0) − PREFILLTIME(T, 0) + R − PREFILLTIME(missed, 0), else R − PREFILLTIME(0, 0),
-      at least 0; I = n × gain;
-    - B = arrivals_per_s × busy × gain, busy = `Switchyard.busy_s(Q + R, ρ, span)`.
+    - I = n × `step_gain`: each co-runner is delayed by the request's step;
+    - B = arrivals_per_s × `busy_period`(Q + R, ρ, span) × step gain: the requests that arrive before its
+      prefill is done wait behind it, each by its step.
     """
     wid = w.worker_id
     shared = cached_blocks * w.block_size
@@ -330,7 +347,7 @@ def head_terms(
         queue = q
     else:
         t = max(0, o.queued_tokens) if o is not None else 0
-        queue, k = _queued_prefill(env, w, cost, t, missed) if t else (0.0, 0)
+        queue, k = queued_prefill(env, w, cost, t, missed) if t else (0.0, 0)
         if n:
             ctx = sum(c for _, c in running) + sum(px for px, _, _ in queued)
             queue += (k + 1.5) * cost.decode_marginal_s(n, ctx / n)
@@ -338,15 +355,9 @@ def head_terms(
     in_run, out_run = co_residency(running, p, d, cost)
     in_q, out_q = co_residency([(dx, px) for px, _, dx in queued], p, d, cost)
     d_in, d_out = in_run + in_q, out_run + out_q
-    gain = _step_gain(env, w, cost, o, r, missed)
+    gain = step_gain(env, w, cost, o, r, missed)
     interference = n * gain
-    busy = backlog = queue + r
-    if not prefill_load <= 0.0:  # (`busy_s`'s test, NaN included)
-        horizon = env.window_s if load_span_s is None else load_span_s
-        if prefill_load < 1.0 and backlog < horizon * (1.0 - prefill_load):
-            horizon = backlog / (1.0 - prefill_load)
-        busy = backlog if backlog > horizon else horizon
-    behind = arrivals_per_s * busy * gain
+    behind = arrivals_per_s * busy_period(queue + r, prefill_load, load_span_s, env.window_s) * gain
     lam = env.externality_weight
     head = load + env.queue_weight * queue + env.prefix_weight * r
     dec = env.decode_weight * (d_self + d_in + lam * d_out)
@@ -370,7 +381,7 @@ def decode_marginal(cost: Any, num_tokens: float, context_tokens: float) -> floa
 
 
 def co_residency(batch: Sequence[tuple[int, int]], prompt_tokens: int, d: int, cost: Any) -> tuple[float, float]:
-    """The default policy's D_co (`Switchyard.co_residency_s`) over (remaining, context) co-runners of a request of
+    """The default policy's D_co over (remaining, context) co-runners of a request of
     `prompt_tokens` and d predicted tokens: m_x = min(d, remaining_x) shared iterations, in each of which the
     request pays x's marginal sequence cost and x pays the request's; the marginal is linear in context, so each
     side is one `decode_marginal_s` at the m-weighted mean context. (0.0, 0.0) without co-runners."""

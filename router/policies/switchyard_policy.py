@@ -153,10 +153,7 @@ from switchyard.ext.e2_select import (
     ArgminEnv,
     argmin_bounds,
     argmin_order,
-    co_residency,
-    decode_marginal,
     head_terms,
-    prefill,
     raw_bounds,
 )
 from switchyard.router.policies.anticipation import AnticipationTracker
@@ -440,15 +437,6 @@ class Switchyard(PrebleE2):
         return ant.batch(reqs) if reqs else ([], [])  # `ext/anticipator`: the records' loop in C
 
     @staticmethod
-    def co_residency_s(
-        batch: list[tuple[int, int]], prompt_tokens: int, d: int, cost: CostModel
-    ) -> tuple[float, float]:
-        """D_co over (remaining, context) co-runners: m_x = min(D, remaining_x) shared iterations, in each of which
-        r pays x's marginal sequence cost and x pays r's. The marginal is linear in context, so each side is one
-        `decode_marginal_s` call at the m-weighted mean context (`ext/e2_select.co_residency`, in Cython)."""
-        return co_residency(batch, prompt_tokens, d, cost)  # type: ignore[no-any-return]
-
-    @staticmethod
     def occupancy(ant: Any, queued: list[tuple[int, int]], horizon: int) -> list[int]:
         """U'[j], j < horizon, in tokens: the map plus each queued x holding P_x + j for j < D_x from offset 0.
 
@@ -510,36 +498,10 @@ class Switchyard(PrebleE2):
             wait = j * self.iteration_s(cost, k, mean_ctx)
         return over, wait, peak / cap
 
-    def busy_s(self, backlog_s: float, rho: float, span_s: float | None = None) -> float:
-        """How long w stays busy with `backlog_s` of prefill queued (r's included) while work keeps arriving at
-        utilisation ρ: the M/G/1 busy period backlog / (1 − ρ), at most the span ρ was measured over (the
-        arrival window once it is full; ρ >= 1: a backlog that does not drain within it), never less than the
-        backlog itself."""
-        if rho <= 0.0:
-            return backlog_s
-        horizon = self.sy.arrival_window_s if span_s is None else span_s
-        if rho < 1.0 and backlog_s < horizon * (1.0 - rho):
-            horizon = backlog_s / (1.0 - rho)
-        return backlog_s if backlog_s > horizon else horizon
-
     @staticmethod
     def iteration_s(cost: CostModel, k: int, mean_ctx: int) -> float:
         """One decode iteration of a batch of k requests of mean context c̄ (the clock of O's and W's waits)."""
         return cost.decode_s(1, mean_ctx) + cost.decode_marginal_s(max(0, k - 1), mean_ctx)
-
-    def prefill_step_gain_s(self, w: WorkerView, cost: CostModel, r: float, missed: int) -> float:
-        """What r's prefill adds to each iteration it rides in, for I_w: R_w − PREFILLTIME(0, 0) alone; with
-        `joint_prefill`, when the T missed tokens already queued on w and r's m fit one iteration (T + m <= B),
-        the growth of that iteration, PREFILLTIME(T + m, 0) − PREFILLTIME(T, 0), so a per-iteration prefill
-        overhead the queued prompts pay anyway is not charged twice; r's attention over its cached prefix,
-        R_w − PREFILLTIME(m, 0), either way."""
-        o = self.outstanding.get(w.worker_id)
-        t = o.queued_tokens if o is not None and self.sy.joint_prefill else 0
-        if t > 0 and t + missed <= self.batched_tokens(w):
-            gain = prefill(cost, t + missed, 0) - prefill(cost, t, 0) + r - prefill(cost, missed, 0)
-            return gain if gain > 0.0 else 0.0
-        gain = r - prefill(cost, 0, 0)
-        return gain if gain > 0.0 else 0.0
 
     @staticmethod
     def missed_tokens(w: WorkerView, cached_blocks: int, p: int) -> int:
@@ -553,51 +515,13 @@ class Switchyard(PrebleE2):
         info = getattr(w, "info", None)
         return max(1, int(getattr(info, "max_num_batched_tokens", 0) or self.sy.default_batched_tokens))
 
-    def queued_prefill_s(self, w: WorkerView, cost: CostModel, missed: int) -> tuple[float, int]:
-        """(Q_w's prefill part, k iterations ahead of r's own): the T missed tokens queued on w run in
-        k = ceil(T / B) chunked iterations, k × PREFILLTIME(T/k, 0), before r's. With `joint_prefill`, when r's
-        `missed` tokens fit beside them in one iteration (T + missed <= B), they run together: r waits
-        PREFILLTIME(T + missed, 0) − PREFILLTIME(missed, 0) beyond its own prefill, and k = 0."""
-        o = self.outstanding.get(w.worker_id)
-        t = max(0, o.queued_tokens) if o is not None else 0
-        if not t:
-            return 0.0, 0
-        b = self.batched_tokens(w)
-        if self.sy.joint_prefill and t + missed <= b:
-            q = prefill(cost, t + missed, 0) - prefill(cost, missed, 0)
-            return (q if q > 0.0 else 0.0), 0
-        k = -(-t // b)
-        return k * prefill(cost, -(-t // k), 0), k
-
-    def batched_queue_s(
-        self,
-        w: WorkerView,
-        running: list[tuple[int, int]],
-        queued: list[tuple[int, int, int]],
-        cost: CostModel,
-        missed: int,
-    ) -> float:
-        """Q_w: r's wait for its first token beyond its own prefill, as the engine batches it.
-
-        The T missed tokens queued on w run in k = ceil(T / B) iterations of B = max_num_batched_tokens, and
-        every iteration until r's first token also carries w's n decoders (running + queued ahead, mean
-        context c̄): r waits half an iteration on average for the one in flight, then runs its own:
-            Q_w = k × PREFILLTIME(T/k, 0) + (k + 1.5) × decode_marginal_s(n, c̄)
-        (`joint_prefill`: k = 0 when r fits beside T in one iteration, see `queued_prefill_s`)."""
-        q, k = self.queued_prefill_s(w, cost, missed)
-        n = len(running) + len(queued)
-        if n:
-            ctx = sum(c for _, c in running) + sum(p for p, _, _ in queued)
-            q += (k + 1.5) * decode_marginal(cost, n, ctx / n)
-        return q
-
     def lower_bounds(
         self, pool: Sequence[WorkerView], ctx: RoutingContext, cached: dict[WorkerId, int], d: int
     ) -> list[float]:
         """Per pool worker, in pool order, a cost no higher than `terms(...).total_s`, from O(1) state (no
         anticipator sync, no batch walk): R and D_self exactly, Q without its decode part, I with the queued
         requests alone as co-runners, every other term 0 (`ext/e2_select.argmin_bounds`: the loop every select
-        runs over the whole pool, in Cython; the same floats as these terms' own methods, which a test checks)."""
+        runs over the whole pool, in Cython; the same floats as the terms `head_terms` prices, which a test checks)."""
         return argmin_bounds(self._argmin_env, pool, cached, ctx.num_prompt_tokens, d)
 
     def terms(
@@ -624,12 +548,11 @@ class Switchyard(PrebleE2):
         if ant is None:
             ant = self.tracker.sync(w, now)
         running, queued = self.batch(wid, ant)
-        # Q (`batched_queue_s`, or E2's under "sum" pricing), D_self, D_co (`co_residency_s` of the running and the
-        # queued), I (n × `prefill_step_gain_s`) and B: the requests that reach w before r's prefill is done wait
-        # behind it (FCFS admission), each by its step, and under prefill load ρ they keep arriving until w's
-        # backlog drains (`busy_s`: module docstring); with their weighted sums head = L + Q + R, dec = D and
-        # inter = λ·(I + B). One call (`ext/e2_select.head_terms`, in Cython: these methods' floats, which a test
-        # checks).
+        # Q (batched, or E2's under "sum" pricing), D_self, D_co of the running and the queued, I (r's step gain
+        # on each co-runner) and B: the requests that reach w before r's prefill is done wait behind it (FCFS
+        # admission), each by its step, and under prefill load ρ they keep arriving until w's backlog drains
+        # (the busy period: module docstring); with their weighted sums head = L + Q + R, dec = D and
+        # inter = λ·(I + B). One call: `ext/e2_select.head_terms` (its reference's docstring has each formula).
         queue, d_self, d_in, d_out, interference, behind, missed, head, dec, inter = head_terms(
             self._argmin_env, w, cost, running, queued, p, d, cached_blocks, load, r, q, arrivals_per_s,
             prefill_load, load_span_s)

@@ -647,7 +647,8 @@ def test_lower_bounds_price_cached_tokens_not_blocks() -> None:
 
 
 def _bound_from_terms(pol: Switchyard, w: WorkerView, ctx: RoutingContext, cached_blocks: int, d: int) -> float:
-    """A worker's lower bound composed from the policy's own term methods (what the bound pass must equal)."""
+    """A worker's lower bound composed from the default policy's terms, as the reference defines them (what the
+    bound pass must equal)."""
     cfg = pol.sy
     wid = w.worker_id
     p = ctx.num_prompt_tokens
@@ -655,9 +656,12 @@ def _bound_from_terms(pol: Switchyard, w: WorkerView, ctx: RoutingContext, cache
     missed = Switchyard.missed_tokens(w, cached_blocks, p)
     r = cost.prefill_s(missed, p - missed)
     d_self = cost.decode_s(d, p + (d - 1) / 2)
-    q = pol.queue_s(wid) if cfg.queue_pricing == "sum" else pol.queued_prefill_s(w, cost, missed)[0]
+    o = pol.outstanding.get(wid)
+    t = max(0, o.queued_tokens) if o is not None else 0
+    q = (pol.queue_s(wid) if cfg.queue_pricing == "sum"
+         else e2_select_py.queued_prefill(pol._argmin_env, w, cost, t, missed)[0] if t else 0.0)
     nq = pol.num_queued.get(wid, 0)
-    interference = nq * pol.prefill_step_gain_s(w, cost, r, missed) if nq else 0.0
+    interference = nq * e2_select_py.step_gain(pol._argmin_env, w, cost, o, r, missed) if nq else 0.0
     return (cfg.queue_weight * q + cfg.prefix_weight * r + cfg.decode_weight * d_self
             + cfg.interference_weight * cfg.externality_weight * interference)
 
@@ -666,23 +670,33 @@ def _head_from_terms(
     pol: Switchyard, w: WorkerView, ctx: RoutingContext, cached_blocks: int, batch: tuple[list, list],  # type: ignore[type-arg]
     d: int, bounds: tuple[float, float, float], arrivals: float, rho: float, span: float | None,
 ) -> tuple[float | int, ...]:
-    """A worker's terms before M, O and W and their weighted sums, composed from the policy's own term methods
-    (what `head_terms` must equal)."""
+    """A worker's terms before M, O and W and their weighted sums, composed from the reference's parts with the
+    policy's configuration (what `head_terms` must equal)."""
     cfg = pol.sy
+    env = pol._argmin_env
     lam = cfg.externality_weight
     p = ctx.num_prompt_tokens
-    cost = pol.cost_model(w.worker_id)
+    wid = w.worker_id
+    cost = pol.cost_model(wid)
     running, queued = batch
     load, r, q = bounds
     missed = Switchyard.missed_tokens(w, cached_blocks, p)
-    queue = q if cfg.queue_pricing == "sum" else pol.batched_queue_s(w, running, queued, cost, missed)
+    o = pol.outstanding.get(wid)
+    queue = q
+    if cfg.queue_pricing != "sum":
+        t = max(0, o.queued_tokens) if o is not None else 0
+        queue, k = e2_select_py.queued_prefill(env, w, cost, t, missed) if t else (0.0, 0)
+        if running or queued:  # every iteration until r's first token carries w's decoders; r waits 1.5 of them
+            n = len(running) + len(queued)
+            ctx_tokens = sum(c for _, c in running) + sum(px for px, _, _ in queued)
+            queue += (k + 1.5) * cost.decode_marginal_s(n, ctx_tokens / n)
     d_self = cost.decode_s(d, p + (d - 1) / 2)
-    in_run, out_run = pol.co_residency_s(running, p, d, cost)
-    in_q, out_q = pol.co_residency_s([(dx, px) for px, _, dx in queued], p, d, cost)
+    in_run, out_run = e2_select_py.co_residency(running, p, d, cost)
+    in_q, out_q = e2_select_py.co_residency([(dx, px) for px, _, dx in queued], p, d, cost)
     d_in, d_out = in_run + in_q, out_run + out_q
-    gain = pol.prefill_step_gain_s(w, cost, r, missed)
+    gain = e2_select_py.step_gain(env, w, cost, o, r, missed)
     interference = (len(running) + len(queued)) * gain
-    behind = arrivals * pol.busy_s(queue + r, rho, span) * gain
+    behind = arrivals * e2_select_py.busy_period(queue + r, rho, span, cfg.arrival_window_s) * gain
     return (queue, d_self, d_in, d_out, interference, behind, missed,
             load + cfg.queue_weight * queue + cfg.prefix_weight * r,
             cfg.decode_weight * (d_self + d_in + lam * d_out),
@@ -747,13 +761,19 @@ def test_bound_pass_equals_the_terms_it_bounds(overrides: dict) -> None:  # type
 
 
 # ---------------------------------------------------------------------------------------------- arrivals behind
+def _step(p: Switchyard, w: WorkerView, r: float, missed: int) -> float:
+    """r's step gain on w (`e2_select_py.step_gain`, with the policy's configuration and w's queue)."""
+    return e2_select_py.step_gain(p._argmin_env, w, p.cost_model(w.worker_id), p.outstanding.get(w.worker_id), r,
+                                  missed)
+
+
 def test_arrivals_behind_is_the_step_of_every_request_expected_before_rs_first_token() -> None:
     p, fleet = policy(kv_capacity_blocks=100, busy_period=False)
     t = terms(p, fleet, _loaded(p, fleet))[W0]
     rate = p.arrival_rate("m").rate(NOW)
     assert rate == 3.0  # a, x and q over the 1 s since the first of them
     w0 = fleet.get(W0)
-    step = p.prefill_step_gain_s(w0, COST, t.prefill_s, Switchyard.missed_tokens(w0, 0, 512))  # r: 512 missed
+    step = _step(p, w0, t.prefill_s, 512)  # r: 512 missed
     assert t.queue_s > 0 and step > 0
     # an even share of the arrivals (2 workers) reaches w0 before r's first token, each delayed one step
     assert t.behind_s == pytest.approx(rate / 2 * (t.queue_s + t.prefill_s) * step)
@@ -770,27 +790,31 @@ def test_arrivals_behind_under_prefill_load_count_the_busy_period() -> None:
     assert p.prefill_load(W0, NOW) == 0.5 and p.prefill_load(W1, NOW) == 0.0
     t = terms(p, fleet, req("r", 512))
     w0 = fleet.get(W0)
-    step = p.prefill_step_gain_s(w0, COST, t[W0].prefill_s, Switchyard.missed_tokens(w0, 0, 512))
+    step = _step(p, w0, t[W0].prefill_s, 512)
     rate = p.arrival_rate("m").rate(NOW)
     backlog = t[W0].queue_s + t[W0].prefill_s
     assert 0 < backlog / 0.5 < 2.0  # within the 2 s ρ_w0 was measured over
     assert t[W0].behind_s == pytest.approx(rate / 2 * backlog / 0.5 * step)
     w1 = fleet.get(W1)  # idle (ρ = 0): the arrivals before r's first token only
-    step1 = p.prefill_step_gain_s(w1, COST, t[W1].prefill_s, Switchyard.missed_tokens(w1, 0, 512))
+    step1 = _step(p, w1, t[W1].prefill_s, 512)
     assert t[W1].behind_s == pytest.approx(rate / 2 * (t[W1].queue_s + t[W1].prefill_s) * step1)
 
 
 def test_busy_period_is_the_backlog_over_one_minus_the_load_within_the_window() -> None:
     p, _ = policy()  # arrival_window_s = 10
-    assert p.busy_s(2.0, 0.0) == 2.0  # idle: the arrivals before r's first token only
-    assert p.busy_s(2.0, 0.5) == pytest.approx(4.0)  # M/G/1: backlog / (1 − ρ)
-    assert p.busy_s(2.0, 0.9) == 10.0  # at most the window the rates are measured over
-    assert p.busy_s(2.0, 1.5) == 10.0  # overloaded: a backlog that does not drain within it
-    assert p.busy_s(12.0, 0.5) == 12.0  # never less than the backlog itself
+
+    def busy_s(backlog_s: float, rho: float, span_s: float | None = None) -> float:
+        return e2_select_py.busy_period(backlog_s, rho, span_s, p.sy.arrival_window_s)
+
+    assert busy_s(2.0, 0.0) == 2.0  # idle: the arrivals before r's first token only
+    assert busy_s(2.0, 0.5) == pytest.approx(4.0)  # M/G/1: backlog / (1 − ρ)
+    assert busy_s(2.0, 0.9) == 10.0  # at most the window the rates are measured over
+    assert busy_s(2.0, 1.5) == 10.0  # overloaded: a backlog that does not drain within it
+    assert busy_s(12.0, 0.5) == 12.0  # never less than the backlog itself
     # ... and at most the span ρ was measured over, while the window is not full yet: 3 s of a busy queue say
     # nothing of the next 10
-    assert p.busy_s(2.0, 0.9, 3.0) == 3.0 and p.busy_s(2.0, 0.5, 3.0) == 3.0 and p.busy_s(1.0, 0.5, 3.0) == 2.0
-    assert p.busy_s(4.0, 0.9, 3.0) == 4.0
+    assert busy_s(2.0, 0.9, 3.0) == 3.0 and busy_s(2.0, 0.5, 3.0) == 3.0 and busy_s(1.0, 0.5, 3.0) == 2.0
+    assert busy_s(4.0, 0.9, 3.0) == 4.0
 
 
 def test_a_new_workers_busy_period_reaches_no_further_than_its_measured_span() -> None:
@@ -801,7 +825,7 @@ def test_a_new_workers_busy_period_reaches_no_further_than_its_measured_span() -
     assert p.busy[W0].load(NOW) == (1.0, 0.5)
     t = terms(p, fleet, req("r", 512))[W0]
     w0 = fleet.get(W0)
-    step = p.prefill_step_gain_s(w0, COST, t.prefill_s, Switchyard.missed_tokens(w0, 0, 512))
+    step = _step(p, w0, t.prefill_s, 512)
     rate = p.arrival_rate("m").rate(NOW)
     assert t.behind_s == pytest.approx(rate / 2 * max(0.5, t.queue_s + t.prefill_s) * step)
 
