@@ -825,7 +825,7 @@ cdef inline int _rebased(object order, list array) except -1:
     return 0
 
 
-def touch_holders(dict lru, list nodes):
+def touch_holders(dict lru, list nodes, moved=None):
     """As `lru_order_py.touch_holders`, over the holders' indexes: an index of this module (`LruIndexCore`) takes
     its `touch_unmoved` and `touch` as C calls; for nearly every (node, holder) of a dispatch (a shared prefix's
     node, with resident children there) that exit does nothing but maybe drop a stale eviction order. Any other
@@ -836,6 +836,18 @@ def touch_holders(dict lru, list nodes):
     cdef PyObject* p
     cdef dict res
     cdef object idx, k, parent, attached
+    if moved is not None:
+        res = moved.resident
+        parent = moved.parent
+        for w in (parent.resident if parent is not None else lru):  # detached: any index may hold it
+            p = PyDict_GetItem(lru, w)
+            if p is NULL:
+                continue
+            idx = <object>p
+            if isinstance(idx, LruIndexCore):
+                (<LruIndexCore>idx)._c_touch(w, moved, res, True)
+            else:
+                idx.touch(w, moved, res)
     for node in nodes:
         res = node.resident
         if not res:

@@ -341,11 +341,24 @@ def victim_term(
     return term, cutoff, first, cost
 
 
-def touch_holders(lru: dict[Any, Any], nodes: list[Any]) -> None:
+def touch_holders(lru: dict[Any, Any], nodes: list[Any], moved: Any = None) -> None:
     """Reconcile, for each node of `nodes` whose residency and parent did not change, the LRU index (`lru[w]`) of
     every worker w it is resident on: `idx.touch_unmoved(node, id(node), node.parent)` where it is resident and
     attached, else (or when that answers False) `idx.touch(w, node, node.resident)`. Only last_access moved,
-    so only those indexes can hold the nodes (`PrebleE2._touch_holders`)."""
+    so only those indexes can hold the nodes (`PrebleE2._touch_holders`).
+
+    `moved`, first: the lower half of a split, which kept its identity under a new upper half (its parent now)
+    that took over its resident set. Its residency and parent changed, so it gets `idx.touch` on the index of each
+    worker that upper half is resident on: an index holds a node only while it is resident there, so no other
+    index can hold it (asking the fleet's every index cost 16 cache-cold probes, ~8 µs a video-QA split).
+    """
+    if moved is not None:
+        res = moved.resident
+        parent = moved.parent
+        for w in parent.resident if parent is not None else lru:  # detached: any index may hold it
+            idx = lru.get(w)
+            if idx is not None:
+                idx.touch(w, moved, res)
     for node in nodes:
         res = node.resident
         if not res:

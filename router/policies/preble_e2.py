@@ -761,10 +761,10 @@ class PrebleE2(Policy):
             last = matched[-1] if matched else None
             if last is not None and last not in path:  # nodes compare by identity
                 # a split moved matched[-1] under a new node, and may have left it with less or nothing resident:
-                # every index that holds it is asked. The path's other nodes are matched ones (last_access moved)
-                # or new (the split's upper half, the leaf), which no index can hold yet: their holders are asked.
-                self._touch([last])
-                self._touch_holders(path)
+                # every index that can hold it is asked (`touch_holders`' `moved`). The path's other nodes are
+                # matched ones (last_access moved) or new (the split's upper half, the leaf), which no index can
+                # hold yet: their holders are asked.
+                self._touch_holders(path, moved=last)
             else:
                 self._touch_holders(matched)  # only last_access moved; the new leaves after it hold nothing yet
         win = self.cfg.node_window_s
@@ -928,12 +928,13 @@ class PrebleE2(Policy):
                 if w in res or k in idx.entries:
                     idx.touch(w, node, res)
 
-    def _touch_holders(self, nodes: list[Any]) -> None:
+    def _touch_holders(self, nodes: list[Any], moved: Any = None) -> None:
         """`_touch` for nodes whose residency and parents did not change: only the indexes of the workers they are
         resident on can hold them (an index keeps a node only while it is resident there: every residency change
         reaches `_touch` or `LruIndex.touch` from the KV-event hook), so the others are skipped, not asked
-        (`ext/lru_order.touch_holders`: ~20 (node, holder) pairs per ToolBench dispatch, in C)."""
-        touch_holders(self.lru, nodes)
+        (`ext/lru_order.touch_holders`: ~20 (node, holder) pairs per ToolBench dispatch, in C). `moved`: a split's
+        lower half, whose residency and parent did change: the indexes that can hold it are asked first."""
+        touch_holders(self.lru, nodes, moved)
 
     def on_worker_change(self, worker_id: WorkerId, now: float) -> None:
         rec = self._fleet.get(worker_id) if self._fleet is not None else None

@@ -253,11 +253,13 @@ def test_cython_touch_holders_equals_reference(seed: int, monkeypatch: pytest.Mo
     from switchyard.router.policies import preble_e2
 
     calls = {"c": 0, "py": 0}
+    moves = {"c": 0, "py": 0}  # calls with a split's lower half
 
     def counted(impl: str, fn):  # type: ignore[no-untyped-def]
-        def run(lru, nodes):  # type: ignore[no-untyped-def]
+        def run(lru, nodes, moved=None):  # type: ignore[no-untyped-def]
             calls[impl] += 1
-            return fn(lru, nodes)
+            moves[impl] += moved is not None
+            return fn(lru, nodes, moved)
         return run
 
     policies = {impl: PrebleE2(E2Config.paper(node_window_s=5.0)) for impl in ("c", "py")}
@@ -277,7 +279,7 @@ def test_cython_touch_holders_equals_reference(seed: int, monkeypatch: pytest.Mo
         state = _index_state(policies["c"])
         assert state == _index_state(policies["py"])
         dropped += sum(1 for s in state.values() if s[4])
-    assert calls["c"] == calls["py"] > 20 and dropped > 0
+    assert calls["c"] == calls["py"] > 20 and dropped > 0 and moves["c"] == moves["py"] > 0
 
 
 def _core_state(policy: PrebleE2) -> dict:  # type: ignore[type-arg]
