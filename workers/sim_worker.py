@@ -20,7 +20,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
 import grpc
 import xxhash
@@ -632,7 +632,10 @@ class SimWorker:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """proto <-> SimWorker, and the status codes."""
+    """proto <-> SimWorker, and the status codes. The vLLM worker's servicer is this one with its own admission
+    (`_admit`), chunking (`_consume`) and limits (`_limits`, `_validate`)."""
+
+    unavailable_message = "worker is not accepting requests (draining)"
 
     def __init__(self, worker: SimWorker) -> None:
         self.w = worker
@@ -643,13 +646,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         received_at = time.time()
         w = self.w
         if w.state != worker_pb2.LIFECYCLE_STATE_READY:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is not accepting requests (draining)")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable_message)
         error = self._validate(request)
         if error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         rid = request.request_id or uuid.uuid4().hex
         if rid in w.streams:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running")
+        stream = await self._admit(request, rid, received_at, context)
+        try:
+            while True:
+                chunk = await self._consume(stream, await stream.take(), context)
+                if chunk is not None:
+                    yield chunk
+                if stream.is_finished:
+                    return
+        finally:
+            w.release(stream)
+
+    async def _admit(
+        self, request: worker_pb2.WorkerGenerateRequest, rid: str, received_at: float,
+        context: grpc.aio.ServicerContext,
+    ) -> Any:
+        """Queue the validated request in the engine; returns its stream (aborts the call if the engine refuses)."""
+        w = self.w
         sp = request.sampling
         engine_request = EngineRequest(
             request_id=rid,
@@ -670,40 +690,40 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         log.debug(
             "request %s: %d prompt tokens, max_tokens %d", rid, len(request.prompt_token_ids), sp.max_tokens
         )
+        return stream
+
+    async def _consume(
+        self, stream: Any, items: list[Any], context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerGenerateChunk | None:
+        """The chunk a batch of the stream's queued items makes (None: nothing to send yet)."""
         try:
-            while True:
-                items = await stream.take()
-                try:
-                    chunk = stream.consume(items)
-                except RuntimeError as e:
-                    await context.abort(grpc.StatusCode.INTERNAL, str(e))
-                if chunk is not None:
-                    yield chunk
-                if stream.is_finished:
-                    return
-        finally:
-            w.release(stream)
+            return stream.consume(items)
+        except RuntimeError as e:
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+            raise  # unreachable: abort raises
+
+    def _limits(self) -> tuple[int, int, int]:
+        """(max_model_len, the longest prompt it admits, the vocabulary size)."""
+        max_len = self.w.core.config.max_model_len
+        return max_len, max_len, self.w.tokenizer.vocab_size
 
     def _validate(self, request: worker_pb2.WorkerGenerateRequest) -> str:
-        cfg = self.w.core.config
+        """Why the request cannot run here ("" if it can): INVALID_ARGUMENT's message."""
+        max_len, max_prompt, vocab_size = self._limits()
         sp = request.sampling
-        if not request.prompt_token_ids:
+        ids = request.prompt_token_ids
+        if not ids:
             return "prompt_token_ids is empty"
-        if len(request.prompt_token_ids) > cfg.max_model_len:
-            return f"prompt has {len(request.prompt_token_ids)} tokens; max_model_len is {cfg.max_model_len}"
+        if len(ids) > max_prompt:
+            return f"prompt has {len(ids)} tokens; max_model_len is {max_len}"
         if sp.max_tokens <= 0:
             return f"sampling.max_tokens must be > 0 (got {sp.max_tokens})"
         if sp.HasField("temperature") and sp.temperature < 0:
             return "sampling.temperature must be >= 0"
         if sp.HasField("top_p") and not 0 < sp.top_p <= 1:
             return "sampling.top_p must be in (0, 1]"
-        if (
-            not 0
-            <= min(request.prompt_token_ids)
-            <= max(request.prompt_token_ids)
-            < self.w.tokenizer.vocab_size
-        ):
-            return f"prompt_token_ids must be in [0, {self.w.tokenizer.vocab_size})"
+        if not 0 <= min(ids) <= max(ids) < vocab_size:
+            return f"prompt_token_ids must be in [0, {vocab_size})"
         return ""
 
     async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext):  # noqa: N802

@@ -28,8 +28,7 @@ import os
 import signal
 import sys
 import time
-import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -422,76 +421,49 @@ class VllmWorker:
 
 
 class VllmServicer(sim_worker.WorkerServicer):
-    """proto <-> VllmWorker. KvEvents is the simulated worker's (same hub); the rest maps onto AsyncLLM."""
+    """proto <-> VllmWorker: the simulated worker's servicer (its checks, Abort, Info, Stats and KvEvents on the
+    same hub) with admission and chunking mapped onto AsyncLLM."""
+
+    unavailable_message = "worker is not accepting requests"
 
     def __init__(self, worker: VllmWorker) -> None:
         self.w = worker  # type: ignore[assignment]
 
-    async def Generate(  # noqa: N802 - gRPC method name
-        self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[worker_pb2.WorkerGenerateChunk]:
-        received_at = time.time()
+    async def _admit(
+        self, request: worker_pb2.WorkerGenerateRequest, rid: str, received_at: float,
+        context: grpc.aio.ServicerContext,
+    ) -> Any:
         w: VllmWorker = self.w  # type: ignore[assignment]
-        if w.state != worker_pb2.LIFECYCLE_STATE_READY:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is not accepting requests")
-        error = self._validate(request)
-        if error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-        rid = request.request_id or uuid.uuid4().hex
-        if rid in w.streams:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running")
         try:
             params = w.sampling_params(request.sampling)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        stream = w.add(
+        return w.add(
             rid, request.prompt_token_ids, params, list(request.sampling.stop), request.priority, received_at,
             request.origin, max(0, request.predicted_output_tokens), request.tenant,
         )
-        try:
-            while True:
-                items = await stream.take()
-                err = next((i for i in items if isinstance(i, _Error)), None)
-                if err is not None:
-                    await context.abort(err.code, err.message)
-                chunk = stream.consume(items)  # type: ignore[arg-type]
-                if chunk is not None:
-                    yield chunk
-                if stream.is_finished:
-                    return
-        finally:
-            w.release(stream)
+
+    async def _consume(
+        self, stream: Any, items: list[Any], context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerGenerateChunk | None:
+        err = next((i for i in items if isinstance(i, _Error)), None)
+        if err is not None:
+            await context.abort(err.code, err.message)
+        return stream.consume(items)
+
+    def _limits(self) -> tuple[int, int, int]:
+        w: VllmWorker = self.w  # type: ignore[assignment]
+        return w.max_model_len, w.max_model_len - 1, w.vocab_size  # vLLM keeps room for one output token
 
     def _validate(self, request: worker_pb2.WorkerGenerateRequest) -> str:
-        w: VllmWorker = self.w  # type: ignore[assignment]
-        sp = request.sampling
-        ids = request.prompt_token_ids
-        if not ids:
-            return "prompt_token_ids is empty"
-        if len(ids) >= w.max_model_len:
-            return f"prompt has {len(ids)} tokens; max_model_len is {w.max_model_len}"
-        if sp.max_tokens <= 0:
-            return f"sampling.max_tokens must be > 0 (got {sp.max_tokens})"
-        if sp.HasField("temperature") and sp.temperature < 0:
-            return "sampling.temperature must be >= 0"
-        if sp.HasField("top_p") and not 0 < sp.top_p <= 1:
-            return "sampling.top_p must be in (0, 1]"
-        if not 0 <= min(ids) <= max(ids) < w.vocab_size:
-            return f"prompt_token_ids must be in [0, {w.vocab_size})"
+        error = super()._validate(request)
+        if error:
+            return error
         if request.lora_name:
             return "LoRA adapters are not supported by this worker"
         if request.cache_salt:
             return "cache_salt is not supported by this worker"
         return ""
-
-    async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        return worker_pb2.AbortResponse(num_aborted=self.w.abort(list(request.request_ids)))
-
-    async def Info(self, request: worker_pb2.InfoRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        return self.w.info()
-
-    async def Stats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        return self.w.stats()
 
 
 # ---------------------------------------------------------------- process

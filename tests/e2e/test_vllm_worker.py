@@ -320,6 +320,35 @@ def test_the_vllm_workers_serve_only_clients_with_a_certificate(vllm_workers: li
     assert w.info().worker_id == "v0"  # with the CA's client certificate
 
 
+def test_the_vllm_worker_refuses_what_it_cannot_run(vllm_workers: list[VllmProc]) -> None:
+    """INVALID_ARGUMENT, with the reason, before anything reaches vLLM: the simulated worker's checks (shared), a
+    prompt that leaves vLLM no room for an output token (the simulated worker admits max_model_len), and the
+    LoRA and cache-salt fields this worker does not serve; nothing is left running."""
+    w = vllm_workers[0]
+
+    def req(rid: str, ids: list[int], max_tokens: int = 4, **kw: str) -> worker_pb2.WorkerGenerateRequest:
+        return worker_pb2.WorkerGenerateRequest(
+            request_id=rid, prompt_token_ids=ids, sampling=common_pb2.SamplingParams(max_tokens=max_tokens), **kw
+        )
+
+    cases = {
+        "prompt_token_ids is empty": req("empty", []),
+        "prompt has 2048 tokens; max_model_len is 2048": req("full", [1] * 2048),
+        "sampling.max_tokens must be > 0": req("zero", [1, 2, 3], 0),
+        "prompt_token_ids must be in [0, 32000)": req("vocab", [1, 32000]),
+        "LoRA adapters are not supported": req("lora", [1, 2, 3], lora_name="adapter"),
+        "cache_salt is not supported": req("salt", [1, 2, 3], cache_salt="tenant-a"),
+    }
+    with w.channel() as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        for reason, r in cases.items():
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(r, timeout=60))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, r.request_id
+            assert reason in e.value.details(), (r.request_id, e.value.details())
+    assert is_idle(w)
+
+
 def test_streaming_generation_through_the_router(vllm_workers: list[VllmProc], router_factory) -> None:  # type: ignore[no-untyped-def]
     router = router_factory(vllm_workers, "--policy", "round_robin")
     with client_for(router) as c:
