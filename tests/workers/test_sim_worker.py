@@ -6,15 +6,14 @@ Each worker is a real subprocess started with --port 0 and a small --time-scale;
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from polling import until_async
 
 from switchyard.bench import procs
 from switchyard.ext.blockhash import block_digests, to_event_hash
@@ -96,12 +95,13 @@ async def read_rest(call: grpc.aio.UnaryStreamCall) -> list:
 
 
 async def wait_until_idle(stub: worker_pb2_grpc.WorkerStub, timeout_s: float = 5.0) -> worker_pb2.WorkerStats:
-    deadline = time.monotonic() + timeout_s
-    while True:
+    """The worker's first Stats report with nothing running or waiting."""
+
+    async def idle() -> worker_pb2.WorkerStats | None:
         stats = await stub.Stats(worker_pb2.StatsRequest())
-        if stats.num_running == 0 and stats.num_waiting == 0 or time.monotonic() > deadline:
-            return stats
-        await asyncio.sleep(0.01)  # polling the worker's own report, not synchronising on time
+        return stats if stats.num_running == 0 and stats.num_waiting == 0 else None
+
+    return await until_async(idle, timeout_s, "the worker to be idle")
 
 
 def prompt_of(text: str) -> list[int]:
@@ -265,8 +265,12 @@ async def test_sigterm_drains_in_flight_then_exits_zero() -> None:
             chunks = [await call.read()]
             proc.popen.send_signal(signal.SIGTERM)
             health = health_pb2_grpc.HealthStub(ch)
-            while (await stub.Info(worker_pb2.InfoRequest())).state != worker_pb2.LIFECYCLE_STATE_DRAINING:
-                await asyncio.sleep(0.005)  # polling for the signal to land
+
+
+            async def draining() -> bool:
+                return (await stub.Info(worker_pb2.InfoRequest())).state == worker_pb2.LIFECYCLE_STATE_DRAINING
+
+            await until_async(draining, 10.0, "the SIGTERM to start the drain")
             check = await health.Check(health_pb2.HealthCheckRequest(service=""))
             assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
             with pytest.raises(grpc.aio.AioRpcError) as err:

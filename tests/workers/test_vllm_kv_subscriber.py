@@ -10,6 +10,7 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+from polling import until_async
 
 from switchyard.workers.engine import kv_events as kv
 from switchyard.workers.vllm_kv_subscriber import BlockMirror, VllmKvSubscriber, decode_events
@@ -112,19 +113,16 @@ async def test_a_gap_is_recovered_through_the_replay_socket_in_order() -> None:
         # a PUB drops messages until the SUB's subscription reached it (slow joiner): resend seq 0 until it
         # arrives (the subscriber applies a sequence number once), so the gap below is the only one
         pub.buffer.append((0, payload([stored([10], None)])))
-        for _ in range(500):
+
+        async def resent() -> bool:
             await pub.pub.send_multipart([b"", (0).to_bytes(8, "big"), pub.buffer[0][1]])
-            await asyncio.sleep(0.01)
-            if got:
-                break
-        assert got, "the subscriber never received the first batch"
+            return bool(got)
+
+        await until_async(resent, 5.0, "the subscriber to receive the first batch")
         await pub.publish(1, [stored([11], 10)], drop=True)  # lost on the wire
         await pub.publish(2, [stored([12], 11)], drop=True)
         await pub.publish(3, [{"type": "BlockRemoved", "block_hashes": [10], "medium": "GPU"}])
-        for _ in range(300):
-            if len(got) >= 4:
-                break
-            await asyncio.sleep(0.01)
+        await until_async(lambda: len(got) >= 4, 3.0, "the replayed and the live batches")
         assert pub.replay_requests == [1]
         assert [e.block_hashes for (e,) in got] == [(10,), (11,), (12,), (10,)]  # replayed, then the live one
         assert (sub.num_replayed, sub.num_lost, sub.num_batches) == (2, 0, 4)
