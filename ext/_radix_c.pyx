@@ -8,6 +8,7 @@ Layout, chosen for `match` (the routing hot path):
     Node._res_mask uint64_t[_NW]     bit s set = worker slot s has a leading resident run on this node
     Node._runs     uint32_t[popcnt]  those runs, in slot order: run of s = _runs[its rank: set bits below s]
     Node._asg_mask uint64_t[_NW]     bit s set = worker slot s is assigned through this node
+    Node._evf_mask uint64_t[_NW]     bit s set = slot s noted evicting blocks of this node since (within _asg_mask)
 
 Worker ids are interned into at most 256 slots (`MAX_WORKERS`, masks of _NW = 4 words); a slot is freed as soon
 as no node refers to it (`_slot_refs` counts the (node, resident|assigned) memberships), so the limit is on
@@ -218,6 +219,7 @@ cdef class Node:
     cdef uint32_t* _runs
     cdef int _runs_cap
     cdef uint64_t _asg_mask[_NW]
+    cdef uint64_t _evf_mask[_NW]  # `evictions`: a subset of _asg_mask (cleared with it)
     cdef list _names  # the tree's slot -> worker table (shared, mutated in place)
     cdef readonly double last_access
     cdef public object stats
@@ -299,6 +301,32 @@ cdef class Node:
                 bits &= bits - 1
                 out.add(self._names[s])
         return out
+
+    @property
+    def evictions(self):
+        cdef set out = set()
+        cdef uint64_t bits
+        cdef int s, wi
+        for wi in range(_NW):
+            bits = self._evf_mask[wi]
+            while bits:
+                s = (wi << 6) | _ctz(bits)
+                bits &= bits - 1
+                out.add(self._names[s])
+        return out
+
+    def has_evictions(self, worker):
+        """`worker in evictions` without building the set."""
+        cdef uint64_t bits
+        cdef int s, wi
+        for wi in range(_NW):
+            bits = self._evf_mask[wi]
+            while bits:
+                s = (wi << 6) | _ctz(bits)
+                bits &= bits - 1
+                if self._names[s] == worker:
+                    return True
+        return False
 
     def __repr__(self):
         return f"Node(blocks={self._n}, context_blocks={self.context_blocks})"
@@ -1091,6 +1119,7 @@ cdef class RadixTree:
         cdef uint32_t d
         cdef Py_ssize_t i
         for wi in range(_NW):
+            upper._evf_mask[wi] = node._evf_mask[wi]
             upper._asg_mask[wi] = bits = node._asg_mask[wi]
             while bits:
                 s = (wi << 6) | _ctz(bits)
@@ -1224,8 +1253,18 @@ cdef class RadixTree:
             node = <Node>obj
             if _mtest(node._asg_mask, s):
                 _mclear(node._asg_mask, s)
+                _mclear(node._evf_mask, s)
                 self._slot_refs[s] -= 1
         self._release_if_unused(s)
+
+    def note_evictions(self, obj, worker):
+        """See radix_py."""
+        cdef Node node = <Node?>obj
+        cdef int s = self._slot(worker, False)
+        if s < 0 or not _mtest(node._asg_mask, s):
+            return False
+        _mset(node._evf_mask, s)
+        return True
 
     # ---- KV events -----------------------------------------------------------------------------------------
 
@@ -1366,6 +1405,7 @@ cdef class RadixTree:
                 if evicted:
                     self._prune_evicted(node, evicted)
                 for wi in range(_NW):
+                    node._evf_mask[wi] = 0
                     bits = node._asg_mask[wi]
                     node._asg_mask[wi] = 0
                     while bits:
@@ -1446,6 +1486,7 @@ cdef class RadixTree:
                     assert _mtest(self._used_mask, s)
                     refs[s] += 1
                     k += 1
+                assert node._evf_mask[wi] & ~node._asg_mask[wi] == 0  # evictions within assigned
                 bits = node._asg_mask[wi]
                 while bits:
                     s = (wi << 6) | _ctz(bits)

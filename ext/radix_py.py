@@ -21,7 +21,10 @@ blocks (path compression).
                                                #   with more blocks than all its predecessors together
                                                #   (num_blocks > context_blocks); None when nothing matched
     tree.assign(path, worker, now)             # optimistic: worker added to `assigned` on every node of path
-    tree.unassign_worker(worker)               # drop a worker from every `assigned` set
+    tree.unassign_worker(worker)               # drop a worker from every `assigned` and `evictions` set
+    tree.note_evictions(node, worker) -> bool  # a BlockRemoved reached node's blocks on worker: if node is
+                                               # assigned to worker, add worker to `evictions` and answer True
+                                               # (E2 then adds those blocks to its evicted set for worker)
     tree.mark_resident(worker, block_hashes, parent_hash, now)
                                                # a BlockStored event: blocks unknown to the tree are inserted
                                                # under parent_hash (None = the root); if parent_hash is not in
@@ -106,6 +109,11 @@ children, resident and assigned; only `stats` is writable; never mutate the othe
     node.resident: dict[str, int]          # worker -> leading resident blocks of this node
     node.resident_on(worker) -> int        # resident.get(worker, 0), without the Cython build's dict copy
     node.assigned: set[str]                # workers the router assigned requests through this node
+    node.evictions: set[str]               # workers of `assigned` noted (`note_evictions`) evicting blocks of
+                                           # this node since; kept with `assigned` (a split copies it, gc and
+                                           # unassign_worker clear it), so E2's evicted set for w can hold this
+                                           # node's blocks only if w is here (a BlockStored skips the others)
+    node.has_evictions(worker) -> bool     # worker in evictions, without the Cython build's set copy
     node.last_access: float
     node.stats: object                     # a slot the policy owns (e.g. windowed request counts); a split
                                            # keeps the ORIGINAL node object as the LOWER half (its children
@@ -136,6 +144,7 @@ class Node:
         "children",
         "resident",
         "assigned",
+        "evictions",
         "last_access",
         "stats",
         "is_attached",
@@ -153,6 +162,7 @@ class Node:
         self.children: dict[int, Node] = {}  # first block hash -> child
         self.resident: dict[Any, int] = {}  # worker -> leading resident blocks of this node (0 < d <= n)
         self.assigned: set[Any] = set()  # workers the router assigned requests through this node
+        self.evictions: set[Any] = set()  # workers of `assigned` that evicted blocks of it since (`note_evictions`)
         self.last_access: float = now
         self.stats: Any = None  # the policy's slot
         self.is_attached: bool = True  # False once gc removed the node from the tree
@@ -170,6 +180,9 @@ class Node:
     def resident_on(self, worker: Any) -> int:
         """Leading blocks of this node resident on `worker` (0 when none)."""
         return self.resident.get(worker, 0)
+
+    def has_evictions(self, worker: Any) -> bool:
+        return worker in self.evictions
 
     def __repr__(self) -> str:
         return f"Node(blocks={len(self.blocks)}, context_blocks={self.context_blocks})"
@@ -353,6 +366,7 @@ class RadixTree:
         parent = node.parent if node.parent is not None else self._root
         upper = Node(node.blocks[:k], node.context_blocks, node.parent, node.last_access, self._new_seq())
         upper.assigned = set(node.assigned)
+        upper.evictions = set(node.evictions)
         for w, d in node.resident.items():
             upper.resident[w] = min(d, k)
         node.resident = {w: d - k for w, d in node.resident.items() if d > k}
@@ -421,6 +435,13 @@ class RadixTree:
     def unassign_worker(self, worker: Any) -> None:
         for node in self.nodes():
             node.assigned.discard(worker)
+            node.evictions.discard(worker)
+
+    def note_evictions(self, node: Node, worker: Any) -> bool:
+        if worker not in node.assigned:
+            return False
+        node.evictions.add(worker)
+        return True
 
     # ---- KV events ---------------------------------------------------------------------------------------
 
@@ -542,6 +563,7 @@ class RadixTree:
                 node.is_attached = False
                 node.parent = None
                 node.assigned = set()  # a detached node keeps no worker state
+                node.evictions = set()
                 self._num_nodes -= 1
                 removed += 1
                 freed += node.num_blocks
@@ -572,6 +594,7 @@ class RadixTree:
                 assert self._index.get(h) == (node, off), (h, off)
             for w, d in node.resident.items():
                 assert 0 < d <= node.num_blocks, (w, d)
+            assert node.evictions <= node.assigned
             seen_blocks += node.num_blocks
         for child in self._root.children.values():
             assert child.parent is None

@@ -412,6 +412,8 @@ def snapshot(tree) -> tuple:  # type: ignore[no-untyped-def]
                 tuple(sorted(n.resident.items())),
                 tuple(n.resident_on(w) for w in ("w0", "w1", "w2", "absent")),  # = resident.get(w, 0)
                 tuple(sorted(n.assigned)),
+                tuple(sorted(n.evictions)),
+                tuple(n.has_evictions(w) for w in ("w0", "w1", "w2", "absent")),  # = w in evictions
                 n.last_access,
                 n.is_attached,
                 n.stats,
@@ -530,6 +532,17 @@ class SideBySide(RuleBasedStateMachine):
         now = self.tick(dt)
         for t, p in zip(self.trees, self.paths[i % len(self.paths)], strict=True):
             t.assign(p, worker, now)
+
+    @precondition(lambda self: self.paths)
+    @rule(i=st.integers(min_value=0), k=st.integers(min_value=0), worker=WORKERS)
+    def note_evictions(self, i: int, k: int, worker: str) -> None:
+        paths = self.paths[i % len(self.paths)]
+        if paths[0]:
+            got = [t.note_evictions(p[k % len(p)], worker) for t, p in zip(self.trees, paths, strict=True)]
+            self.same(got)
+            node = paths[0][k % len(paths[0])]
+            assert got[0] == (worker in node.assigned)  # noted only where assigned, the set then holds it
+            assert not got[0] or worker in node.evictions
 
     @rule(
         worker=WORKERS,

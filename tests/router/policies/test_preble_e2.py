@@ -377,6 +377,29 @@ def test_node_median_decode_is_the_windowed_median(tokens: list[int], reads: lis
     if tokens:
         assert stats.median_decode() == statistics.median(tokens[-64:])
 
+# ---------------------------------------------------------------------------------------------- evicted sets
+@pytest.mark.usefixtures("impl")
+@pytest.mark.parametrize("seed", range(12))
+def test_evicted_blocks_lie_in_nodes_noted_with_the_workers_evictions(seed: int) -> None:
+    """A BlockStored takes its blocks out of the worker's evicted set only in nodes noted with that worker's
+    evictions (`RadixTree.note_evictions`), which is exact only if every block of evicted[w] lies in such a node,
+    through splits, gc, clears and workers leaving; and a block w holds (inside w's resident run) is never in its
+    set, so no store was skipped that should have taken a block out. Both hold after every random hook."""
+    rng = random.Random(seed)
+    policy = PrebleE2(E2Config(history_window_s=30.0, node_window_s=3.0))
+    workers = [WorkerId(f"w{i}") for i in range(3)]
+    checked = skipped = 0
+    for _ in drive(policy, rng, random_prompts(rng, 40, labels=12), workers, 400, leaves=True):
+        for w, evicted in policy.evicted.items():
+            for h in list(evicted):
+                node, off = policy.tree.node_of(h)
+                assert node.has_evictions(w), (w, h)
+                assert off >= node.resident_on(w), (w, h)  # stored since its eviction: it left the set
+                checked += 1
+            skipped += sum(1 for n in policy.tree.nodes() if w in n.assigned and not n.has_evictions(w))
+    assert checked > 200 and skipped > 200  # the sets were busy, and most assigned nodes were never noted
+
+
 # ---------------------------------------------------------------------------------------------- rebalancing
 @pytest.mark.usefixtures("impl")
 @pytest.mark.parametrize("seed", range(4))
