@@ -291,45 +291,39 @@ cdef class Node:
 
     @property
     def assigned(self):
-        cdef set out = set()
-        cdef uint64_t bits
-        cdef int s, wi
-        for wi in range(_NW):
-            bits = self._asg_mask[wi]
-            while bits:
-                s = (wi << 6) | _ctz(bits)
-                bits &= bits - 1
-                out.add(self._names[s])
-        return out
+        return _mask_names(self._asg_mask, self._names)
 
     @property
     def evictions(self):
-        cdef set out = set()
-        cdef uint64_t bits
-        cdef int s, wi
-        for wi in range(_NW):
-            bits = self._evf_mask[wi]
-            while bits:
-                s = (wi << 6) | _ctz(bits)
-                bits &= bits - 1
-                out.add(self._names[s])
-        return out
+        return _mask_names(self._evf_mask, self._names)
 
     def has_evictions(self, worker):
         """`worker in evictions` without building the set."""
         cdef uint64_t bits
-        cdef int s, wi
+        cdef int wi
         for wi in range(_NW):
             bits = self._evf_mask[wi]
             while bits:
-                s = (wi << 6) | _ctz(bits)
-                bits &= bits - 1
-                if self._names[s] == worker:
+                if self._names[(wi << 6) | _ctz(bits)] == worker:
                     return True
+                bits &= bits - 1
         return False
 
     def __repr__(self):
         return f"Node(blocks={self._n}, context_blocks={self.context_blocks})"
+
+
+cdef set _mask_names(const uint64_t* m, list names):
+    """The workers of a slot mask."""
+    cdef set out = set()
+    cdef uint64_t bits
+    cdef int wi
+    for wi in range(_NW):
+        bits = m[wi]
+        while bits:
+            out.add(names[(wi << 6) | _ctz(bits)])
+            bits &= bits - 1
+    return out
 
 
 cdef inline uint32_t _run(Node node, int s) noexcept:
