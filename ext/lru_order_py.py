@@ -350,7 +350,7 @@ def touch_holders(lru: dict[Any, Any], nodes: list[Any], moved: Any = None) -> N
     `moved`, first: the lower half of a split, which kept its identity under a new upper half (its parent now)
     that took over its resident set. Its residency and parent changed, so it gets `idx.touch` on the index of each
     worker that upper half is resident on: an index holds a node only while it is resident there, so no other
-    index can hold it (asking the fleet's every index cost 16 cache-cold probes, ~8 µs a video-QA split).
+    index can hold it (asking the fleet's every index cost 16 cache-cold probes, ~6-8 µs a video-QA split).
     """
     if moved is not None:
         res = moved.resident
