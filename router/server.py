@@ -38,6 +38,7 @@ from switchyard.router.predictor.onnx_predictor import PredictorLoadError
 from switchyard.router.predictor.service import load_predictor, make_service
 from switchyard.router.queue import RequestQueue
 from switchyard.router.registry import WorkerRegistry
+from switchyard.sd_notify import ServiceNotifier
 from switchyard.tls import ServerTls, TlsError, add_port
 from switchyard.v1 import router_pb2, router_pb2_grpc
 from switchyard.workers.tokenizer import Tokenizer, load_tokenizer
@@ -343,29 +344,36 @@ async def serve(config: RouterConfig, ready: Callable[[Bound], None] | None = No
         loop.add_signal_handler(sig, on_signal, sig)
 
     daemon = RouterDaemon(config)
+    notifier = ServiceNotifier()  # systemd's Type=notify (deploy/systemd); nothing outside systemd
     try:
-        bound = await daemon.start()
-    except StartupError:
-        await daemon.stop(0)
-        raise
-    if ready is not None:
-        ready(bound)
-    await shutdown.wait()
-    stopper = asyncio.create_task(daemon.stop(config.server.grace_s))
-    forced = asyncio.create_task(force.wait())
-    await asyncio.wait({stopper, forced}, return_when=asyncio.FIRST_COMPLETED)
-    if not stopper.done():
-        log.warning("second SIGINT: forcing shutdown")
-        stopper.cancel()
-        await asyncio.gather(stopper, return_exceptions=True)
-        if daemon.server is not None:
-            await daemon.server.stop(0)
-        await daemon.registry.close()
-        daemon.predictor.close()
-        daemon.metrics.close()
-        return EXIT_FORCED
-    forced.cancel()
-    return EXIT_OK
+        try:
+            bound = await daemon.start()
+        except StartupError:
+            await daemon.stop(0)
+            raise
+        if ready is not None:
+            ready(bound)
+        notifier.ready(f"serving on {bound.host}:{bound.port} (admin {bound.admin}, metrics {bound.metrics})")
+        notifier.start_watchdog()  # through the drain too: the loop still turns
+        await shutdown.wait()
+        notifier.stopping(f"draining {daemon.dispatcher.num_active} requests (grace {config.server.grace_s:g} s)")
+        stopper = asyncio.create_task(daemon.stop(config.server.grace_s))
+        forced = asyncio.create_task(force.wait())
+        await asyncio.wait({stopper, forced}, return_when=asyncio.FIRST_COMPLETED)
+        if not stopper.done():
+            log.warning("second SIGINT: forcing shutdown")
+            stopper.cancel()
+            await asyncio.gather(stopper, return_exceptions=True)
+            if daemon.server is not None:
+                await daemon.server.stop(0)
+            await daemon.registry.close()
+            daemon.predictor.close()
+            daemon.metrics.close()
+            return EXIT_FORCED
+        forced.cancel()
+        return EXIT_OK
+    finally:
+        notifier.close()
 
 
 def _print_ready(bound: Bound) -> None:

@@ -26,6 +26,7 @@ import grpc
 import xxhash
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from switchyard.sd_notify import ServiceNotifier
 from switchyard.tls import TlsError, add_port, add_server_args, server_tls_from_args
 from switchyard.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from switchyard.workers.engine import kv_events as kv
@@ -907,6 +908,7 @@ async def serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lifecycle.on_signal, sig)
+    notifier = ServiceNotifier()  # systemd's Type=notify (deploy/systemd); nothing outside systemd
 
     publisher = facade = None
     ready_extra = ""
@@ -940,6 +942,8 @@ async def serve(args: argparse.Namespace) -> int:
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     print(f"READY {args.host}:{port} worker_id={worker.worker_id}{ready_extra}", flush=True)
+    notifier.ready(f"worker {worker.worker_id} serving on {args.host}:{port}")
+    notifier.start_watchdog()
     log.info(
         "worker %s serving on %s:%d (profile %s, time scale %g)",
         worker.worker_id,
@@ -950,6 +954,7 @@ async def serve(args: argparse.Namespace) -> int:
     )
 
     await lifecycle.stop.wait()
+    notifier.stopping(f"draining {len(worker.streams)} requests")
     worker.state = worker_pb2.LIFECYCLE_STATE_DRAINING
     await health_servicer.enter_graceful_shutdown()
     waiters = [asyncio.ensure_future(worker.idle.wait()), asyncio.ensure_future(lifecycle.force.wait())]
@@ -968,6 +973,7 @@ async def serve(args: argparse.Namespace) -> int:
         await publisher.close()
     if timings_log is not None:
         timings_log.close()
+    notifier.close()
     log.info("worker %s stopped", worker.worker_id)
     return EXIT_OK
 

@@ -36,6 +36,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from switchyard.ext.blockhash import block_digests, event_hashes
+from switchyard.sd_notify import ServiceNotifier
 from switchyard.tls import add_server_args
 from switchyard.v1 import worker_pb2, worker_pb2_grpc
 from switchyard.workers import sim_worker
@@ -601,6 +602,8 @@ async def serve(args: argparse.Namespace) -> int:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     served = args.served_model_name or default_model_name(args.model)
+    # before the engine starts its processes, which must not inherit $NOTIFY_SOCKET (see sd_notify)
+    notifier = ServiceNotifier()
     try:
         tokenizer = load_tokenizer(str(args.tokenizer or default_tokenizer(args.model)))
         hash_seed = prepare_environment(args)
@@ -622,6 +625,7 @@ async def serve(args: argparse.Namespace) -> int:
         await subscriber.stop()
         return EXIT_USAGE
     subscriber.start()
+    notifier.status(f"starting vLLM for {served}")  # minutes for a large model: the unit's TimeoutStartSec
     t0 = time.monotonic()
     try:
         engine = AsyncLLM.from_engine_args(eargs, stat_loggers=[counters.factory()])
@@ -663,6 +667,8 @@ async def serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     log.info("worker %s serving %s on %s:%d", worker.worker_id, served, args.host, port)
+    notifier.ready(f"worker {worker.worker_id} serving {served} on {args.host}:{port}")
+    notifier.start_watchdog()
 
     dead = asyncio.ensure_future(worker.engine_dead.wait())
     stop = asyncio.ensure_future(lifecycle.stop.wait())
@@ -672,6 +678,7 @@ async def serve(args: argparse.Namespace) -> int:
         log.error("vLLM's engine is dead; exiting")
         exit_code = EXIT_ENGINE_FAILED
     else:
+        notifier.stopping(f"draining {len(worker.streams)} requests")
         worker.state = worker_pb2.LIFECYCLE_STATE_DRAINING
         await health_servicer.enter_graceful_shutdown()
         waiters = [asyncio.ensure_future(worker.idle.wait()), asyncio.ensure_future(lifecycle.force.wait())]
@@ -693,6 +700,7 @@ async def serve(args: argparse.Namespace) -> int:
     if guard is not None:
         guard.kill()
         guard.wait()
+    notifier.close()
     log.info(
         "worker %s stopped (KV batches %d, replayed %d, lost %d)",
         worker.worker_id,
