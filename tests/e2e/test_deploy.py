@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -88,6 +89,64 @@ def test_the_units_command_lines_serve_a_request() -> None:
                                                                                  sorted(ports)]
             resp = c.complete(MODEL, prompt="from the units", max_tokens=3, ignore_eos=True, timeout=30)
             assert len(resp.token_ids) == 3 and resp.timings.worker_id in {f"sim-{p}" for p in ports}
+
+
+def notifications(sock: socket.socket, until: str) -> list[str]:
+    """Messages on the notify socket (a datagram each, its lines joined by "|") up to the first with `until`;
+    the watchdog's pings in between are skipped."""
+    seen = []
+    while True:
+        msg = sock.recv(4096).decode().replace("\n", "|")
+        if msg != "WATCHDOG=1":
+            seen.append(msg)
+        if until in msg.split("|"):
+            return seen
+
+
+def test_the_units_are_type_notify_and_their_commands_notify(tmp_path: Path) -> None:
+    """Type=notify: `systemctl start` returns once the daemon serves, a stop shows the drain, and WatchdogSec
+    restarts a daemon whose event loop stopped. The units' command lines speak the protocol to a socket where
+    systemd's manager would listen (real processes; deploy/check-systemd.sh runs them under systemd itself)."""
+    for unit in UNITS:
+        text = unit.read_text()
+        assert "\nType=notify\n" in text and "\nWatchdogSec=" in text, unit.name
+    socks = {}
+    for name in ("worker", "router"):
+        socks[name] = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        socks[name].bind(str(tmp_path / name))
+        socks[name].settimeout(30.0)
+    env = {name: {"NOTIFY_SOCKET": str(tmp_path / name), "WATCHDOG_USEC": "200000"} for name in socks}
+    port = str(free_port())
+    worker = procs.start(f"sim-{port}", exec_start(DEPLOY / "systemd" / "switchyard-worker-sim@.service", port),
+                         env=env["worker"])
+    serve = exec_start(DEPLOY / "systemd" / "switchyard-router.service")
+    serve[serve.index(CONFIG)] = str(DEPLOY / "router.toml")
+    serve += ["--port", "0", "--admin-port", "0", "--metrics-port", "0", "--worker", f"127.0.0.1:{port}"]
+    try:
+        with procs.running([worker]) as started:
+            assert notifications(socks["worker"], "READY=1") == [f"READY=1|STATUS=worker sim-{port} serving on "
+                                                                 f"127.0.0.1:{port}"]
+            started.append(procs.start("router", serve, env=env["router"]))
+            router = started[-1]
+            (ready,) = notifications(socks["router"], "READY=1")
+            assert ready.startswith(f"READY=1|STATUS=serving on {router.address} ")
+            for name in socks:  # the watchdog: pings every 0.1 s
+                assert socks[name].recv(4096) == b"WATCHDOG=1"
+            with RouterClient(router.address) as c:
+                stream = c.generate(MODEL, prompt="drained", max_tokens=100, ignore_eos=True, timeout=60)
+                first = next(stream)
+                router.popen.send_signal(signal.SIGTERM)
+                assert notifications(socks["router"], "STOPPING=1") == [
+                    "STOPPING=1|STATUS=draining 1 requests (grace 30 s)"]
+                tokens = len(first.token_ids) + sum(len(ch.token_ids) for ch in stream)
+            assert tokens == 100  # the drain the status announced
+            assert router.popen.wait(timeout=60) == 0
+            worker.popen.send_signal(signal.SIGTERM)
+            assert notifications(socks["worker"], "STOPPING=1") == ["STOPPING=1|STATUS=draining 0 requests"]
+            assert worker.popen.wait(timeout=60) == 0
+    finally:
+        for sock in socks.values():
+            sock.close()
 
 
 def test_promtool_accepts_the_scrape_config() -> None:

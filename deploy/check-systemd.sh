@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# Boot deploy/'s units under real systemd, in a throwaway Debian container (debootstrap + systemd-nspawn), as the
+# README's Deployment section installs them from this repository's committed HEAD, and check what an operator
+# relies on: `systemctl start` returns once each daemon serves (Type=notify), a request is served, Prometheus
+# metrics are up, `systemctl stop` drains a request in flight, a killed worker is restarted and used again, a
+# router whose event loop freezes is restarted by the watchdog, and the hardened units log no error.
+#
+#   sudo deploy/check-systemd.sh [ROOTFS]     # ROOTFS defaults to /var/lib/machines/switchyard-check, kept
+#
+# Needs root, the Debian mirror and PyPI (it installs debootstrap and systemd-container where missing). ~4 min,
+# +1 min the first time (the root filesystem). The container has its own root filesystem, /tmp and network
+# namespace: never boot systemd over the host's own filesystem (its tmpfiles clean-up would empty the host's /tmp).
+set -euo pipefail
+
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=${1:-/var/lib/machines/switchyard-check}
+LOG=$(mktemp -d /tmp/switchyard-check.XXXXXX)
+FAILED=0
+
+say() { printf '%s\n' "$*"; }
+pass() { say "PASS  $*"; }
+fail() { say "FAIL  $*"; FAILED=1; }
+
+[ "$(id -u)" = 0 ] || { say "run as root (debootstrap and systemd-nspawn need it)"; exit 2; }
+command -v debootstrap >/dev/null && command -v systemd-nspawn >/dev/null || {
+  say "installing Debian packages: debootstrap systemd-container"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    debootstrap systemd-container >/dev/null
+}
+
+if [ ! -x "$ROOT/usr/bin/python3" ] || [ ! -x "$ROOT/lib/systemd/systemd" ]; then
+  say "building the container's root filesystem in $ROOT (debootstrap, Debian bookworm)"
+  mkdir -p "$(dirname "$ROOT")"
+  debootstrap --variant=minbase \
+    --include=systemd,systemd-sysv,dbus,python3,python3-venv,python3-dev,build-essential,git,make,ca-certificates \
+    bookworm "$ROOT" http://deb.debian.org/debian >"$LOG/debootstrap.log" 2>&1 \
+    || { say "debootstrap failed: $LOG/debootstrap.log"; exit 1; }
+fi
+
+# pip in the container trusts what the host trusts (a TLS-inspecting proxy's CA included)
+CA=/etc/ssl/certs/ca-certificates.crt
+NSPAWN=(systemd-nspawn -q --keep-unit --register=no -D "$ROOT")
+
+say "installing Switchyard $(git -C "$REPO" rev-parse --short HEAD) as the README does (make install, config, units)"
+"${NSPAWN[@]}" --console=pipe --bind-ro="$REPO":/src --bind-ro="$CA":/etc/ssl/host-ca.crt bash -c '
+  set -e
+  export GIT_PAGER=cat PIP_CERT=/etc/ssl/host-ca.crt PIP_DEFAULT_TIMEOUT=180
+  id switchyard >/dev/null 2>&1 || useradd --system switchyard
+  rm -rf /opt/switchyard /etc/systemd/system/switchyard-* /var/lib/switchyard
+  git config --global --add safe.directory "*"
+  git clone -q /src /opt/switchyard
+  cd /opt/switchyard && make install
+  install -D -m 644 deploy/router.toml /etc/switchyard/router.toml
+  cp deploy/systemd/*.service /etc/systemd/system/
+  # the watchdog check freezes the router: a shorter timeout, so it does not take the unit'"'"'s 30 s + 60 s
+  mkdir -p /etc/systemd/system/switchyard-router.service.d
+  printf "[Service]\nWatchdogSec=4\nTimeoutAbortSec=2\n" > /etc/systemd/system/switchyard-router.service.d/check.conf
+' </dev/null >"$LOG/install.log" 2>&1 || { say "install failed: $LOG/install.log"; tail -20 "$LOG/install.log"; exit 1; }
+
+cat >"$ROOT/root/sy-client.py" <<'EOF'
+"""The checks' client: `request N` (a completion of N tokens; prints the tokens and the worker), `workers`."""
+import sys
+
+from switchyard.router.client import RouterClient
+
+with RouterClient("127.0.0.1:50051", admin_address="127.0.0.1:50052") as c:
+    if sys.argv[1] == "workers":
+        print(" ".join(f"{s.worker_id}:{'healthy' if s.healthy else 'down'}" for s in sorted(
+            c.list_workers(), key=lambda s: s.worker_id)))
+    else:
+        r = c.complete("mistral-7b-sim", prompt="under systemd", max_tokens=int(sys.argv[2]), ignore_eos=True,
+                       timeout=120)
+        print(len(r.token_ids), r.timings.worker_id)
+EOF
+
+say "booting the container (systemd as its PID 1, a private network)"
+"${NSPAWN[@]}" --boot --private-network --console=passive </dev/null >"$LOG/boot.log" 2>&1 &
+NSPAWN_PID=$!
+cleanup() {
+  [ -n "${PID1:-}" ] && nsenter -t "$PID1" -a systemctl poweroff >/dev/null 2>&1 || true
+  for _ in $(seq 50); do kill -0 "$NSPAWN_PID" 2>/dev/null || break; sleep 0.2; done
+  kill "$NSPAWN_PID" 2>/dev/null || true
+}
+trap cleanup EXIT
+PID1=
+for _ in $(seq 100); do
+  PID1=$(pgrep -P "$NSPAWN_PID" -x systemd || true)
+  [ -n "$PID1" ] && break
+  sleep 0.1
+done
+[ -n "$PID1" ] || { say "the container did not boot: $LOG/boot.log"; exit 1; }
+IN=(nsenter -t "$PID1" -a)
+state=$("${IN[@]}" systemctl is-system-running --wait 2>/dev/null || true)
+say "container up: $state"
+PY=/opt/switchyard/.venv/bin/python
+client() { "${IN[@]}" "$PY" /root/sy-client.py "$@"; }
+prop() { "${IN[@]}" systemctl show -P "$2" "$1"; }
+
+# 1. Type=notify: the first request right after `systemctl start` returns must be served, with no retry
+"${IN[@]}" systemctl enable --now -q switchyard-worker-sim@50061 switchyard-worker-sim@50062 switchyard-router
+out=$(client request 3 2>&1) && [[ $out == "3 sim-"* ]] \
+  && pass "served the first request right after systemctl start returned ($out)" \
+  || fail "first request after start: $out"
+[[ $(prop switchyard-router StatusText) == "serving on 127.0.0.1:50051"* ]] \
+  && pass "systemctl status says: $(prop switchyard-router StatusText)" || fail "router status text"
+[[ $(client workers) == "sim-50061:healthy sim-50062:healthy" ]] && pass "both workers healthy" \
+  || fail "workers: $(client workers)"
+metrics=$("${IN[@]}" "$PY" -c 'import urllib.request as u; print(sum(l.startswith(b"switchyard_") for l in u.urlopen("http://127.0.0.1:9464/metrics")))')
+[ "$metrics" -gt 0 ] && pass "Prometheus endpoint: $metrics switchyard_ samples" || fail "metrics endpoint"
+
+# 2. stop drains: a 1,000-token request in flight when `systemctl stop` is sent still gets every token
+"${IN[@]}" "$PY" /root/sy-client.py request 1000 >"$LOG/drain.out" 2>&1 &
+DRAIN=$!
+for _ in $(seq 100); do  # until the router has it in flight (its active-requests gauge)
+  n=$("${IN[@]}" "$PY" -c 'import urllib.request as u; print(sum(float(l.split()[-1]) for l in u.urlopen("http://127.0.0.1:9464/metrics") if l.startswith(b"switchyard_worker_in_flight{")))' 2>/dev/null || echo 0)
+  [[ $n != 0 && $n != 0.0 ]] && break
+  sleep 0.05
+done
+t0=$(date +%s.%N)
+"${IN[@]}" systemctl stop switchyard-router
+t1=$(date +%s.%N)
+wait "$DRAIN" || true
+[[ $(cat "$LOG/drain.out") == "1000 sim-"* && $(prop switchyard-router Result) == success ]] \
+  && pass "systemctl stop drained the request in flight ($(cat "$LOG/drain.out"); stop took $(printf '%.1f' "$(echo "$t1 - $t0" | bc)") s, Result=success)" \
+  || fail "drain: $(cat "$LOG/drain.out"); Result=$(prop switchyard-router Result)"
+"${IN[@]}" systemctl start switchyard-router
+
+# 3. a worker killed outright is restarted, and the router routes to it again
+"${IN[@]}" systemctl kill -s SIGKILL switchyard-worker-sim@50061
+for _ in $(seq 100); do
+  [[ $(prop switchyard-worker-sim@50061 NRestarts) == 1 && $(prop switchyard-worker-sim@50061 ActiveState) == active ]] && break
+  sleep 0.1
+done
+served=""
+for _ in $(seq 40); do  # round-robin over replies until the restarted worker serves one
+  served+=" $(client request 1 | cut -d' ' -f2)"
+  [[ $served == *sim-50061* ]] && break
+done
+[[ $(prop switchyard-worker-sim@50061 NRestarts) == 1 && $served == *sim-50061* ]] \
+  && pass "SIGKILLed worker restarted (NRestarts=1) and served again" || fail "worker restart: NRestarts=$(prop switchyard-worker-sim@50061 NRestarts), served:$served"
+
+# 4. the watchdog: a router whose process is frozen (SIGSTOP: its event loop cannot ping) is killed and restarted
+"${IN[@]}" systemctl kill -s SIGSTOP switchyard-router
+for _ in $(seq 200); do
+  [[ $(prop switchyard-router NRestarts) -ge 1 && $(prop switchyard-router ActiveState) == active ]] && break
+  sleep 0.1
+done
+out=$(client request 2 2>&1 || true)
+[[ $(prop switchyard-router NRestarts) -ge 1 && $out == "2 sim-"* ]] \
+  && pass "frozen router: the watchdog restarted it ($("${IN[@]}" journalctl -u switchyard-router -o cat --no-pager | grep -m1 -o 'Watchdog timeout[^!]*'); served again: $out)" \
+  || fail "watchdog: NRestarts=$(prop switchyard-router NRestarts), request: $out"
+
+# 5. the hardened units ran without an error or a traceback in their logs
+errors=$("${IN[@]}" journalctl -o cat --no-pager -u 'switchyard-*' | grep -E -c 'Traceback|ERROR|Permission denied|Read-only file system' || true)
+[ "$errors" = 0 ] && pass "no error in the units' logs" || fail "$errors error lines in the units' logs"
+exposure=$("${IN[@]}" systemd-analyze security --no-pager switchyard-router 2>/dev/null | tail -1)
+say "      systemd-analyze security switchyard-router: ${exposure#→ }"
+
+"${IN[@]}" journalctl -o short-precise --no-pager -u 'switchyard-*' >"$LOG/journal.log" 2>&1 || true
+say "logs: $LOG"
+[ "$FAILED" = 0 ] && say "all checks passed" || { say "some checks failed"; exit 1; }
