@@ -41,7 +41,8 @@ class ServiceNotifier:
             return False
         try:
             if self._sock is None:
-                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                # non-blocking: a listener that stops reading costs a lost message, never the event loop
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
             self._sock.sendto("\n".join(fields).encode(), self.address)
             return True
         except OSError as e:

@@ -111,3 +111,14 @@ async def test_the_watchdog_pings_from_the_event_loop(listener: tuple[socket.soc
     assert queued == 0  # the loop has not turned since the drain: nothing can have pinged
     assert (await asyncio.wait_for(loop.sock_recv(sock, 4096), 5.0)) == b"WATCHDOG=1"  # and it goes on once it does
     n.close()
+
+
+def test_a_listener_that_stops_reading_costs_messages_not_a_blocked_loop(
+    listener: tuple[socket.socket, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    _, path = listener  # bound, never read: its queue fills
+    n = ServiceNotifier({"NOTIFY_SOCKET": path})
+    sent = [n.send("WATCHDOG=1") for _ in range(5000)]  # a blocking socket would hang on the first full queue
+    assert sent[0] and not sent[-1]
+    assert sum("systemd notification" in r.message for r in caplog.records) == 1
+    n.close()

@@ -16,6 +16,7 @@ import os
 import random
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -56,6 +57,7 @@ class VllmProc:
     address: str
     log_path: Path
     tls: ClientTls | None = None  # how this test dials the worker (mTLS)
+    notify: socket.socket | None = None  # where it sends systemd's notifications ($NOTIFY_SOCKET)
 
     def channel(self) -> grpc.Channel:
         return channel(self.address, self.tls)
@@ -151,8 +153,11 @@ def deprioritise_session(pid: int) -> None:
         Path(f"/proc/{pid}/autogroup").write_text("10")
 
 
-def launch_worker(name: str, core: int, tmp: Path, pki: Pki) -> tuple[subprocess.Popen[str], Path]:
-    """Start one vLLM worker in its own session (so a kill takes its EngineCore with it)."""
+def launch_worker(
+    name: str, core: int, tmp: Path, pki: Pki, notify: str | None = None
+) -> tuple[subprocess.Popen[str], Path]:
+    """Start one vLLM worker in its own session (so a kill takes its EngineCore with it), with `notify` as its
+    $NOTIFY_SOCKET where given (as under a unit of Type=notify)."""
     workdir = tmp / name
     workdir.mkdir(parents=True, exist_ok=True)
     env = {
@@ -161,6 +166,7 @@ def launch_worker(name: str, core: int, tmp: Path, pki: Pki) -> tuple[subprocess
         "VLLM_CACHE_ROOT": str(workdir / "cache"),
         "TMPDIR": str(workdir),  # vLLM's dist-init files and our ZMQ replay socket land here
         "HF_HUB_OFFLINE": "1",
+        **({"NOTIFY_SOCKET": notify} if notify else {}),
     }
     env.pop("PYTHONHASHSEED", None)
     log_path = workdir / "worker.log"
@@ -236,18 +242,22 @@ def vllm_workers(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator
         timeout=300,
     )
     tmp = tmp_path_factory.mktemp("vllm")
-    started = [(name, *launch_worker(name, core, tmp, pki)) for core, name in enumerate(("v0", "v1"))]
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # v0's, as systemd's manager listens
+    notify.bind(str(tmp / "notify"))
+    notify.settimeout(30.0)
+    started = [(name, *launch_worker(name, core, tmp, pki, str(tmp / "notify") if name == "v0" else None))
+               for core, name in enumerate(("v0", "v1"))]
     workers: list[VllmProc] = []
     tls = ClientTls(pki.ca, pki.client_cert, pki.client_key)
     try:
         for name, popen, log_path in started:
-            workers.append(
-                VllmProc(name, popen, wait_ready(name, popen, log_path, START_TIMEOUT_S), log_path, tls)
-            )
+            workers.append(VllmProc(name, popen, wait_ready(name, popen, log_path, START_TIMEOUT_S), log_path, tls,
+                                    notify if name == "v0" else None))
         yield workers
     finally:
         for _, popen, log_path in started:
             VllmProc("", popen, "", log_path).stop()
+        notify.close()
 
 
 @pytest.fixture
@@ -309,6 +319,15 @@ def test_info_matches_the_router_recipe(vllm_workers: list[VllmProc]) -> None:
         assert info.tokenizer_id == tok.tokenizer_id
         assert info.state == worker_pb2.LIFECYCLE_STATE_READY
         assert info.incarnation and w.stats().incarnation == info.incarnation  # a restart shows as a new one
+
+
+def test_the_vllm_worker_tells_systemd_it_loads_then_serves(vllm_workers: list[VllmProc]) -> None:
+    """What deploy/systemd/switchyard-worker-vllm@.service (Type=notify) reads: a status while vLLM starts, then
+    READY=1 once the worker serves."""
+    w = vllm_workers[0]
+    assert w.notify is not None
+    msgs = [w.notify.recv(4096).decode().replace("\n", "|") for _ in range(2)]
+    assert msgs == [f"STATUS=starting vLLM for {MODEL}", f"READY=1|STATUS=worker v0 serving {MODEL} on {w.address}"]
 
 
 def test_the_vllm_workers_serve_only_clients_with_a_certificate(vllm_workers: list[VllmProc], pki: Pki) -> None:
