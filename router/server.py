@@ -354,7 +354,7 @@ async def serve(config: RouterConfig, ready: Callable[[Bound], None] | None = No
         if ready is not None:
             ready(bound)
         notifier.ready(f"serving on {bound.host}:{bound.port} (admin {bound.admin}, metrics {bound.metrics})")
-        notifier.start_watchdog()  # through the drain too: the loop still turns
+        notifier.start_watchdog()
         await shutdown.wait()
         notifier.stopping(f"draining {daemon.dispatcher.num_active} requests (grace {config.server.grace_s:g} s)")
         stopper = asyncio.create_task(daemon.stop(config.server.grace_s))
