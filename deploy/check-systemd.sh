@@ -58,11 +58,20 @@ say "installing Switchyard $(git -C "$REPO" rev-parse --short HEAD) as the READM
 ' </dev/null >"$LOG/install.log" 2>&1 || { say "install failed: $LOG/install.log"; tail -20 "$LOG/install.log"; exit 1; }
 
 cat >"$ROOT/root/sy-client.py" <<'EOF'
-"""The checks' client: `request N` (a completion of N tokens; prints the tokens and the worker), `workers`."""
+"""The checks' client: `request N` (a completion of N tokens: prints the tokens and the worker), `workers`,
+`samples` (the router's switchyard_ metric samples), `in-flight` (its requests in flight on the workers)."""
 import sys
+import urllib.request
 
 from switchyard.router.client import RouterClient
 
+if sys.argv[1] in ("samples", "in-flight"):
+    lines = list(urllib.request.urlopen("http://127.0.0.1:9464/metrics"))
+    if sys.argv[1] == "samples":
+        print(sum(line.startswith(b"switchyard_") for line in lines))
+    else:
+        print(int(sum(float(line.split()[-1]) for line in lines if line.startswith(b"switchyard_worker_in_flight{"))))
+    sys.exit()
 with RouterClient("127.0.0.1:50051", admin_address="127.0.0.1:50052") as c:
     if sys.argv[1] == "workers":
         print(" ".join(f"{s.worker_id}:{'healthy' if s.healthy else 'down'}" for s in sorted(
@@ -72,7 +81,6 @@ with RouterClient("127.0.0.1:50051", admin_address="127.0.0.1:50052") as c:
                        timeout=120)
         print(len(r.token_ids), r.timings.worker_id)
 EOF
-
 say "booting the container (systemd as its PID 1, a private network)"
 "${NSPAWN[@]}" --boot --private-network --console=passive </dev/null >"$LOG/boot.log" 2>&1 &
 NSPAWN_PID=$!
@@ -104,27 +112,28 @@ prop() { "${IN[@]}" systemctl show -P "$2" "$1"; }
 
 # 1. Type=notify: the ports accept connections as soon as `systemctl start` returns (with Type=simple it returns
 #    at the exec, ~0.35 s before the router binds), and the first request is served with no retry
-[[ $("${IN[@]}" systemctl is-active switchyard-router) == inactive ]] || fail "the router was running before the check"
+[[ $("${IN[@]}" systemctl is-active switchyard-router) == inactive ]] || fail "a router ran before the check"
 "${IN[@]}" systemctl enable --now -q switchyard-worker-sim@50061 switchyard-worker-sim@50062 switchyard-router
 open=$("${IN[@]}" bash -c 'for p in 50061 50062 50051; do (</dev/tcp/127.0.0.1/$p) 2>/dev/null && printf "%s " $p; done')
-ms=$(( ($(prop switchyard-router ActiveEnterTimestampMonotonic) - $(prop switchyard-router ExecMainStartTimestampMonotonic)) / 1000 ))
+ms=$(( ($(prop switchyard-router ActiveEnterTimestampMonotonic) \
+        - $(prop switchyard-router ExecMainStartTimestampMonotonic)) / 1000 ))
 [[ $open == "50061 50062 50051 " ]] \
-  && pass "ports 50061, 50062 and 50051 open as soon as systemctl start returned (the router active ${ms} ms after its exec)" \
+  && pass "ports 50061, 50062 and 50051 open as soon as systemctl start returned" \
+          "(the router active ${ms} ms after its exec)" \
   || fail "ports open when systemctl start returned: ${open:-none}"
 out=$(client request 3 2>&1) && [[ $out == "3 sim-"* ]] && pass "served a request ($out)" || fail "first request: $out"
 [[ $(prop switchyard-router StatusText) == "serving on 127.0.0.1:50051"* ]] \
   && pass "systemctl status says: $(prop switchyard-router StatusText)" || fail "router status text"
 [[ $(client workers) == "sim-50061:healthy sim-50062:healthy" ]] && pass "both workers healthy" \
   || fail "workers: $(client workers)"
-metrics=$("${IN[@]}" "$PY" -c 'import urllib.request as u; print(sum(l.startswith(b"switchyard_") for l in u.urlopen("http://127.0.0.1:9464/metrics")))')
+metrics=$(client samples)
 [ "$metrics" -gt 0 ] && pass "Prometheus endpoint: $metrics switchyard_ samples" || fail "metrics endpoint"
 
 # 2. stop drains: a 1,000-token request in flight when `systemctl stop` is sent still gets every token
-"${IN[@]}" "$PY" /root/sy-client.py request 1000 >"$LOG/drain.out" 2>&1 &
+client request 1000 >"$LOG/drain.out" 2>&1 &
 DRAIN=$!
-for _ in $(seq 100); do  # until the router has it in flight (its active-requests gauge)
-  n=$("${IN[@]}" "$PY" -c 'import urllib.request as u; print(sum(float(l.split()[-1]) for l in u.urlopen("http://127.0.0.1:9464/metrics") if l.startswith(b"switchyard_worker_in_flight{")))' 2>/dev/null || echo 0)
-  [[ $n != 0 && $n != 0.0 ]] && break
+for _ in $(seq 100); do  # until the router has it in flight
+  [[ $(client in-flight 2>/dev/null) == 1 ]] && break
   sleep 0.05
 done
 t0=$(date +%s.%N)
@@ -132,14 +141,16 @@ t0=$(date +%s.%N)
 t1=$(date +%s.%N)
 wait "$DRAIN" || true
 [[ $(cat "$LOG/drain.out") == "1000 sim-"* && $(prop switchyard-router Result) == success ]] \
-  && pass "systemctl stop drained the request in flight ($(cat "$LOG/drain.out"); stop took $(printf '%.1f' "$(echo "$t1 - $t0" | bc)") s, Result=success)" \
+  && pass "systemctl stop drained the request in flight ($(cat "$LOG/drain.out"); stop took" \
+          "$(printf '%.1f' "$(echo "$t1 - $t0" | bc)") s, Result=success)" \
   || fail "drain: $(cat "$LOG/drain.out"); Result=$(prop switchyard-router Result)"
 "${IN[@]}" systemctl start switchyard-router
 
 # 3. a worker killed outright is restarted, and the router routes to it again
 "${IN[@]}" systemctl kill -s SIGKILL switchyard-worker-sim@50061
 for _ in $(seq 100); do
-  [[ $(prop switchyard-worker-sim@50061 NRestarts) == 1 && $(prop switchyard-worker-sim@50061 ActiveState) == active ]] && break
+  [[ $(prop switchyard-worker-sim@50061 NRestarts) == 1 && $(prop switchyard-worker-sim@50061 ActiveState) == active ]] \
+    && break
   sleep 0.1
 done
 served=""
@@ -148,7 +159,8 @@ for _ in $(seq 40); do  # round-robin over replies until the restarted worker se
   [[ $served == *sim-50061* ]] && break
 done
 [[ $(prop switchyard-worker-sim@50061 NRestarts) == 1 && $served == *sim-50061* ]] \
-  && pass "SIGKILLed worker restarted (NRestarts=1) and served again" || fail "worker restart: NRestarts=$(prop switchyard-worker-sim@50061 NRestarts), served:$served"
+  && pass "SIGKILLed worker restarted (NRestarts=1) and served again" \
+  || fail "worker restart: NRestarts=$(prop switchyard-worker-sim@50061 NRestarts), served:$served"
 
 # 4. the watchdog: the router's pings keep it alive past two timeouts (4 s here), and once its process is frozen
 #    (SIGSTOP: its event loop cannot ping) it is killed and restarted
@@ -161,15 +173,18 @@ for _ in $(seq 200); do
 done
 out=$(client request 2 2>&1 || true)
 [[ $before == 0 && $(prop switchyard-router NRestarts) == 1 && $out == "2 sim-"* ]] \
-  && pass "frozen router: the watchdog restarted it ($("${IN[@]}" journalctl -u switchyard-router -o cat --no-pager | grep -o 'Watchdog timeout[^!]*' | tail -1); served again: $out)" \
+  && pass "frozen router: the watchdog restarted it" \
+          "($("${IN[@]}" journalctl -b -u switchyard-router -o cat --no-pager | grep -o 'Watchdog timeout[^!]*' | tail -1);" \
+          "served again: $out)" \
   || fail "watchdog: NRestarts $before before the freeze, $(prop switchyard-router NRestarts) after; request: $out"
 
 # 5. the hardened units ran without an error or a traceback in their logs
-errors=$("${IN[@]}" journalctl -o cat --no-pager -u 'switchyard-*' | grep -E -c 'Traceback|ERROR|Permission denied|Read-only file system' || true)
+errors=$("${IN[@]}" journalctl -b -o cat --no-pager -u 'switchyard-*' \
+         | grep -E -c 'Traceback|ERROR|Permission denied|Read-only file system' || true)
 [ "$errors" = 0 ] && pass "no error in the units' logs" || fail "$errors error lines in the units' logs"
 exposure=$("${IN[@]}" systemd-analyze security --no-pager switchyard-router 2>/dev/null | tail -1)
 say "      systemd-analyze security switchyard-router: ${exposure#→ }"
 
-"${IN[@]}" journalctl -o short-precise --no-pager -u 'switchyard-*' >"$LOG/journal.log" 2>&1 || true
+"${IN[@]}" journalctl -b -o short-precise --no-pager -u 'switchyard-*' >"$LOG/journal.log" 2>&1 || true
 say "logs: $LOG"
 [ "$FAILED" = 0 ] && say "all checks passed" || { say "some checks failed"; exit 1; }

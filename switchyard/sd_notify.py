@@ -42,7 +42,8 @@ class ServiceNotifier:
         try:
             if self._sock is None:
                 # non-blocking: a listener that stops reading costs a lost message, never the event loop
-                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+                kind = socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
+                self._sock = socket.socket(socket.AF_UNIX, kind)
             self._sock.sendto("\n".join(fields).encode(), self.address)
             return True
         except OSError as e:
