@@ -31,10 +31,6 @@ class ServiceNotifier:
         self._timer: asyncio.TimerHandle | None = None
         self._failed = False
 
-    @property
-    def enabled(self) -> bool:
-        return self.address is not None
-
     def send(self, *fields: str) -> bool:
         """One datagram of `KEY=value` lines; False where there is no socket or it fails (logged once)."""
         if self.address is None:
@@ -61,12 +57,12 @@ class ServiceNotifier:
     def stopping(self, status: str) -> None:
         self.send("STOPPING=1", f"STATUS={status}")
 
-    def start_watchdog(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Ping from the event loop itself every half timeout (a callback, not a thread: a thread would keep
-        pinging while the loop hangs)."""
+    def start_watchdog(self) -> None:
+        """Ping from the running event loop itself every half timeout (a callback, not a thread: a thread would
+        keep pinging while the loop hangs)."""
         if self.watchdog_interval_s is None or self._timer is not None:
             return
-        self._ping(loop or asyncio.get_running_loop())
+        self._ping(asyncio.get_running_loop())
 
     def _ping(self, loop: asyncio.AbstractEventLoop) -> None:
         self.send("WATCHDOG=1")

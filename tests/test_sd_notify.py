@@ -32,7 +32,7 @@ def fields(sock: socket.socket) -> list[str]:
 def test_ready_status_and_stopping_reach_the_socket(listener: tuple[socket.socket, str]) -> None:
     sock, path = listener
     n = ServiceNotifier({"NOTIFY_SOCKET": path})
-    assert n.enabled
+    assert n.address == path
     n.ready("serving on 127.0.0.1:50051")
     assert fields(sock) == ["READY=1", "STATUS=serving on 127.0.0.1:50051"]
     n.status("busy")
@@ -55,7 +55,7 @@ def test_an_abstract_socket_name_is_reached_too() -> None:
 
 def test_outside_systemd_nothing_is_sent_and_nothing_fails() -> None:
     n = ServiceNotifier({})
-    assert not n.enabled and n.watchdog_interval_s is None
+    assert n.address is None and n.watchdog_interval_s is None
     assert not n.send("READY=1")
     n.ready("up")
     n.stopping("down")
@@ -75,7 +75,7 @@ def test_the_variables_leave_the_environment_so_children_cannot_notify(listener:
     env = {"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "30000000", "WATCHDOG_PID": str(os.getpid()), "PATH": "/bin"}
     n = ServiceNotifier(env)
     assert env == {"PATH": "/bin"}
-    assert n.enabled and n.watchdog_interval_s == 15.0  # half the timeout, as sd_watchdog_enabled(3) advises
+    assert n.address == path and n.watchdog_interval_s == 15.0  # half the timeout, as sd_watchdog_enabled(3) advises
     n.close()
 
 
