@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -27,7 +28,7 @@ LAYERS = 2
 INTERMEDIATE = 256
 MAX_POSITIONS = 4096
 SEED = 0
-STAMP = "switchyard-tiny-llama-v1"  # bump when the recipe changes
+STAMP = "switchyard-tiny-llama-v2"  # bump when the recipe changes (v2: files readable by others)
 
 
 def is_built(out: Path) -> bool:
@@ -78,6 +79,12 @@ def build(out: Path, tokenizer_path: Path = DEFAULT_TOKENIZER) -> Path:
     (out / "switchyard.json").write_text(
         json.dumps({"recipe": STAMP, "tokenizer_id": tok.tokenizer_id}) + "\n"
     )
+    # save_pretrained writes model.safetensors 0600 (a temporary file renamed): as readable as the umask allows,
+    # so a service user (switchyard-worker-vllm@'s) loads a model that root built
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in out.iterdir():
+        f.chmod(0o666 & ~umask)
     return out
 
 

@@ -321,6 +321,16 @@ def test_info_matches_the_router_recipe(vllm_workers: list[VllmProc]) -> None:
         assert info.incarnation and w.stats().incarnation == info.incarnation  # a restart shows as a new one
 
 
+def test_the_served_model_is_readable_by_a_service_user(vllm_workers: list[VllmProc]) -> None:
+    """`make vllm-env` builds the tiny model as whoever runs it (root, installing): switchyard-worker-vllm@ runs as
+    the switchyard user, which must read every file (save_pretrained alone leaves the weights 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in TINY.iterdir()}
+    assert "model.safetensors" in modes
+    assert modes == dict.fromkeys(modes, oct(0o666 & ~umask))  # 0o644 under the usual umask 022
+
+
 def test_the_vllm_worker_tells_systemd_it_loads_then_serves(vllm_workers: list[VllmProc]) -> None:
     """What deploy/systemd/switchyard-worker-vllm@.service (Type=notify) reads: a status while vLLM starts, then
     READY=1 once the worker serves."""
