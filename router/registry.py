@@ -28,7 +28,7 @@ from switchyard.router.peer_mirror import PeerMirror
 from switchyard.router.policies.base import Policy, WorkerId
 from switchyard.tls import aio_channel
 from switchyard.v1 import router_pb2, worker_pb2, worker_pb2_grpc
-from switchyard.workers.tokenizer import Tokenizer
+from switchyard.workers.tokenizer import Tokenizer, same_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +272,7 @@ class WorkerRegistry:
             tokenizer = self._tokenizer_for(info.model)
         except (OSError, RuntimeError) as e:
             raise RejectedWorker(f"rejected: cannot load the router's tokenizer for {info.model!r}: {e}") from None
-        if info.tokenizer_id != tokenizer.tokenizer_id:
+        if not same_tokenizer(info.tokenizer_id, tokenizer.tokenizer_id):
             raise RejectedWorker(
                 f"rejected: tokenizer mismatch for model {info.model!r}: worker has {info.tokenizer_id!r}, "
                 f"router has {tokenizer.tokenizer_id!r}"

@@ -24,6 +24,15 @@ class ChatMessage:
     content: str
 
 
+def same_tokenizer(a: str, b: str) -> bool:
+    """Whether two `tokenizer_id`s are one tokenizer: the same kind and contents, whatever the file's name (a model
+    directory's `tokenizer.model` and the router's copy of it under another name tokenize alike)."""
+    def kind_and_digest(tokenizer_id: str) -> tuple[str, str]:
+        return tokenizer_id.partition(":")[0], tokenizer_id.rpartition(":")[2]
+
+    return a.count(":") >= 2 and kind_and_digest(a) == kind_and_digest(b)
+
+
 class Tokenizer:
     """SentencePiece encode/decode plus the Mistral v1 ([INST]) chat template."""
 

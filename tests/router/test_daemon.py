@@ -596,6 +596,18 @@ async def test_register_rejects_mismatched_tokenizer_and_unreachable_address() -
     await bad.stop()
 
 
+async def test_register_accepts_the_same_tokenizer_under_another_file_name() -> None:
+    """A model directory's `tokenizer.model` and the router's copy of it under another name are one tokenizer: the
+    contents' digest decides, not the name (a vLLM worker serving the tiny Llama beside the router's default)."""
+    digest = TOK.tokenizer_id.rpartition(":")[2]
+    renamed = FakeWorker("wr", tokenizer_id=f"sentencepiece:tokenizer.model:{digest}")
+    await renamed.start()
+    async with stack([FakeWorker("w0")]) as (_daemon, client):
+        status = await client.register_worker(renamed.address)
+        assert (status.worker_id, status.healthy) == ("wr", True)
+    await renamed.stop()
+
+
 async def test_kv_events_feed_the_prefix_view() -> None:
     w = FakeWorker("w0", block_size=4)
     async with stack([w]) as (daemon, client):
