@@ -10,6 +10,7 @@ a child (vLLM's engine core, a worker a launcher started) does not inherit them.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import socket
@@ -59,9 +60,12 @@ class ServiceNotifier:
 
     def start_watchdog(self) -> None:
         """Ping from the running event loop itself every half timeout (a callback, not a thread: a thread would
-        keep pinging while the loop hangs)."""
+        keep pinging while the loop hangs). systemd kills a unit whose pings stop with SIGABRT: `faulthandler`
+        writes every thread's stack to stderr (the journal) first, so the hang's place is on record."""
         if self.watchdog_interval_s is None or self._timer is not None:
             return
+        if not faulthandler.is_enabled():
+            faulthandler.enable(all_threads=True)
         self._ping(asyncio.get_running_loop())
 
     def _ping(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -122,3 +125,34 @@ def test_a_listener_that_stops_reading_costs_messages_not_a_blocked_loop(
     assert sent[0] and not sent[-1]
     assert sum("systemd notification" in r.message for r in caplog.records) == 1
     n.close()
+
+
+HUNG_DAEMON = """
+import asyncio, sys, time
+from switchyard.sd_notify import ServiceNotifier
+
+def stuck_callback():
+    print("hung", flush=True)
+    time.sleep(60)  # the hang systemd's watchdog ends with SIGABRT
+
+async def main():
+    ServiceNotifier().start_watchdog()
+    asyncio.get_running_loop().call_soon(stuck_callback)
+    await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+def test_a_watchdog_kill_leaves_the_hung_stack_in_the_log(listener: tuple[socket.socket, str]) -> None:
+    """systemd ends a unit whose pings stopped with SIGABRT: the daemon's stderr (the journal) then shows where its
+    loop hung, not only that it was killed."""
+    _, path = listener
+    env = {**os.environ, "NOTIFY_SOCKET": path, "WATCHDOG_USEC": "60000000"}
+    proc = subprocess.Popen([sys.executable, "-c", HUNG_DAEMON], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "hung\n"
+    proc.send_signal(signal.SIGABRT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGABRT
+    assert "Fatal Python error: Aborted" in err and "in stuck_callback" in err
