@@ -10,10 +10,13 @@ a child (vLLM's engine core, a worker a launcher started) does not inherit them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import logging
 import os
 import socket
+import threading
+from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,30 @@ class ServiceNotifier:
         if not faulthandler.is_enabled():
             faulthandler.enable(all_threads=True)
         self._ping(asyncio.get_running_loop())
+
+    @contextlib.contextmanager
+    def keepalive(self) -> Iterator[None]:
+        """Around a blocking call the loop makes on purpose and that bounds itself (vLLM's engine teardown joins
+        its processes for up to 5 s, then kills them): a thread pings meanwhile, as the loop cannot. systemd
+        enforces the watchdog during a stop too. Anything else that blocks the loop is what the watchdog is for."""
+        if self.watchdog_interval_s is None:
+            yield
+            return
+        interval_s = self.watchdog_interval_s
+        done = threading.Event()
+
+        def ping() -> None:
+            while not done.wait(interval_s):
+                self.send("WATCHDOG=1")
+
+        self.send("WATCHDOG=1")
+        thread = threading.Thread(target=ping, name="sd-notify-keepalive", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
 
     def _ping(self, loop: asyncio.AbstractEventLoop) -> None:
         self.send("WATCHDOG=1")

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,6 +127,31 @@ def test_a_listener_that_stops_reading_costs_messages_not_a_blocked_loop(
     assert sum("systemd notification" in r.message for r in caplog.records) == 1
     n.close()
 
+
+
+def test_keepalive_pings_while_the_loop_is_blocked_on_purpose_and_stops_after(
+    listener: tuple[socket.socket, str],
+) -> None:
+    """vLLM's engine teardown blocks the worker's loop for up to 5 s, and systemd watches a stopping unit too: a
+    thread pings meanwhile, and no longer once the call is over."""
+    sock, path = listener
+    n = ServiceNotifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "20000"})  # a ping every 10 ms
+    with n.keepalive():  # this block is the blocked loop: nothing else here can ping
+        assert [fields(sock) for _ in range(4)] == [["WATCHDOG=1"]] * 4
+    sock.setblocking(False)
+    while True:  # what was sent before the thread ended
+        try:
+            sock.recv(4096)
+        except BlockingIOError:
+            break
+    assert not any(t.name == "sd-notify-keepalive" for t in threading.enumerate())  # joined: nothing more comes
+    n.close()
+
+
+def test_keepalive_outside_systemd_starts_no_thread() -> None:
+    before = threading.active_count()
+    with ServiceNotifier({}).keepalive():
+        assert threading.active_count() == before
 
 HUNG_DAEMON = """
 import asyncio, sys, time

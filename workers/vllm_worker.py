@@ -694,7 +694,7 @@ async def serve(args: argparse.Namespace) -> int:
         worker.abort(list(worker.streams))
     hub.close()
     await server.stop(grace=1.0)
-    with contextlib.suppress(Exception):
+    with notifier.keepalive(), contextlib.suppress(Exception):  # it blocks the loop while its processes exit
         engine.shutdown()
     await subscriber.stop()
     if guard is not None:
