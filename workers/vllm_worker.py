@@ -125,6 +125,18 @@ def start_orphan_guard() -> Any:
     )
 
 
+def stop_resource_tracker() -> None:
+    """Have multiprocessing's resource tracker unlink the shared memory vLLM's processes registered with it and did
+    not free, and exit, before this process does. Left to itself it does so after: under the unit's KillMode=mixed
+    systemd SIGKILLs whatever outlives the main process, and a killed tracker leaves the segments in /dev/shm.
+    `_stop` is CPython's own (3.8+); there is no public way."""
+    from multiprocessing import resource_tracker
+
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
+    if stop is not None:
+        stop()
+
+
 class _Error:
     """Queued to a stream when vLLM rejected or failed the request."""
 
@@ -700,6 +712,7 @@ async def serve(args: argparse.Namespace) -> int:
     if guard is not None:
         guard.kill()
         guard.wait()
+    stop_resource_tracker()
     notifier.close()
     log.info(
         "worker %s stopped (KV batches %d, replayed %d, lost %d)",

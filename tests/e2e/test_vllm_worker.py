@@ -154,10 +154,10 @@ def deprioritise_session(pid: int) -> None:
 
 
 def launch_worker(
-    name: str, core: int, tmp: Path, pki: Pki, notify: str | None = None
+    name: str, core: int, tmp: Path, pki: Pki, notify: str | None = None, watchdog_usec: int = 0
 ) -> tuple[subprocess.Popen[str], Path]:
     """Start one vLLM worker in its own session (so a kill takes its EngineCore with it), with `notify` as its
-    $NOTIFY_SOCKET where given (as under a unit of Type=notify)."""
+    $NOTIFY_SOCKET where given (as under a unit of Type=notify), and systemd's watchdog timeout where given."""
     workdir = tmp / name
     workdir.mkdir(parents=True, exist_ok=True)
     env = {
@@ -167,6 +167,7 @@ def launch_worker(
         "TMPDIR": str(workdir),  # vLLM's dist-init files and our ZMQ replay socket land here
         "HF_HUB_OFFLINE": "1",
         **({"NOTIFY_SOCKET": notify} if notify else {}),
+        **({"WATCHDOG_USEC": str(watchdog_usec)} if watchdog_usec else {}),
     }
     env.pop("PYTHONHASHSEED", None)
     log_path = workdir / "worker.log"
@@ -615,3 +616,36 @@ def test_killed_vllm_worker_is_retried_before_the_first_token_then_unavailable_m
                     v0.kill()
     assert e.value.code() is grpc.StatusCode.UNAVAILABLE
     assert f"after {received} tokens were delivered" in e.value.details()
+
+
+def test_sigterm_drains_the_request_in_flight_then_nothing_outlives_the_worker(
+    vllm_workers: list[VllmProc], router_factory, tmp_path: Path, pki: Pki,  # type: ignore[no-untyped-def]
+) -> None:
+    """What switchyard-worker-vllm@ relies on (KillMode=mixed: SIGTERM to the worker alone, which drains and shuts
+    vLLM down itself; SIGKILL to whatever outlives it): the request in flight gets every token, and when the
+    worker's process exits none of its own remain (vLLM's EngineCore, the orphan guard, multiprocessing's resource
+    tracker, which must unlink vLLM's shared memory first). Its own worker, last: the module's are killed above."""
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify"))
+    notify.settimeout(60.0)
+    popen, log_path = launch_worker("v2", 0, tmp_path, pki, str(tmp_path / "notify"), watchdog_usec=2_000_000)
+    try:
+        w = VllmProc("v2", popen, wait_ready("v2", popen, log_path, START_TIMEOUT_S), log_path,
+                     ClientTls(pki.ca, pki.client_cert, pki.client_key), notify)
+        router = router_factory([w])
+        received, told = 0, []
+        with client_for(router) as c:
+            for chunk in c.generate(MODEL, prompt="drained", max_tokens=1500, ignore_eos=True, timeout=120):
+                if not received:
+                    with w.engine_paused():  # no token is made until SIGCONT: the request is in flight
+                        popen.send_signal(signal.SIGTERM)
+                        while not told or not told[-1].startswith("STOPPING=1"):  # after its start's and pings
+                            told.append(notify.recv(4096).decode().replace("\n", "|"))
+                received += len(chunk.token_ids)
+        assert told[-1] == "STOPPING=1|STATUS=draining 1 requests"
+        assert received == 1500
+        assert popen.wait(timeout=60) == 0
+        assert group_members(popen.pid) == []  # systemd would SIGKILL these now
+    finally:
+        VllmProc("", popen, "", log_path).stop()
+        notify.close()
