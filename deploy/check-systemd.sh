@@ -127,7 +127,7 @@ with RouterClient("127.0.0.1:50051", admin_address="127.0.0.1:50052") as c:
         t = time.time()
         r = c.complete(model, prompt="under systemd", max_tokens=int(sys.argv[2]), ignore_eos=True,
                        timeout=120)
-        print(len(r.token_ids), r.timings.worker_id, time.strftime("%T", time.localtime(t)), round(time.time() - t, 2))
+        print(len(r.token_ids), r.timings.worker_id, f"in {time.time() - t:.2f} s")
 EOF
 say "booting the container (systemd as its PID 1, a private network)"
 "${NSPAWN[@]}" --boot --private-network --console=passive </dev/null >"$LOG/boot.log" 2>&1 &
