@@ -11,7 +11,7 @@
 #   sudo deploy/check-systemd.sh [--vllm] [ROOTFS]   # ROOTFS defaults to /var/lib/machines/switchyard-check, kept
 #
 # Needs root, the Debian mirror and PyPI (it installs debootstrap and systemd-container where missing). ~75 s,
-# +1 min the first time (the root filesystem); --vllm adds ~2 min, and ~5 min and ~3.5 GB the first time (the
+# +1 min the first time (the root filesystem); --vllm adds ~75 s, and ~4 min and ~3.5 GB the first time (the
 # container's .venv-vllm, kept while the Makefile's vLLM pins stay the same). The container has its own root
 # filesystem, /tmp and network namespace: never boot systemd over the host's own filesystem (its tmpfiles clean-up
 # would empty the host's /tmp).
