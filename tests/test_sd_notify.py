@@ -128,7 +128,6 @@ def test_a_listener_that_stops_reading_costs_messages_not_a_blocked_loop(
     n.close()
 
 
-
 def test_keepalive_pings_while_the_loop_is_blocked_on_purpose_and_stops_after(
     listener: tuple[socket.socket, str],
 ) -> None:
@@ -138,12 +137,6 @@ def test_keepalive_pings_while_the_loop_is_blocked_on_purpose_and_stops_after(
     n = ServiceNotifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "20000"})  # a ping every 10 ms
     with n.keepalive():  # this block is the blocked loop: nothing else here can ping
         assert [fields(sock) for _ in range(4)] == [["WATCHDOG=1"]] * 4
-    sock.setblocking(False)
-    while True:  # what was sent before the thread ended
-        try:
-            sock.recv(4096)
-        except BlockingIOError:
-            break
     assert not any(t.name == "sd-notify-keepalive" for t in threading.enumerate())  # joined: nothing more comes
     n.close()
 
@@ -152,6 +145,7 @@ def test_keepalive_outside_systemd_starts_no_thread() -> None:
     before = threading.active_count()
     with ServiceNotifier({}).keepalive():
         assert threading.active_count() == before
+
 
 HUNG_DAEMON = """
 import asyncio, sys, time
