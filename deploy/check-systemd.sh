@@ -25,6 +25,15 @@ LOG=$(mktemp -d /tmp/switchyard-check.XXXXXX)
 FAILED=0
 
 say() { printf '%s\n' "$*"; }
+# run a condition (a command, set -e aside) every 0.1 s until it holds or SECONDS pass; fails if it never did
+poll() {
+  local deadline=$((SECONDS + $1))
+  shift
+  until "$@"; do
+    ((SECONDS < deadline)) || return 1
+    sleep 0.1
+  done
+}
 pass() { say "PASS  $*"; }
 fail() { say "FAIL  $*"; FAILED=1; }
 
@@ -134,29 +143,25 @@ say "booting the container (systemd as its PID 1, a private network)"
 NSPAWN_PID=$!
 cleanup() {
   [ -n "${PID1:-}" ] && nsenter -t "$PID1" -a systemctl poweroff >/dev/null 2>&1 || true
-  for _ in $(seq 50); do kill -0 "$NSPAWN_PID" 2>/dev/null || break; sleep 0.2; done
-  kill "$NSPAWN_PID" 2>/dev/null || true
+  gone() { ! kill -0 "$NSPAWN_PID" 2>/dev/null; }
+  poll 10 gone || kill "$NSPAWN_PID" 2>/dev/null || true
 }
 trap cleanup EXIT
 PID1=
-for _ in $(seq 100); do
-  PID1=$(pgrep -P "$NSPAWN_PID" -x systemd || true)
-  [ -n "$PID1" ] && break
-  sleep 0.1
-done
-[ -n "$PID1" ] || { say "the container did not boot: $LOG/boot.log"; exit 1; }
+booted() { PID1=$(pgrep -P "$NSPAWN_PID" -x systemd); }
+poll 10 booted || { say "the container did not boot: $LOG/boot.log"; exit 1; }
 IN=(nsenter -t "$PID1" -a)
 state=
-for _ in $(seq 300); do  # until its manager answers and the boot is over (its bus is not up at once)
-  state=$("${IN[@]}" systemctl is-system-running 2>/dev/null || true)
-  [[ $state == running || $state == degraded ]] && break
-  sleep 0.1
-done
+up() { state=$("${IN[@]}" systemctl is-system-running 2>/dev/null); [[ $state == running || $state == degraded ]]; }
+poll 30 up || true  # until its manager answers and the boot is over (its bus is not up at once)
 [[ $state == running ]] || { say "the container's boot ended $state: $LOG/boot.log"; exit 1; }
 say "container up: $state"
 PY=/opt/switchyard/.venv/bin/python
 client() { "${IN[@]}" "$PY" /root/sy-client.py "$@"; }
 prop() { "${IN[@]}" systemctl show -P "$2" "$1"; }
+in_flight() { [[ $(client in-flight 2>/dev/null) == 1 ]]; }  # the router has the request on a worker
+restarted_once() { [[ $(prop "$1" NRestarts) == 1 && $(prop "$1" ActiveState) == active ]]; }
+not_in_state() { [[ $(prop "$1" ActiveState) != "$2" ]]; }
 
 # 1. Type=notify: the ports accept connections as soon as `systemctl start` returns (with Type=simple it returns
 #    at the exec, ~0.35 s before the router binds), and the first request is served with no retry
@@ -180,10 +185,7 @@ metrics=$(client samples)
 # 2. stop drains: a 1,000-token request in flight when `systemctl stop` is sent still gets every token
 client request 1000 >"$LOG/drain.out" 2>&1 &
 DRAIN=$!
-for _ in $(seq 100); do  # until the router has it in flight
-  [[ $(client in-flight 2>/dev/null) == 1 ]] && break
-  sleep 0.05
-done
+poll 10 in_flight || true
 t0=$(date +%s.%N)
 "${IN[@]}" systemctl stop switchyard-router
 t1=$(date +%s.%N)
@@ -196,11 +198,7 @@ wait "$DRAIN" || true
 
 # 3. a worker killed outright is restarted, and the router routes to it again
 "${IN[@]}" systemctl kill -s SIGKILL switchyard-worker-sim@50061
-for _ in $(seq 100); do
-  [[ $(prop switchyard-worker-sim@50061 NRestarts) == 1 && $(prop switchyard-worker-sim@50061 ActiveState) == active ]] \
-    && break
-  sleep 0.1
-done
+poll 10 restarted_once switchyard-worker-sim@50061 || true
 served=""
 for _ in $(seq 40); do  # round-robin over replies until the restarted worker serves one
   served+=" $(client request 1 | cut -d' ' -f2)"
@@ -215,10 +213,7 @@ done
 sleep 8  # two watchdog timeouts of a router running untouched
 before=$(prop switchyard-router NRestarts)
 "${IN[@]}" systemctl kill -s SIGSTOP switchyard-router
-for _ in $(seq 200); do
-  [[ $(prop switchyard-router NRestarts) == 1 && $(prop switchyard-router ActiveState) == active ]] && break
-  sleep 0.1
-done
+poll 20 restarted_once switchyard-router || true
 out=$(client request 2 2>&1 || true)
 [[ $before == 0 && $(prop switchyard-router NRestarts) == 1 && $out == "2 sim-"* ]] \
   && pass "frozen router: the watchdog restarted it" \
@@ -234,15 +229,9 @@ if [ "$VLLM" = 1 ]; then
   V=switchyard-worker-vllm@50063
   "${IN[@]}" systemctl start --no-block "$V"
   status=
-  for _ in $(seq 600); do  # what `systemctl status` shows while the engine loads
-    status=$(prop "$V" StatusText)
-    [[ -n $status || $(prop "$V" ActiveState) != activating ]] && break
-    sleep 0.1
-  done
-  for _ in $(seq 3000); do
-    [[ $(prop "$V" ActiveState) != activating ]] && break
-    sleep 0.1
-  done
+  loading() { status=$(prop "$V" StatusText); [[ -n $status ]] || not_in_state "$V" activating; }
+  poll 60 loading || true  # what `systemctl status` shows while the engine loads
+  poll 300 not_in_state "$V" activating || true
   open=$("${IN[@]}" bash -c '(</dev/tcp/127.0.0.1/50063) 2>/dev/null && echo open || echo closed')
   load=$(( ($(prop "$V" ActiveEnterTimestampMonotonic) - $(prop "$V" ExecMainStartTimestampMonotonic)) / 1000000 ))
   [[ $status == "starting vLLM for tiny-llama" && $(prop "$V" ActiveState) == active && $open == open ]] \
@@ -261,22 +250,13 @@ if [ "$VLLM" = 1 ]; then
     || fail "vLLM watchdog: NRestarts=$(prop "$V" NRestarts), $(prop "$V" ActiveState)"
   client request 2000 tiny-llama >"$LOG/vllm-drain.out" 2>&1 &
   DRAIN=$!
-  for _ in $(seq 100); do
-    [[ $(client in-flight 2>/dev/null) == 1 ]] && break
-    sleep 0.05
-  done
+  poll 10 in_flight || true
   t0=$(date +%s.%N)
   "${IN[@]}" systemctl stop --no-block "$V"
   status=
-  for _ in $(seq 100); do  # the worker's word that the stop found the request in flight
-    status=$(prop "$V" StatusText)
-    [[ $status == draining* ]] && break
-    sleep 0.05
-  done
-  for _ in $(seq 1200); do
-    [[ $(prop "$V" ActiveState) == deactivating ]] || break
-    sleep 0.1
-  done
+  draining() { status=$(prop "$V" StatusText); [[ $status == draining* ]]; }
+  poll 5 draining || true  # the worker's word that the stop found the request in flight
+  poll 120 not_in_state "$V" deactivating || true
   t1=$(date +%s.%N)
   wait "$DRAIN" || true
   # vLLM's EngineCore aborts what it runs on its own SIGTERM: only the worker may get systemd's (KillMode=mixed)
