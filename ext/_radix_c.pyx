@@ -21,6 +21,13 @@ deletion, one 16-byte slot per block): no Python int per block, one cache line p
 costs an int object, its hash and two arrays. It holds borrowed references: only attached nodes are indexed, and
 an attached node is held by its parent's `_children`. The offset inside the node is found by a scan of the
 node's C array (a few ns per block), with an O(1) fast path for the consecutive blocks of one event.
+
+The index grows without stopping the world. At load 0.6 the next table (twice the size) is mapped, lazily zeroed,
+and a thread (`_PageToucher`, without the GIL) faults its pages in; at load 0.7 the full table hands its entries to
+it a few slots per new key (`_MIGRATE_PER_PUT`), behind a cursor, while lookups read both and deletions leave
+tombstones in the old one. A one-shot rehash stalled the event loop for the whole table in the dispatch that
+crossed the line (12.8 ms at 1.5M blocks, 27-246 ms at 3M, on this VM); the page faults alone, a huge page each
+2 MiB, cost ~1-4 ms each here, so they are not taken on the caller's thread either.
 """
 
 cimport cython
@@ -31,6 +38,9 @@ from cpython.object cimport PyObject
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.math cimport floor
 from libc.string cimport memcpy, memmove, memset
+
+import os
+import threading
 
 
 cdef extern from "Python.h":
@@ -54,6 +64,11 @@ cdef extern from *:
 # blocks ahead whose index slots a run of puts prefetches (`_reserve`): a cold slot costs a cache miss, and the
 # misses of one run's puts, independent of each other, then overlap instead of queueing
 cdef Py_ssize_t _PREFETCH_AHEAD = 16
+
+# old-table slots a growing index moves per new key: the move ends before the new table reaches the old's load
+# (it starts at 0.35 and needs old_cap / 8 new keys, 1/16 of the new capacity), and costs ~6 live entries per put
+cdef size_t _MIGRATE_PER_PUT = 8
+cdef size_t _PAGE = 4096
 
 
 cdef enum:
@@ -107,30 +122,54 @@ cdef inline bint _as_u64(object o, uint64_t* out) noexcept:
 
 cdef extern from *:
     """
+    #include <stdint.h>
     #include <stdlib.h>
-    #include <string.h>
     #if defined(__linux__)
     #include <sys/mman.h>
     #endif
-    /* A zeroed table of n bytes. From 2 MiB up: 2 MiB-aligned and advised to transparent huge pages (Linux), so
-       its random probes (one per block: every dispatch puts ~600 on video QA) do not each miss the TLB. Freed
-       with free(). */
+    #define SY_HUGE ((size_t)2 << 20)
+    /* A zeroed table of n bytes; free it with sy_table_free(p, n). From 2 MiB up (Linux): an anonymous mapping,
+       2 MiB-aligned and advised to transparent huge pages, so its random probes (one per block: every dispatch
+       puts ~600 on video QA) do not each miss the TLB; its pages are zeroed by the kernel when first touched, not
+       here (a grow must not stall on zeroing the whole table). */
     static void* sy_table_alloc(size_t n) {
-        const size_t huge = (size_t)2 << 20;
-        void* p = NULL;
-        if (n >= huge) {
-            if (posix_memalign(&p, huge, (n + huge - 1) / huge * huge) != 0) return NULL;
-    #if defined(__linux__) && defined(MADV_HUGEPAGE)
-            madvise(p, (n + huge - 1) / huge * huge, MADV_HUGEPAGE);
+    #if defined(__linux__)
+        if (n >= SY_HUGE) {
+            size_t len = (n + SY_HUGE - 1) / SY_HUGE * SY_HUGE;
+            char* raw = (char*)mmap(NULL, len + SY_HUGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (raw == (char*)MAP_FAILED) return NULL;
+            char* p = (char*)(((uintptr_t)raw + SY_HUGE - 1) & ~(uintptr_t)(SY_HUGE - 1));
+            if (p > raw) munmap(raw, (size_t)(p - raw));
+            if (raw + len + SY_HUGE > p + len) munmap(p + len, (size_t)(raw + len + SY_HUGE - (p + len)));
+    #if defined(MADV_HUGEPAGE)
+            madvise(p, len, MADV_HUGEPAGE);
     #endif
-            memset(p, 0, n);
             return p;
         }
+    #endif
         return calloc(n ? n : 1, 1);
+    }
+    static void sy_table_free(void* p, size_t n) {
+        if (p == NULL) return;
+    #if defined(__linux__)
+        if (n >= SY_HUGE) { munmap(p, (n + SY_HUGE - 1) / SY_HUGE * SY_HUGE); return; }
+    #endif
+        free(p);
     }
     """
     void* sy_table_alloc(size_t n) nogil
-    void free(void* p) nogil
+    void sy_table_free(void* p, size_t n) nogil
+    size_t _HUGE "SY_HUGE"
+
+
+cdef extern from *:
+    """
+    /* A flag one thread sets and another reads: the setter's writes before it are seen by the reader after it. */
+    static inline void sy_flag_set(int* p) { __atomic_store_n(p, 1, __ATOMIC_RELEASE); }
+    static inline int sy_flag_get(const int* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+    """
+    void sy_flag_set(int* p) nogil
+    int sy_flag_get(const int* p) nogil
 
 
 cdef inline uint64_t _bit(int s) noexcept nogil:
@@ -176,7 +215,12 @@ cdef inline int _mcount(const uint64_t* m) noexcept nogil:
 
 cdef struct _Slot:
     uint64_t key
-    PyObject* node  # NULL: an empty slot; borrowed (see the module docstring)
+    PyObject* node  # NULL: an empty slot; _TOMB: moved or deleted (the old table of a grow only); else borrowed
+
+
+# the old table's mark for a slot whose entry left it (moved to the new table, or deleted) during a grow: a probe
+# goes on past it, as the entries of its run behind it stay where they are
+cdef PyObject* _TOMB = <PyObject*>1
 
 
 cdef inline size_t _home(uint64_t key, size_t mask) noexcept nogil:
@@ -187,6 +231,17 @@ cdef inline size_t _home(uint64_t key, size_t mask) noexcept nogil:
     key *= <uint64_t>0x94d049bb133111ebULL
     key ^= key >> 31
     return <size_t>key & mask
+
+
+cdef inline void _prefetch_key(
+    const _Slot* slots, size_t cap, const _Slot* old, size_t old_cap, uint64_t key
+) noexcept nogil:
+    """Prefetch key's home slot (in both tables while the index grows): a put or delete a few keys ahead. A
+    function, inlined: as a method (called through the class's vtable, or not inlined) the prefetches lost most of
+    their effect (a 470-block insert took 30 µs instead of 18; not understood further)."""
+    _prefetch(&slots[_home(key, cap - 1)])
+    if old != NULL:
+        _prefetch(&old[_home(key, old_cap - 1)])
 
 
 cdef Py_ssize_t _live_nodes = 0  # Node objects alive, tree roots included (`live_nodes`: the leak test's count)
@@ -570,6 +625,59 @@ cdef class BlockSet:
         return f"BlockSet({sorted(self)!r})"
 
 
+cdef set _running_touchers = set()
+
+
+def _after_fork_in_child():
+    """A forked child has none of its parent's threads: a toucher running at the fork never finishes there (and
+    `stop` would spin forever). Its pages fault in on the child's own writes."""
+    cdef _PageToucher t
+    for t in _running_touchers:
+        sy_flag_set(&t._done)
+    _running_touchers.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@cython.final
+cdef class _PageToucher:
+    """Writes a byte to every page of a fresh mapping on a thread of its own, without the GIL: the page faults (the
+    kernel zeroing each page) off the tree's thread. The tree uses or frees the mapping only once `_done` is set,
+    which `stop` hastens."""
+
+    cdef char* _mem
+    cdef size_t _size
+    cdef int _done, _stop
+
+    @staticmethod
+    cdef _PageToucher start(char* mem, size_t size):
+        cdef _PageToucher t = _PageToucher.__new__(_PageToucher)
+        t._mem, t._size = mem, size
+        _running_touchers.add(t)
+        threading.Thread(target=t._run, name="switchyard-radix-grow", daemon=True).start()
+        return t
+
+    def _run(self):
+        cdef size_t at = 0
+        with nogil:
+            while at < self._size and not sy_flag_get(&self._stop):
+                (<volatile char*>self._mem)[at] = 0
+                at += _PAGE
+            sy_flag_set(&self._done)
+        _running_touchers.discard(self)
+
+    cdef inline bint done(self) noexcept:
+        return sy_flag_get(&self._done)
+
+    cdef void stop(self) noexcept:
+        """Stop early and wait until it has (at most one page fault: a spin, as the thread never needs the GIL to
+        set `_done`); the pages it did not touch fault in on the tree's thread, when first written."""
+        sy_flag_set(&self._stop)
+        while not sy_flag_get(&self._done):
+            pass
+
+
 @cython.no_gc_clear
 cdef class RadixTree:
     """The global prefix tree over chained block hashes; see `radix_py` for the contract.
@@ -580,7 +688,12 @@ cdef class RadixTree:
     cdef Node _root
     cdef _Slot* _slots  # the block index: block hash -> Node (see the module docstring)
     cdef size_t _cap  # slots, a power of two
-    cdef Py_ssize_t _nidx  # used slots
+    cdef Py_ssize_t _nidx  # entries, in both tables while one grows
+    cdef _Slot* _old  # a grow's table being emptied into _slots (NULL: none); its slots below _mig are moved
+    cdef size_t _old_cap, _mig
+    cdef Py_ssize_t _old_n  # entries still in _old
+    cdef _Slot* _next  # the next grow's table, allocated at load 0.6 (NULL: none yet)
+    cdef _PageToucher _toucher  # faulting _next's pages in (None: none, or done)
     cdef Py_ssize_t _num_nodes
     cdef long long _next_seq
     cdef dict _worker_to_slot
@@ -606,6 +719,11 @@ cdef class RadixTree:
         self._worker_to_slot = {}
         self._cap = 1024
         self._nidx = 0
+        self._old = NULL
+        self._old_cap = self._mig = 0
+        self._old_n = 0
+        self._next = NULL
+        self._toucher = None
         self._slots = <_Slot*>sy_table_alloc(self._cap * sizeof(_Slot))
         if self._slots == NULL:
             raise MemoryError()
@@ -629,7 +747,11 @@ cdef class RadixTree:
         return BlockSet()
 
     def __dealloc__(self):
-        free(self._slots)
+        sy_table_free(self._slots, self._cap * sizeof(_Slot))
+        sy_table_free(self._old, self._old_cap * sizeof(_Slot))
+        if self._toucher is not None:
+            self._toucher.stop()  # it writes to _next
+        sy_table_free(self._next, self._cap * 2 * sizeof(_Slot))
         self._unlink_all()
 
     cdef void _unlink_all(self) noexcept:
@@ -657,13 +779,36 @@ cdef class RadixTree:
             if self._slots[i].key == key:
                 return self._slots[i].node
             i = (i + 1) & mask
+        if self._old != NULL:
+            i = self._find_old(key)
+            if i != <size_t>-1:
+                return self._old[i].node
         return NULL
+
+    cdef inline size_t _find_old(self, uint64_t key) noexcept:
+        """The old table's slot of key, or (size_t)-1; the caller checks there is an old table."""
+        cdef size_t mask = self._old_cap - 1
+        cdef size_t i = _home(key, mask)
+        cdef PyObject* p = self._old[i].node
+        while p != NULL:
+            if p != _TOMB and self._old[i].key == key:
+                return i
+            i = (i + 1) & mask
+            p = self._old[i].node
+        return <size_t>-1
 
     cdef PyObject* _put(self, uint64_t key, Node node, bint replace) except? NULL:
         """Index key -> node; returns the node it had (replaced when `replace`, else kept), or NULL if new."""
         cdef size_t mask, i
         cdef PyObject* old
-        if (self._nidx + 1) * 10 > <Py_ssize_t>self._cap * 7:
+        if self._old != NULL:
+            i = self._find_old(key)
+            if i != <size_t>-1:
+                old = self._old[i].node
+                if replace:
+                    self._old[i].node = <PyObject*>node
+                return old
+        if self._must_grow(1):
             self._grow()
         mask = self._cap - 1
         i = _home(key, mask)
@@ -677,40 +822,90 @@ cdef class RadixTree:
         self._slots[i].key = key
         self._slots[i].node = <PyObject*>node
         self._nidx += 1
+        if self._old != NULL:
+            self._migrate(_MIGRATE_PER_PUT)
+        elif self._next == NULL and self._nidx * 10 > <Py_ssize_t>self._cap * 6:
+            self._prepare(True)
         return NULL
 
-    cdef size_t _reserve(self, uint64_t* keys, Py_ssize_t n, bint adding) except? 0:
-        """Before a run of n puts: when `adding` (new keys), grow the index now so the run never moves the table;
-        prefetch the first keys' slots; return the mask of the run's prefetches (the table's, which it keeps)."""
+    cdef void _reserve(self, uint64_t* keys, Py_ssize_t n, bint adding) except *:
+        """Before a run of n puts: when `adding` (new keys), grow the index now if the run would take it past its
+        bound (`_must_grow`); prefetch the first keys' slots (`_prefetch_key` the rest, `_PREFETCH_AHEAD` ahead)."""
         cdef Py_ssize_t i
-        cdef size_t mask
-        while adding and (self._nidx + n + 1) * 10 > <Py_ssize_t>self._cap * 7:
+        while adding and self._must_grow(n + 1):
             self._grow()
-        mask = self._cap - 1
         for i in range(n if n < _PREFETCH_AHEAD else _PREFETCH_AHEAD):
-            _prefetch(&self._slots[_home(keys[i], mask)])
-        return mask
+            _prefetch_key(self._slots, self._cap, self._old, self._old_cap, keys[i])
 
-    cdef int _grow(self) except -1:
-        cdef size_t old_cap = self._cap, cap = self._cap * 2, mask = cap - 1, i, j
-        cdef _Slot* old = self._slots
-        cdef _Slot* slots = <_Slot*>sy_table_alloc(cap * sizeof(_Slot))
-        if slots == NULL:
+    cdef inline bint _must_grow(self, Py_ssize_t adding) noexcept:
+        """Whether `adding` more entries take the index past load 0.7 (0.85 while the next table's pages are still
+        being faulted in: inserts then probe a little longer, rather than wait for the pages)."""
+        cdef Py_ssize_t n = self._nidx + adding
+        if n * 10 <= <Py_ssize_t>self._cap * 7:
+            return False
+        return self._toucher is None or self._toucher.done() or n * 20 > <Py_ssize_t>self._cap * 17
+
+    cdef int _prepare(self, bint touch) except -1:
+        """Map the next table; from 2 MiB up and when `touch`, start a thread faulting its pages in (the kernel
+        zeroes each)."""
+        cdef size_t size = self._cap * 2 * sizeof(_Slot)
+        self._next = <_Slot*>sy_table_alloc(size)
+        if self._next == NULL:
             raise MemoryError()
-        for i in range(old_cap):
-            if old[i].node != NULL:
-                j = _home(old[i].key, mask)
-                while slots[j].node != NULL:
-                    j = (j + 1) & mask
-                slots[j] = old[i]
-        self._slots, self._cap = slots, cap
-        free(old)
+        if touch and size >= _HUGE:
+            self._toucher = _PageToucher.start(<char*>self._next, size)
         return 0
 
+    cdef int _grow(self) except -1:
+        """Start moving the index into the next table (twice the size): finish a move still under way and wait for
+        the next table's pages (both done long before, unless puts came faster than the faults)."""
+        if self._old != NULL:
+            self._migrate(self._old_cap)
+        if self._next == NULL:
+            self._prepare(False)
+        if self._toucher is not None:
+            self._toucher.stop()
+            self._toucher = None
+        self._old, self._old_cap, self._mig, self._old_n = self._slots, self._cap, 0, self._nidx
+        self._slots, self._cap = self._next, self._cap * 2
+        self._next = NULL
+        return 0
+
+    cdef void _migrate(self, size_t budget) noexcept:
+        """Move the old table's next `budget` slots into the new one (freeing it once empty), prefetching the new
+        homes of the entries `_PREFETCH_AHEAD` slots on (this call's or the next's)."""
+        cdef size_t mask = self._cap - 1, end = self._mig + budget, i, j, k
+        cdef _Slot* old = self._old
+        if end > self._old_cap or end < self._mig:
+            end = self._old_cap
+        for i in range(self._mig, end):
+            k = i + <size_t>_PREFETCH_AHEAD
+            if k < self._old_cap and old[k].node != NULL and old[k].node != _TOMB:
+                _prefetch(&self._slots[_home(old[k].key, mask)])
+            if old[i].node != NULL and old[i].node != _TOMB:
+                j = _home(old[i].key, mask)
+                while self._slots[j].node != NULL:
+                    j = (j + 1) & mask
+                self._slots[j] = old[i]
+                old[i].node = _TOMB
+                self._old_n -= 1
+        self._mig = end
+        if self._mig == self._old_cap or self._old_n == 0:
+            sy_table_free(old, self._old_cap * sizeof(_Slot))
+            self._old, self._old_cap, self._mig, self._old_n = NULL, 0, 0, 0
+
     cdef void _del(self, uint64_t key) noexcept:
-        """Remove key (absent: nothing), shifting back the entries of its probe run (no tombstones)."""
+        """Remove key (absent: nothing): in the new table, shifting back the entries of its probe run (no
+        tombstones); in the old one, a tombstone (its slots below the cursor are moved already)."""
         cdef size_t mask = self._cap - 1
         cdef size_t i = _home(key, mask), j, k
+        if self._old != NULL:
+            j = self._find_old(key)
+            if j != <size_t>-1:
+                self._old[j].node = _TOMB
+                self._old_n -= 1
+                self._nidx -= 1
+                return
         while self._slots[i].node != NULL and self._slots[i].key != key:
             i = (i + 1) & mask
         if self._slots[i].node == NULL:
@@ -823,6 +1018,11 @@ cdef class RadixTree:
     @property
     def num_blocks(self):
         return self._nidx
+
+    @property
+    def growing(self):
+        """Whether the block index is moving into a larger table (this build only: tests and benchmarks)."""
+        return self._old != NULL
 
     def node_of(self, block_hash):
         cdef uint64_t h
@@ -1135,10 +1335,10 @@ cdef class RadixTree:
         upper._children[PyLong_FromUnsignedLongLong(node._blocks[0])] = node
         node._parent = upper
         self._reshaped()
-        cdef size_t mask = self._reserve(upper._blocks, k, False)  # replacements: no new slots
+        self._reserve(upper._blocks, k, False)  # replacements: no new slots
         for i in range(k):
             if i + _PREFETCH_AHEAD < k:
-                _prefetch(&self._slots[_home(upper._blocks[i + _PREFETCH_AHEAD], mask)])
+                _prefetch_key(self._slots, self._cap, self._old, self._old_cap, upper._blocks[i + _PREFETCH_AHEAD])
             self._put(upper._blocks[i], upper, True)
         self._num_nodes += 1
         return upper
@@ -1157,16 +1357,17 @@ cdef class RadixTree:
         """
         cdef Node leaf = self._new_node(blocks, n, parent.context_blocks + parent._n, parent, now)
         cdef Py_ssize_t r = 0
-        cdef size_t mask = self._reserve(blocks, n, True)
+        self._reserve(blocks, n, True)
         while r < n:
             if r + _PREFETCH_AHEAD < n:
-                _prefetch(&self._slots[_home(blocks[r + _PREFETCH_AHEAD], mask)])
+                _prefetch_key(self._slots, self._cap, self._old, self._old_cap, blocks[r + _PREFETCH_AHEAD])
             if self._put(blocks[r], leaf, False) != NULL:
                 break
             r += 1
         if r == 0:
             leaf._parent = None
             leaf.is_attached = False
+            self._next_seq -= 1  # the reference numbers only the leaves it hangs
             return None
         leaf._n = r
         parent._children[<object>keys[0]] = leaf
@@ -1389,10 +1590,12 @@ cdef class RadixTree:
                 parent = node._parent
                 del parent._children[PyLong_FromUnsignedLongLong(node._blocks[0])]
                 self._reshaped()
-                mask = self._reserve(node._blocks, node._n, False)  # deletions never move the table
+                self._reserve(node._blocks, node._n, False)  # deletions never grow the index
                 for j in range(node._n):
                     if j + _PREFETCH_AHEAD < node._n:
-                        _prefetch(&self._slots[_home(node._blocks[j + _PREFETCH_AHEAD], mask)])
+                        _prefetch_key(
+                            self._slots, self._cap, self._old, self._old_cap, node._blocks[j + _PREFETCH_AHEAD]
+                        )
                     self._del(node._blocks[j])
                 if removed_out is not None and _many(node._asg_mask):
                     removed_out.append((node.blocks, node.assigned))
@@ -1453,7 +1656,7 @@ cdef class RadixTree:
         cdef int s, k, wi
         cdef uint64_t bits
         cdef size_t i
-        cdef Py_ssize_t used
+        cdef Py_ssize_t used, old_live
         for s in range(_MAX_SLOTS):
             refs[s] = 0
         for obj in self.nodes():
@@ -1492,12 +1695,28 @@ cdef class RadixTree:
         assert blocks == self._nidx
         used = 0
         for i in range(self._cap):  # every slot: an attached node holding its key, reachable from its home
+            assert self._slots[i].node != _TOMB
             if self._slots[i].node != NULL:
                 used += 1
                 node = <Node>self._slots[i].node
                 assert node.is_attached and _offset(node, self._slots[i].key) >= 0
                 assert self._get(self._slots[i].key) == self._slots[i].node
-        assert used == self._nidx and self._nidx * 10 <= <Py_ssize_t>self._cap * 7
+        if self._old != NULL:  # a grow under way: the old table's live entries lie past the cursor, in neither twice
+            old_live = 0
+            for i in range(self._old_cap):
+                if self._old[i].node != NULL and self._old[i].node != _TOMB:
+                    assert i >= self._mig
+                    old_live += 1
+                    node = <Node>self._old[i].node
+                    assert node.is_attached and _offset(node, self._old[i].key) >= 0
+                    assert self._find_old(self._old[i].key) == i
+                    assert self._get(self._old[i].key) == self._old[i].node
+            assert old_live == self._old_n > 0 and self._mig < self._old_cap
+            used += old_live
+        else:
+            assert self._old_cap == self._mig == self._old_n == 0
+        assert self._toucher is None or self._next != NULL
+        assert used == self._nidx and self._nidx * 20 <= <Py_ssize_t>self._cap * 17
         for s in range(_MAX_SLOTS):
             assert refs[s] == self._slot_refs[s], (s, refs[s], self._slot_refs[s])
             if _mtest(self._used_mask, s):

@@ -2,8 +2,11 @@
 decision (match + a per-worker cost over 16 workers), p50/p99 in µs, Cython build vs Python reference, on
 realistic trees of 10k and 100k nodes (shared system prompts, tool/document branches, per-user questions), plus
 the insert of a cold video-like prompt (`COLD_BLOCKS` new blocks, a VideoQA dispatch's leaf) into the same tree;
-and the fleet's KV-event ingestion (`PrefixIndex.apply`) with each build's per-worker block sets; and what the
-tree adds to a full collection of the cyclic GC (a stall of the daemon's event loop), with and without it.
+and the fleet's KV-event ingestion (`PrefixIndex.apply`) with each build's per-worker block sets; what the
+tree adds to a full collection of the cyclic GC (a stall of the daemon's event loop), with and without it; and
+the block index's growth: cold prompts inserted until it holds `--growth-blocks` (doubling on the way), each
+insert timed, so a doubling's stall shows as the slowest insert (`--growth-against REV`: that revision's C build
+too, in the same run).
 
 Quick (a few seconds): `switchyard bench radix --nodes 10000 --ops 2000`.
 Full (about a minute, mostly building the 100k-node trees in Python): `switchyard bench radix`.
@@ -24,6 +27,7 @@ from pathlib import Path
 from types import ModuleType
 
 from switchyard.bench.micro.gc_cost import full_collection_ms
+from switchyard.bench.micro.revision import ext_module_at
 from switchyard.ext import radix_py
 from switchyard.router.prefix_index import PrefixIndex
 from switchyard.workers.engine.kv_events import BlockRemoved, BlockStored
@@ -196,6 +200,55 @@ def measure_ingest(mod: ModuleType, num_events: int, seed: int) -> dict:
     }
 
 
+def measure_growth(mod: ModuleType, label: str, target_blocks: int, seed: int, pace: float = 0.0) -> dict:
+    """Cold `COLD_BLOCKS`-block prompts into an empty tree until it holds `target_blocks`, each insert timed: the
+    index doubles on the way (a one-shot rehash is one slow insert; a stepwise one spreads over many). `pace`:
+    inserts per second (0: back to back, faster than any router dispatches; the C build's next table is then
+    still being faulted in when it is due, and the rest of its faults land on the inserts)."""
+    rng = random.Random(seed)
+    tree = mod.RadixTree()
+    clock = time.perf_counter_ns
+    ns: list[int] = []
+    now = 0.0
+    start = time.perf_counter()
+    while tree.num_blocks < target_blocks:
+        q = [rng.getrandbits(64) for _ in range(COLD_BLOCKS)]
+        now += 0.01
+        if pace > 0:
+            wait = start + len(ns) / pace - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+        t = clock()
+        tree.insert(q, now)
+        ns.append(clock() - t)
+    return {
+        "impl": label,
+        "pace_per_s": pace,
+        "blocks": tree.num_blocks,
+        "inserts": len(ns),
+        "insert_p50_us": round(pct(ns, 0.50), 2),
+        "insert_p99_us": round(pct(ns, 0.99), 2),
+        "insert_max_ms": round(max(ns) / 1e6, 2),
+        "inserts_over_1ms": sum(1 for x in ns if x > 1_000_000),
+        "total_ms": round(sum(ns) / 1e6, 1),
+    }
+
+
+def growth_markdown(rows: list[dict]) -> str:
+    lines = [
+        f"| build | inserts/s | cold {COLD_BLOCKS}-block inserts | blocks at the end | insert p50 / p99 µs "
+        "| slowest insert ms | inserts over 1 ms | all inserts ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        pace = f"{r['pace_per_s']:,.0f}" if r["pace_per_s"] > 0 else "back to back"
+        lines.append(
+            f"| {r['impl']} | {pace} | {r['inserts']:,} | {r['blocks']:,} | {r['insert_p50_us']} / {r['insert_p99_us']} "
+            f"| {r['insert_max_ms']} | {r['inserts_over_1ms']} | {r['total_ms']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def ingest_markdown(rows: list[dict]) -> str:
     lines = [
         "| block sets | events (32 blocks each) | blocks held at the end | `PrefixIndex.apply` p50 / p99 / mean µs |",
@@ -232,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ops", type=int, default=5000, help="timed operations per kind and tree")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--impl", choices=["both", "c", "py"], default="both")
+    ap.add_argument("--growth-blocks", type=int, default=3_000_000,
+                    help="grow an empty tree to this many blocks, cold prompts timed one by one (0: skip)")
+    ap.add_argument("--growth-against", metavar="REV", help="also grow the C build of this git revision")
+    ap.add_argument("--growth-paces", type=float, nargs="+", default=[0.0, 2000.0],
+                    help="inserts per second of each growth run (0: back to back)")
     ap.add_argument("--out", type=Path, default=Path("results/micro-radix"), help="output folder")
     args = ap.parse_args(argv)
     mods = []
@@ -245,9 +303,19 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure(mod, n, args.ops, args.seed) for n in args.nodes for mod in mods]
     ingest = [measure_ingest(mod, 12 * args.ops, args.seed) for mod in mods]
     md = to_markdown(rows) + "\n" + ingest_markdown(ingest)
+    growth: list[dict] = []
+    if args.growth_blocks > 0:
+        builds = [(mod, "c" if mod is _radix_c else "py") for mod in mods]
+        if args.growth_against:
+            builds.insert(0, (ext_module_at("_radix_c", args.growth_against), f"c@{args.growth_against}"))
+        growth = [measure_growth(mod, label, args.growth_blocks, args.seed, pace)
+                  for pace in args.growth_paces for mod, label in builds]
+        md += "\n" + growth_markdown(growth)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"python": platform.python_version(), "machine": platform.machine(), "workers": NUM_WORKERS}
-    (args.out / "radix.json").write_text(json.dumps({"meta": meta, "rows": rows, "ingest": ingest}, indent=2) + "\n")
+    (args.out / "radix.json").write_text(
+        json.dumps({"meta": meta, "rows": rows, "ingest": ingest, "growth": growth}, indent=2) + "\n"
+    )
     (args.out / "radix.md").write_text(md)
     print(md, end="")
     print(f"wrote {args.out / 'radix.json'} and {args.out / 'radix.md'}")

@@ -27,6 +27,7 @@ import sysconfig
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import switchyard.router.policies as current
@@ -126,12 +127,22 @@ def _compile(pkg_dir: Path, pkg: str, modules: list[str]) -> None:
     cmd.run()
 
 
+def _checkout_and_sha(rev: str) -> tuple[Path, str]:
+    repo = Path(current.__file__).resolve().parents[2]  # router/policies/__init__.py -> the checkout
+    return repo, _git(repo, "rev-parse", "--verify", f"{rev}^{{commit}}").strip()
+
+
+def ext_module_at(module: str, rev: str) -> ModuleType:
+    """`switchyard.ext.<module>` as git revision `rev` built it (today's own when ext/ has not changed since)."""
+    repo, sha = _checkout_and_sha(rev)
+    return importlib.import_module(_ext_at(repo, sha)(f"{EXT_PACKAGE}.{module}"))
+
+
 def package_at(rev: str) -> str:
     """The importable name of `router/policies/` at `rev` (copied once per process and revision; its `ext/` as
     `_ext_at` provides it)."""
     global _root
-    repo = Path(current.__file__).resolve().parents[2]  # router/policies/__init__.py -> the checkout
-    sha = _git(repo, "rev-parse", "--verify", f"{rev}^{{commit}}").strip()
+    repo, sha = _checkout_and_sha(rev)
     name = f"_switchyard_policies_{sha[:12]}"
     if _root is None:
         _root = Path(tempfile.mkdtemp(prefix="switchyard-rev-"))

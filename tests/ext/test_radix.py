@@ -673,18 +673,26 @@ test_side_by_side_past_the_first_mask_word = SideBySideManySlots.TestCase
 def test_bench_smoke(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from switchyard.bench.micro import radix as bench
 
-    assert bench.main(["--nodes", "300", "--ops", "50", "--out", str(tmp_path)]) == 0
-    rows = __import__("json").loads((tmp_path / "radix.json").read_text())["rows"]
+    against = ["--growth-against", "HEAD"] if _radix_c is not None else []
+    args = ["--nodes", "300", "--ops", "50", "--growth-blocks", "5000", "--growth-paces", "0", "1000", *against,
+            "--out", str(tmp_path)]
+    assert bench.main(args) == 0
+    out = __import__("json").loads((tmp_path / "radix.json").read_text())
+    rows = out["rows"]
     assert {r["impl"] for r in rows} == ({"py", "c"} if _radix_c is not None else {"py"})
     assert all(r["nodes"] >= 300 and r["match_p50_us"] > 0 and r["cold_insert_p50_us"] > 0 for r in rows)
+    growth = {(r["impl"], r["pace_per_s"]): r for r in out["growth"]}
+    builds = {"c@HEAD", "c", "py"} if _radix_c is not None else {"py"}
+    assert set(growth) == {(b, pace) for b in builds for pace in (0.0, 1000.0)}
+    assert all(r["blocks"] >= 5000 and r["inserts"] == 9 and r["insert_max_ms"] > 0 for r in growth.values())
 
 
 @pytest.mark.skipif(_radix_c is None, reason="the Cython build did not load (test_c_extension_loaded fails)")
 def test_block_index_past_two_mib() -> None:
-    """Past 2 MiB (131,072 slots) the index's table takes its other allocation path (aligned, zeroed by hand,
-    advised to huge pages): 150k blocks grow it through that size and beyond, and every block is found, stored,
-    evicted and collected as in the reference. Whether the kernel backs it with huge pages is not asserted (it is
-    advice; the speed is the bench's)."""
+    """Past 2 MiB (131,072 slots) the index's table takes its other allocation path (mapped, zeroed by the kernel
+    on first touch, advised to huge pages, faulted in by a thread): 150k blocks grow it through that size and
+    beyond, and every block is found, stored, evicted and collected as in the reference. Whether the kernel backs
+    it with huge pages is not asserted (it is advice; the speed is the bench's)."""
     import random
 
     rng = random.Random(7)
@@ -743,6 +751,101 @@ def test_block_index_at_scale_matches_the_reference(seed: int) -> None:
     for h in used:
         a, b = (t.node_of(h) for t in trees)
         assert (a is None) == (b is None) and (a is None or (tuple(a[0].blocks), a[1]) == (tuple(b[0].blocks), b[1]))
+
+
+@pytest.mark.skipif(_radix_c is None, reason="the Cython build did not load (test_c_extension_loaded fails)")
+def test_block_index_grows_in_steps_while_every_operation_goes_on() -> None:
+    """A full index (load 0.7) moves into its larger table a few slots per new block, not at once: the tree is
+    `growing` across many operations, and meanwhile inserts, stores, evictions, lookups and collections (deletions
+    from either table) give the reference's results, with both tables checked after each step."""
+    import random
+
+    rng = random.Random(3)
+    trees = [radix_py.RadixTree(), _radix_c.RadixTree()]
+    first = [rng.getrandbits(64) for _ in range(700)]  # 1,024 slots at first: 700 blocks stay below 0.7
+    for t in trees:
+        t.insert(first, 0.0)
+    assert not trees[1].growing
+    used, steps_growing, peak, now = list(first), 0, 0, 0.0
+    for _ in range(400):
+        now += 1.0
+        hashes = rng.choice([first[:rng.randint(1, 700)], used[-rng.randint(1, 40):]])
+        hashes = hashes + [rng.getrandbits(64) for _ in range(rng.randint(1, 30))]
+        used += hashes
+        op = rng.random()
+        for t in trees:
+            if op < 0.65:
+                t.insert(hashes, now)
+            elif op < 0.85:
+                t.mark_resident("w0", hashes, None, now)
+            elif op < 0.95:
+                t.mark_evicted("w0", hashes[::-1])
+            else:
+                t.clear_worker("w0")
+                t.gc(now, 60.0)  # nodes not used for a minute leave, their blocks from whichever table holds them
+            t.check_invariants()
+        steps_growing += trees[1].growing
+        peak = max(peak, trees[1].num_blocks)
+        assert trees[1].num_blocks == trees[0].num_blocks
+        probe = rng.sample(used, 50)
+        a, b = ([t.node_of(h) for h in probe] for t in trees)
+        assert [x if x is None else (tuple(x[0].blocks), x[1]) for x in a] == [
+            y if y is None else (tuple(y[0].blocks), y[1]) for y in b
+        ]
+    assert peak > 1_500  # past 0.7 of 1,024 slots and of 2,048
+    assert steps_growing >= 10  # each doubling spans operations (a one-shot rehash: never growing between them)
+    assert snapshot(trees[0]) == snapshot(trees[1])
+
+
+@pytest.mark.skipif(_radix_c is None, reason="the Cython build did not load (test_c_extension_loaded fails)")
+def test_the_next_table_is_faulted_in_off_the_callers_thread_and_dropping_the_tree_stops_it() -> None:
+    """At load 0.6 of a table past 1 MiB the next one (32 MiB here) is mapped and a thread writes to its pages, so
+    the kernel's page faults are not the dispatching thread's; dropping the tree meanwhile stops that thread before
+    the mapping is freed (without, the thread writes to unmapped memory: the process dies)."""
+    import gc as collector
+    import threading
+
+    def touchers() -> list[threading.Thread]:
+        return [th for th in threading.enumerate() if th.name == "switchyard-radix-grow"]
+
+    for _ in range(3):
+        t = _radix_c.RadixTree()
+        t.insert(range(1, 629_000), 0.0)  # 2**20 slots: 0.6 of it is 629,146 blocks
+        assert not touchers()
+        t.insert(range(629_000, 630_000), 0.0)
+        started = touchers()
+        assert started
+        del t
+        collector.collect()
+        for th in started:
+            th.join(timeout=30)
+            assert not th.is_alive()
+
+
+@pytest.mark.skipif(_radix_c is None, reason="the Cython build did not load (test_c_extension_loaded fails)")
+def test_a_child_forked_while_the_next_table_is_faulted_in_still_grows() -> None:
+    """A fork copies the tree but not the thread faulting its next table in: the child must not wait for that
+    thread at its next doubling (it would spin forever); it grows and answers as the parent's copy would."""
+    import multiprocessing
+    import threading
+
+    def grow_on(tree, queue) -> None:  # type: ignore[no-untyped-def]
+        tree.insert(range(630_000, 900_000), 1.0)  # past 0.85 of 2**20 slots: the next table is due however far
+        queue.put((tree.num_blocks, tree.node_of(5)[1], tree.node_of(899_999)[1]))
+
+    t = _radix_c.RadixTree()
+    t.insert(range(1, 629_000), 0.0)
+    t.insert(range(629_000, 630_000), 0.0)  # load 0.6: the next table's thread starts
+    assert any(th.name == "switchyard-radix-grow" for th in threading.enumerate())
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=grow_on, args=(t, queue))
+    child.start()
+    child.join(timeout=30)
+    if child.exitcode is None:
+        child.kill()
+    assert child.exitcode == 0
+    assert queue.get(timeout=5) == (899_999, 4, 269_999)
 
 
 def test_a_walk_memo_never_outlives_a_change_of_shape() -> None:
