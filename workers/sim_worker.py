@@ -846,35 +846,37 @@ def build_core(args: argparse.Namespace, tokenizer: Tokenizer) -> EngineCore:
 
 
 class _Lifecycle:
-    """Signal handlers only set events: the first SIGTERM/SIGINT drains, a second one forces."""
+    """Signal handlers only set events: the first SIGTERM/SIGINT drains, a second one forces. `logger`: the
+    worker's own (the sim and the vLLM worker share this)."""
 
-    def __init__(self) -> None:
+    def __init__(self, logger: logging.Logger = log) -> None:
         self.stop = asyncio.Event()
         self.force = asyncio.Event()
+        self.log = logger
 
     def on_signal(self, signum: int) -> None:
         if self.stop.is_set():
-            log.warning("second signal %d: forcing shutdown", signum)
+            self.log.warning("second signal %d: forcing shutdown", signum)
             self.force.set()
         else:
-            log.info("signal %d: draining", signum)
+            self.log.info("signal %d: draining", signum)
             self.stop.set()
 
 
-def bind_server(args: argparse.Namespace) -> tuple[grpc.aio.Server, int] | int:
+def bind_server(args: argparse.Namespace, logger: logging.Logger = log) -> tuple[grpc.aio.Server, int] | int:
     """A worker's gRPC server bound to --host/--port (TLS with --tls-cert) and its port, or the exit code
-    (logged) when it cannot be: the sim and the vLLM worker's."""
+    (logged to `logger`, the worker's own) when it cannot be: the sim and the vLLM worker's."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     try:
         port = add_port(server, f"{args.host}:{args.port}", server_tls_from_args(args))
     except TlsError as e:
-        log.error("bad TLS configuration: %s", e)
+        logger.error("bad TLS configuration: %s", e)
         return EXIT_USAGE
     except RuntimeError as e:
-        log.error("cannot bind %s:%s: %s", args.host, args.port, e)
+        logger.error("cannot bind %s:%s: %s", args.host, args.port, e)
         return EXIT_BIND_FAILED
     if port == 0:
-        log.error("cannot bind %s:%s", args.host, args.port)
+        logger.error("cannot bind %s:%s", args.host, args.port)
         return EXIT_BIND_FAILED
     return server, port
 

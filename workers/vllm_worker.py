@@ -622,7 +622,7 @@ async def serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         log.error("bad worker configuration: %s", e)
         return EXIT_USAGE
-    bound = bind_server(args)
+    bound = bind_server(args, log)
     if isinstance(bound, int):
         return bound
     server, port = bound
@@ -664,7 +664,7 @@ async def serve(args: argparse.Namespace) -> int:
     worker_pb2_grpc.add_WorkerServicer_to_server(VllmServicer(worker), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    lifecycle = _Lifecycle()
+    lifecycle = _Lifecycle(log)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lifecycle.on_signal, sig)

@@ -645,6 +645,7 @@ def test_sigterm_drains_the_request_in_flight_then_nothing_outlives_the_worker(
         assert told[-1] == "STOPPING=1|STATUS=draining 1 requests"
         assert received == 1500
         assert popen.wait(timeout=60) == 0
+        assert "switchyard.workers.vllm_worker: signal 15: draining" in log_path.read_text()  # its own logger's
         assert group_members(popen.pid) == []  # systemd would SIGKILL these now
     finally:
         VllmProc("", popen, "", log_path).stop()
