@@ -713,6 +713,20 @@ def test_block_index_past_two_mib() -> None:
         t.check_invariants()
 
 
+def apply_op(tree, kind: str, hashes: list[int], now: float) -> None:  # type: ignore[no-untyped-def]
+    """One of the block index's writers on `tree`: insert, store on w0, evict from w0 (in reverse, as an LRU
+    drops a chain's tail first), or collect (w0 cleared, nodes unused for a minute removed)."""
+    if kind == "insert":
+        tree.insert(hashes, now)
+    elif kind == "store":
+        tree.mark_resident("w0", hashes, None, now)
+    elif kind == "evict":
+        tree.mark_evicted("w0", hashes[::-1])
+    else:
+        tree.clear_worker("w0")
+        tree.gc(now, 60.0)
+
+
 @pytest.mark.skipif(_radix_c is None, reason="the Cython build did not load (test_c_extension_loaded fails)")
 @pytest.mark.parametrize("seed", range(3))
 def test_block_index_at_scale_matches_the_reference(seed: int) -> None:
@@ -734,14 +748,9 @@ def test_block_index_at_scale_matches_the_reference(seed: int) -> None:
         else:
             hashes = rng.choice(prefixes) + [rng.getrandbits(64) for _ in range(rng.randint(0, 80))]
         used += hashes
-        op = rng.random()
+        kind = rng.choices(["insert", "store", "evict"], [5, 3, 2])[0]
         for t in trees:
-            if op < 0.5:
-                t.insert(hashes, now)
-            elif op < 0.8:
-                t.mark_resident("w0", hashes, None, now)
-            else:
-                t.mark_evicted("w0", hashes[::-1])
+            apply_op(t, kind, hashes, now)
             if step % 50 == 49:
                 t.gc(now, 20.0)
     for t in trees:
@@ -772,17 +781,9 @@ def test_block_index_grows_in_steps_while_every_operation_goes_on() -> None:
         hashes = rng.choice([first[:rng.randint(1, 700)], used[-rng.randint(1, 40):]])
         hashes = hashes + [rng.getrandbits(64) for _ in range(rng.randint(1, 30))]
         used += hashes
-        op = rng.random()
+        kind = rng.choices(["insert", "store", "evict", "collect"], [13, 4, 2, 1])[0]  # collect: either table
         for t in trees:
-            if op < 0.65:
-                t.insert(hashes, now)
-            elif op < 0.85:
-                t.mark_resident("w0", hashes, None, now)
-            elif op < 0.95:
-                t.mark_evicted("w0", hashes[::-1])
-            else:
-                t.clear_worker("w0")
-                t.gc(now, 60.0)  # nodes not used for a minute leave, their blocks from whichever table holds them
+            apply_op(t, kind, hashes, now)
             t.check_invariants()
         steps_growing += trees[1].growing
         peak = max(peak, trees[1].num_blocks)
