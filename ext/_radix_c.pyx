@@ -1021,7 +1021,7 @@ cdef class RadixTree:
 
     @property
     def growing(self):
-        """Whether the block index is moving into a larger table (this build only: tests and benchmarks)."""
+        """Whether the block index is moving into a larger table (this build only, for tests)."""
         return self._old != NULL
 
     def node_of(self, block_hash):
