@@ -28,6 +28,12 @@ it a few slots per new key (`_MIGRATE_PER_PUT`), behind a cursor, while lookups 
 tombstones in the old one. A one-shot rehash stalled the event loop for the whole table in the dispatch that
 crossed the line (12.8 ms at 1.5M blocks, 27-246 ms at 3M, on this VM); the page faults alone, a huge page each
 2 MiB, cost ~1-4 ms each here, so they are not taken on the caller's thread either.
+
+It shrinks the same way, after collection (`gc`, `_settle`): a grow's next table is unmapped once the load falls
+below 0.3, and below 0.1 the smallest table holding the entries at load 0.25 or less is mapped (its pages faulted
+in by the thread) and, at a later collection, moved into, `_MIGRATE_PER_GC` old slots per collection. A daemon
+that took a burst of prompts gives their index back once the burst's nodes are collected, rather than keeping
+its peak size (and the table mapped for the next doubling) for good.
 """
 
 cimport cython
@@ -68,6 +74,10 @@ cdef Py_ssize_t _PREFETCH_AHEAD = 16
 # old-table slots a growing index moves per new key: the move ends before the new table reaches the old's load
 # (it starts at 0.35 and needs old_cap / 8 new keys, 1/16 of the new capacity), and costs ~6 live entries per put
 cdef size_t _MIGRATE_PER_PUT = 8
+# old-table slots each `gc` call moves (a shrinking tree has few puts to carry a move): 256 KiB of the old table
+# scanned, ~0.2 ms with its entries moved
+cdef size_t _MIGRATE_PER_GC = 1 << 14
+cdef size_t _MIN_SLOTS = 1024  # the index's first and smallest table
 cdef size_t _PAGE = 4096
 
 
@@ -692,7 +702,8 @@ cdef class RadixTree:
     cdef _Slot* _old  # a grow's table being emptied into _slots (NULL: none); its slots below _mig are moved
     cdef size_t _old_cap, _mig
     cdef Py_ssize_t _old_n  # entries still in _old
-    cdef _Slot* _next  # the next grow's table, allocated at load 0.6 (NULL: none yet)
+    cdef _Slot* _next  # the next table: a grow's, mapped at load 0.6, or a shrink's (NULL: none yet)
+    cdef size_t _next_cap  # its slots (0: none)
     cdef _PageToucher _toucher  # faulting _next's pages in (None: none, or done)
     cdef Py_ssize_t _num_nodes
     cdef long long _next_seq
@@ -717,12 +728,13 @@ cdef class RadixTree:
         self._dead = {}
         self._slot_names = [None] * _MAX_SLOTS
         self._worker_to_slot = {}
-        self._cap = 1024
+        self._cap = _MIN_SLOTS
         self._nidx = 0
         self._old = NULL
         self._old_cap = self._mig = 0
         self._old_n = 0
         self._next = NULL
+        self._next_cap = 0
         self._toucher = None
         self._slots = <_Slot*>sy_table_alloc(self._cap * sizeof(_Slot))
         if self._slots == NULL:
@@ -749,9 +761,7 @@ cdef class RadixTree:
     def __dealloc__(self):
         sy_table_free(self._slots, self._cap * sizeof(_Slot))
         sy_table_free(self._old, self._old_cap * sizeof(_Slot))
-        if self._toucher is not None:
-            self._toucher.stop()  # it writes to _next
-        sy_table_free(self._next, self._cap * 2 * sizeof(_Slot))
+        self._drop_next()
         self._unlink_all()
 
     cdef void _unlink_all(self) noexcept:
@@ -824,8 +834,9 @@ cdef class RadixTree:
         self._nidx += 1
         if self._old != NULL:
             self._migrate(_MIGRATE_PER_PUT)
-        elif self._next == NULL and self._nidx * 10 > <Py_ssize_t>self._cap * 6:
-            self._prepare(True)
+        elif self._nidx * 10 > <Py_ssize_t>self._cap * 6 and self._next_cap <= self._cap:
+            self._drop_next()  # a shrink's table, if any: the tree grew back
+            self._prepare(self._cap * 2, True)
         return NULL
 
     cdef void _reserve(self, uint64_t* keys, Py_ssize_t n, bint adding) except *:
@@ -843,33 +854,49 @@ cdef class RadixTree:
         cdef Py_ssize_t n = self._nidx + adding
         if n * 10 <= <Py_ssize_t>self._cap * 7:
             return False
-        return self._toucher is None or self._toucher.done() or n * 20 > <Py_ssize_t>self._cap * 17
+        return (self._toucher is None or self._next_cap <= self._cap or self._toucher.done()
+                or n * 20 > <Py_ssize_t>self._cap * 17)
 
-    cdef int _prepare(self, bint touch) except -1:
-        """Map the next table; from 2 MiB up and when `touch`, start a thread faulting its pages in (the kernel
-        zeroes each)."""
-        cdef size_t size = self._cap * 2 * sizeof(_Slot)
+    cdef int _prepare(self, size_t cap, bint touch) except -1:
+        """Map the next table, of `cap` slots; from 2 MiB up and when `touch`, start a thread faulting its pages in
+        (the kernel zeroes each)."""
+        cdef size_t size = cap * sizeof(_Slot)
         self._next = <_Slot*>sy_table_alloc(size)
         if self._next == NULL:
             raise MemoryError()
+        self._next_cap = cap
         if touch and size >= _HUGE:
             self._toucher = _PageToucher.start(<char*>self._next, size)
         return 0
 
-    cdef int _grow(self) except -1:
-        """Start moving the index into the next table (twice the size): finish a move still under way and wait for
-        the next table's pages (both done long before, unless puts came faster than the faults)."""
+    cdef void _drop_next(self) noexcept:
+        """Unmap the next table, if any (its page-faulting thread stopped first: it writes to it)."""
+        if self._toucher is not None:
+            self._toucher.stop()
+            self._toucher = None
+        sy_table_free(self._next, self._next_cap * sizeof(_Slot))
+        self._next, self._next_cap = NULL, 0
+
+    cdef int _switch(self) except -1:
+        """Start moving the index into the next table: finish a move still under way, wait for the next table's
+        pages, then read both tables until `_migrate` has emptied the old one."""
         if self._old != NULL:
             self._migrate(self._old_cap)
-        if self._next == NULL:
-            self._prepare(False)
         if self._toucher is not None:
             self._toucher.stop()
             self._toucher = None
         self._old, self._old_cap, self._mig, self._old_n = self._slots, self._cap, 0, self._nidx
-        self._slots, self._cap = self._next, self._cap * 2
-        self._next = NULL
+        self._slots, self._cap = self._next, self._next_cap
+        self._next, self._next_cap = NULL, 0
         return 0
+
+    cdef int _grow(self) except -1:
+        """Move into a table twice the size (`_switch`): the one mapped at load 0.6, its pages faulted in long
+        before unless puts came faster than the faults; mapped here if not (or if the next one was a shrink's)."""
+        if self._next_cap <= self._cap:
+            self._drop_next()
+            self._prepare(self._cap * 2, False)
+        return self._switch()
 
     cdef void _migrate(self, size_t budget) noexcept:
         """Move the old table's next `budget` slots into the new one (freeing it once empty), prefetching the new
@@ -1021,8 +1048,13 @@ cdef class RadixTree:
 
     @property
     def growing(self):
-        """Whether the block index is moving into a larger table (this build only, for tests)."""
+        """Whether the block index is moving into another table, larger or smaller (this build only, for tests)."""
         return self._old != NULL
+
+    @property
+    def index_bytes(self):
+        """The block index's tables as mapped now: the current one, a table being emptied into it, the next one."""
+        return (self._cap + self._old_cap + self._next_cap) * sizeof(_Slot)
 
     def node_of(self, block_hash):
         cdef uint64_t h
@@ -1622,7 +1654,37 @@ cdef class RadixTree:
         for obj in young:
             self._candidate(<Node>obj)
         self.gc_visits += visited
+        self._settle()
         return removed
+
+    cdef int _settle(self) except -1:
+        """After a collection, give back the index memory a smaller tree no longer needs, in steps as a grow takes
+        it: move on a shrink under way, or a grow's that collection left below load 0.3 (`_MIGRATE_PER_GC` old
+        slots: a shrinking tree has few puts to carry a move); drop a grow's next table once the
+        load falls below 0.3 (it was mapped at 0.6); below load 0.1, map the smallest table that holds the
+        entries at load 0.25 or less (its pages faulted in off this thread, as a grow's), and at a later
+        collection, once they are in, move into it, unless the tree grew back meanwhile."""
+        cdef size_t cap
+        if self._old != NULL:
+            if self._old_cap > self._cap or self._nidx * 10 < <Py_ssize_t>self._cap * 3:
+                self._migrate(_MIGRATE_PER_GC)
+            return 0
+        cdef bint sparse = self._nidx * 10 < <Py_ssize_t>self._cap
+        if self._next != NULL and self._next_cap > self._cap and self._nidx * 10 < <Py_ssize_t>self._cap * 3:
+            self._drop_next()
+        if self._next != NULL and self._next_cap < self._cap:
+            if not sparse or self._nidx * 2 > <Py_ssize_t>self._next_cap:  # the tree grew back: past load 0.5 there
+                self._drop_next()
+            elif self._toucher is None or self._toucher.done():
+                self._switch()
+                self._migrate(_MIGRATE_PER_GC)
+            return 0
+        if self._next == NULL and sparse and self._cap > _MIN_SLOTS:
+            cap = self._cap
+            while cap > _MIN_SLOTS and self._nidx * 4 <= <Py_ssize_t>(cap // 2):
+                cap //= 2
+            self._prepare(cap, True)
+        return 0
 
     cdef int _prune_evicted(self, Node node, dict evicted) except -1:
         """Drop the node's blocks from evicted[w] for each worker w it is assigned to (before gc frees the slots)."""
@@ -1716,6 +1778,8 @@ cdef class RadixTree:
         else:
             assert self._old_cap == self._mig == self._old_n == 0
         assert self._toucher is None or self._next != NULL
+        assert (self._next == NULL) == (self._next_cap == 0) and self._next_cap != self._cap
+        assert self._cap >= _MIN_SLOTS and self._cap & (self._cap - 1) == 0
         assert used == self._nidx and self._nidx * 20 <= <Py_ssize_t>self._cap * 17
         for s in range(_MAX_SLOTS):
             assert refs[s] == self._slot_refs[s], (s, refs[s], self._slot_refs[s])

@@ -18,10 +18,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import random
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -39,6 +41,8 @@ except ImportError:  # pragma: no cover - the table then has the reference only
 
 NUM_WORKERS = 16
 COLD_BLOCKS = 600  # a Preble VideoQA video in 16-token blocks (~9.6k tokens)
+KEEP_EVERY = 20  # growth runs: the prompts that stay resident when the burst is collected, one in this many
+GC_BUDGET_BLOCKS = 2_000  # E2's default `gc_budget_blocks`: a tick's collection
 WORKER_IDS = [f"worker-{i}" for i in range(NUM_WORKERS)]
 
 
@@ -200,15 +204,43 @@ def measure_ingest(mod: ModuleType, num_events: int, seed: int) -> dict:
     }
 
 
+def _join_page_faulters() -> None:
+    for th in threading.enumerate():
+        if th.name == "switchyard-radix-grow":
+            th.join()
+
+
+def rss_mib() -> float:
+    """This process's resident memory, MiB (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return 0.0
+
+
+def index_mib(tree: object) -> float | None:
+    """The C build's block index as mapped (None: a build without `index_bytes`, or the reference)."""
+    got = getattr(tree, "index_bytes", None)
+    return None if got is None else round(got / 2**20, 1)
+
+
 def measure_growth(mod: ModuleType, label: str, target_blocks: int, seed: int, pace: float = 0.0) -> dict:
     """Cold `COLD_BLOCKS`-block prompts into an empty tree until it holds `target_blocks`, each insert timed: the
     index doubles on the way (a one-shot rehash is one slow insert; a stepwise one spreads over many). `pace`:
     inserts per second (0: back to back, faster than any router dispatches; the C build's next table is then
-    still being faulted in when it is due, and the rest of its faults land on the inserts)."""
+    still being faulted in when it is due, and the rest of its faults land on the inserts).
+
+    Then the burst is collected: every `KEEP_EVERY`-th prompt stays resident on a worker, the rest expire, and
+    `gc` runs as E2's ticks run it (`GC_BUDGET_BLOCKS` per call, called again while the budget is hit) until the
+    tree and its index settle: each call timed, the index's and the process's memory at the peak and at the end.
+    The ticks run back to back, except that a page-faulting thread of the C build (`switchyard-radix-grow`) is
+    waited for before each: 100 ms ticks give it that time."""
     rng = random.Random(seed)
     tree = mod.RadixTree()
     clock = time.perf_counter_ns
     ns: list[int] = []
+    kept: list[list[int]] = []
     now = 0.0
     start = time.perf_counter()
     while tree.num_blocks < target_blocks:
@@ -221,17 +253,62 @@ def measure_growth(mod: ModuleType, label: str, target_blocks: int, seed: int, p
         t = clock()
         tree.insert(q, now)
         ns.append(clock() - t)
+        if len(ns) % KEEP_EVERY == 0:
+            kept.append(q)
+    grown = tree.num_blocks
+    for q in kept:
+        tree.mark_resident("w0", q, None, now)
+    _join_page_faulters()
+    peak_index, peak_rss = index_mib(tree), rss_mib()
+    gc_ns: list[int] = []
+    settled, now = 0, now + 120.0
+    moves = hasattr(tree, "index_bytes")  # a build that gives the index back: settled once no move is under way
+    while settled < 3 and len(gc_ns) < 100_000:  # settled: three calls in a row changed nothing
+        _join_page_faulters()
+        before = (tree.num_blocks, getattr(tree, "index_bytes", 0), getattr(tree, "growing", False))
+        t = clock()
+        tree.gc(now, 60.0, GC_BUDGET_BLOCKS)
+        gc_ns.append(clock() - t)
+        now += 0.1
+        after = (tree.num_blocks, getattr(tree, "index_bytes", 0), getattr(tree, "growing", False))
+        settled = settled + 1 if after == before and not (moves and after[2]) else 0
+        if len(gc_ns) % 100 == 0:
+            peak_rss = max(peak_rss, rss_mib())
     return {
         "impl": label,
         "pace_per_s": pace,
-        "blocks": tree.num_blocks,
+        "blocks": grown,
         "inserts": len(ns),
         "insert_p50_us": round(pct(ns, 0.50), 2),
         "insert_p99_us": round(pct(ns, 0.99), 2),
         "insert_max_ms": round(max(ns) / 1e6, 2),
         "inserts_over_1ms": sum(1 for x in ns if x > 1_000_000),
         "total_ms": round(sum(ns) / 1e6, 1),
+        "kept_blocks": tree.num_blocks,
+        "index_mib_peak": peak_index,
+        "index_mib_end": index_mib(tree),
+        "rss_mib_peak": round(peak_rss, 1),
+        "rss_mib_end": round(rss_mib(), 1),
+        "gc_calls": len(gc_ns),
+        "gc_p99_ms": round(pct(gc_ns, 0.99) / 1000, 2),
+        "gc_max_ms": round(max(gc_ns) / 1e6, 2),
     }
+
+
+def collection_markdown(rows: list[dict]) -> str:
+    lines = [
+        f"| build | inserts/s | blocks kept (1 prompt in {KEEP_EVERY}) | index MiB at the peak → settled "
+        f"| RSS MiB at the peak → settled | gc calls ({GC_BUDGET_BLOCKS:,} blocks each) | gc p99 / slowest ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        pace = f"{r['pace_per_s']:,.0f}" if r["pace_per_s"] > 0 else "back to back"
+        idx = "-" if r["index_mib_peak"] is None else f"{r['index_mib_peak']} → {r['index_mib_end']}"
+        lines.append(
+            f"| {r['impl']} | {pace} | {r['kept_blocks']:,} | {idx} | {r['rss_mib_peak']} → {r['rss_mib_end']} "
+            f"| {r['gc_calls']:,} | {r['gc_p99_ms']} / {r['gc_max_ms']} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def growth_markdown(rows: list[dict]) -> str:
@@ -310,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             builds.insert(0, (ext_module_at("_radix_c", args.growth_against), f"c@{args.growth_against}"))
         growth = [measure_growth(mod, label, args.growth_blocks, args.seed, pace)
                   for pace in args.growth_paces for mod, label in builds]
-        md += "\n" + growth_markdown(growth)
+        md += "\n" + growth_markdown(growth) + "\n" + collection_markdown(growth)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"python": platform.python_version(), "machine": platform.machine(), "workers": NUM_WORKERS}
     (args.out / "radix.json").write_text(

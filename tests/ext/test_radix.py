@@ -685,6 +685,10 @@ def test_bench_smoke(tmp_path) -> None:  # type: ignore[no-untyped-def]
     builds = {"c@HEAD", "c", "py"} if _radix_c is not None else {"py"}
     assert set(growth) == {(b, pace) for b in builds for pace in (0.0, 1000.0)}
     assert all(r["blocks"] >= 5000 and r["inserts"] == 9 and r["insert_max_ms"] > 0 for r in growth.values())
+    # then collected (9 prompts: none kept): today's C build gives its index back
+    assert all(r["kept_blocks"] == 0 and r["gc_calls"] >= 4 for r in growth.values())
+    if _radix_c is not None:
+        assert all(growth[("c", pace)]["index_mib_end"] < growth[("c", pace)]["index_mib_peak"] for pace in (0.0, 1000.0))
 
 
 @pytest.mark.skipif(_radix_c is None, reason="the Cython build did not load (test_c_extension_loaded fails)")
@@ -872,3 +876,89 @@ def test_a_walk_memo_never_outlives_a_change_of_shape() -> None:
     assert tree.walk(strict) == ([], 0)
     with pytest.raises(ValueError):
         tree.insert(strict, 101.0)
+
+
+@pytest.mark.skipif(_radix_c is None, reason="the Cython build did not load (test_c_extension_loaded fails)")
+def test_the_block_index_gives_memory_back_once_collection_empties_it() -> None:
+    """A tree that grew to thousands of blocks and was then collected down to a few dozen moves its index into a
+    small table, in steps across collections (lookups, inserts and deletions go on meanwhile, as the reference
+    gives them), and maps more again when it grows back."""
+    import random
+
+    rng = random.Random(5)
+    trees = [radix_py.RadixTree(), _radix_c.RadixTree()]
+    chains = [[rng.getrandbits(64) for _ in range(200)] for _ in range(30)]  # 6,000 blocks: 16,384 slots
+    for t in trees:
+        for c in chains:
+            t.insert(c, 0.0)
+        t.mark_resident("w1", chains[0][:40], None, 0.0)  # survives collection
+    full = trees[1].index_bytes
+    assert full >= 16_384 * 16
+    now, shrunk_steps = 100.0, 0
+    for step in range(12):
+        now += 1.0
+        kind = ["collect", "insert", "store", "evict"][step % 4]  # the first: all but the stored run go
+        hashes = chains[0][:rng.randint(1, 40)] + [rng.getrandbits(64) for _ in range(rng.randint(0, 3))]
+        for t in trees:
+            apply_op(t, kind, hashes, now) if kind != "collect" else t.gc(now, 60.0)
+            t.check_invariants()
+        shrunk_steps += trees[1].growing  # moving into the smaller table
+        assert snapshot(trees[0]) == snapshot(trees[1])
+        probe = chains[0] + rng.sample(chains[1], 20)
+        assert [n is None for n in map(trees[0].node_of, probe)] == [n is None for n in map(trees[1].node_of, probe)]
+    assert trees[1].index_bytes == 1_024 * 16 < full  # at most ~50 blocks: the smallest table
+    assert shrunk_steps == 0  # a small old table is moved within one collection
+    for t in trees:  # and it grows back
+        for c in chains:
+            t.insert(c, now + 1.0)
+        t.check_invariants()
+    assert trees[1].index_bytes >= 16_384 * 16
+    assert snapshot(trees[0]) == snapshot(trees[1])
+
+
+@pytest.mark.skipif(_radix_c is None, reason="the Cython build did not load (test_c_extension_loaded fails)")
+def test_a_large_index_shrinks_in_steps_with_its_pages_faulted_in_off_the_callers_thread() -> None:
+    """Collected from ~600k blocks down to 40k, the index (16 MiB, and its next table mapped at load 0.6, 32 MiB
+    more) first drops the next table, then maps a 4 MiB one whose pages a thread faults in, moves into it once that
+    thread is done, a slice of the old table per collection, and unmaps the old one; every surviving block stays
+    found throughout. A pending small table is dropped if the tree grows back before the move."""
+    import threading
+
+    def touchers() -> list[threading.Thread]:
+        return [th for th in threading.enumerate() if th.name == "switchyard-radix-grow"]
+
+    def settle(t, now: float) -> None:  # type: ignore[no-untyped-def]
+        for th in touchers():
+            th.join(timeout=30)
+        t.gc(now, 1.0)
+
+    t = _radix_c.RadixTree()
+    for start in range(1, 40_001, 1_000):  # kept: 40 nodes (check_invariants scans a node per block)
+        t.insert(range(start, start + 1_000), 0.0)
+        t.mark_resident("w0", range(start, start + 1_000), None, 0.0)
+    for start in range(40_001, 640_001, 100_000):
+        t.insert(range(start, start + 100_000), 0.0)  # collectable
+    for th in touchers():
+        th.join(timeout=30)
+    assert t.index_bytes == (2**20 + 2**21) * 16  # load 0.61 of 2**20 slots: the next table is mapped
+    assert t.gc(10.0, 1.0) == 6
+    assert t.num_blocks == 40_000
+    # load 0.04: the next table unmapped, and the smallest holding 40k blocks at <= 0.25 mapped (2**18 slots)
+    assert t.index_bytes == (2**20 + 2**18) * 16 and not t.growing
+    t.insert(range(40_001, 200_001), 11.0)  # the tree grows back (load 0.19) before the move: not moved
+    settle(t, 12.0)
+    assert t.index_bytes == 2**20 * 16 and not t.growing
+    assert t.gc(20.0, 1.0) == 1
+    settle(t, 21.0)  # the small table mapped again; its pages in
+    settle(t, 22.0)  # the move starts: 2**14 old slots per collection
+    collections = 0
+    while t.growing:
+        assert t.node_of(1)[1] == 0 and t.node_of(40_000)[1] == 999
+        if collections % 16 == 0:
+            t.check_invariants()
+        t.gc(23.0 + collections, 1.0)
+        collections += 1
+    assert 60 <= collections <= 64  # 2**20 old slots, 2**14 per collection (the first slice moved at the switch)
+    assert t.index_bytes == 2**18 * 16
+    t.check_invariants()
+    assert [t.node_of(h)[1] for h in (1, 20_000, 40_000)] == [0, 999, 999]
