@@ -1683,7 +1683,10 @@ cdef class RadixTree:
             cap = self._cap
             while cap > _MIN_SLOTS and self._nidx * 4 <= <Py_ssize_t>(cap // 2):
                 cap //= 2
-            self._prepare(cap, True)
+            try:
+                self._prepare(cap, True)
+            except MemoryError:
+                pass  # the larger table still works: try again at the next collection
         return 0
 
     cdef int _prune_evicted(self, Node node, dict evicted) except -1:
