@@ -449,6 +449,7 @@ class Dispatcher:
                 self._policy.on_tick(now)
                 self._metrics.tick_time.labels(self._policy_name).observe(time.perf_counter() - t0)
                 self._metrics.observe_policy_counters(self._policy_name, self._policy.counters())
+                self._metrics.observe_policy_state(self._policy_name, self._policy.state_sizes())
             except Exception:  # a policy bug must not stop the ticks, nor the pump below
                 log.exception("policy %s failed in on_tick", self._policy_name)
             self.pump()

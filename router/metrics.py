@@ -123,6 +123,11 @@ class RouterMetrics:
             "hot-prefix replicas; `Policy.counters`)", ["policy", "action"], registry=r,
         )
         self._policy_counts: dict[tuple[str, str], int] = {}
+        self.policy_state = Gauge(
+            "switchyard_policy_state", "Sizes of what the routing policy holds, at its last tick (E2: tree nodes and "
+            "blocks, the block index's bytes, requests in flight; `Policy.state_sizes`)", ["policy", "quantity"],
+            registry=r,
+        )
         self.worker_in_flight = Gauge(
             "switchyard_worker_in_flight", "Requests this router has in flight on a worker", ["worker"], registry=r
         )
@@ -241,6 +246,10 @@ class RouterMetrics:
             if n > seen:
                 series.inc(n - seen)
                 self._policy_counts[(policy, action)] = n
+
+    def observe_policy_state(self, policy: str, sizes: dict[str, int]) -> None:
+        for quantity, n in sizes.items():
+            self.policy_state.labels(policy, quantity).set(n)
 
     def forget_worker(self, worker: str) -> None:
         for gauge in (

@@ -148,6 +148,11 @@ class Policy:
         replicas), for reports; {} when it has none."""
         return {}
 
+    def state_sizes(self) -> dict[str, int]:
+        """The sizes of what the policy holds now (E2: its tree's nodes and blocks, the block index's bytes), so an
+        operator sees its memory follow the load and fall back after a burst; {} when it holds nothing that grows."""
+        return {}
+
 
 def candidates(ctx: RoutingContext, fleet: FleetView) -> list[WorkerView]:
     """The routable workers for `ctx.model`, minus those that already failed this request."""

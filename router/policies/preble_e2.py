@@ -965,6 +965,14 @@ class PrebleE2(Policy):
     def counters(self) -> dict[str, int]:
         return {"rebalance_redirects": self.num_redirects, "replications": self.num_replications}
 
+    def state_sizes(self) -> dict[str, int]:
+        out = {"tree_nodes": self.tree.num_nodes, "tree_blocks": self.tree.num_blocks,
+               "in_flight_requests": len(self.in_flight)}
+        index_bytes = getattr(self.tree, "index_bytes", None)  # the C build's block index (the reference: a dict)
+        if index_bytes is not None:
+            out["tree_index_bytes"] = index_bytes
+        return out
+
     def on_tick(self, now: float) -> None:
         for h in self.history.values():
             h.expire(now)

@@ -87,6 +87,27 @@ async def test_policy_actions_are_exported() -> None:
         assert value("replications") == 0
 
 
+async def test_policy_state_sizes_are_exported() -> None:
+    """What the policy holds (`Policy.state_sizes`: E2's tree nodes and blocks, its block index's bytes, requests
+    in flight) reaches switchyard_policy_state at each tick and follows the tree: a request's prompt adds its
+    blocks there."""
+    async with stack([FakeWorker("w0")], routing={"policy": "e2", "tick_interval_ms": 10}) as (daemon, client):
+        def value(quantity: str) -> float | None:
+            return daemon.metrics.registry.get_sample_value(
+                "switchyard_policy_state", {"policy": "e2", "quantity": quantity})
+
+        await until_async(lambda: value("tree_blocks") is not None)
+        assert value("tree_blocks") == 0 and value("tree_nodes") == 0 and value("in_flight_requests") == 0
+        prompt = "a long shared system prompt, " * 20  # several full blocks
+        _ = [c async for c in client.generate("m", prompt=prompt, max_tokens=2, request_id="req-s")]
+        blocks = daemon.policy.tree.num_blocks  # type: ignore[attr-defined]
+        assert blocks >= 2
+        await until_async(lambda: value("tree_blocks") == blocks)
+        assert value("tree_nodes") == daemon.policy.tree.num_nodes >= 1  # type: ignore[attr-defined]
+        if hasattr(daemon.policy.tree, "index_bytes"):  # type: ignore[attr-defined]
+            assert value("tree_index_bytes") == daemon.policy.tree.index_bytes >= 1_024 * 16  # type: ignore[attr-defined]
+
+
 async def test_streaming_generate_end_to_end() -> None:
     w = FakeWorker("w0")
     async with stack([w]) as (daemon, client):
