@@ -75,7 +75,7 @@ cdef Py_ssize_t _PREFETCH_AHEAD = 16
 # (it starts at 0.35 and needs old_cap / 8 new keys, 1/16 of the new capacity), and costs ~6 live entries per put
 cdef size_t _MIGRATE_PER_PUT = 8
 # old-table slots each `gc` call moves (a shrinking tree has few puts to carry a move): 256 KiB of the old table
-# scanned, ~0.2 ms with its entries moved
+# scanned; with E2's collections those calls' p99 was ~0.4 ms (`bench radix`'s growth runs, ext/README.md)
 cdef size_t _MIGRATE_PER_GC = 1 << 14
 cdef size_t _MIN_SLOTS = 1024  # the index's first and smallest table
 cdef size_t _PAGE = 4096
@@ -1660,10 +1660,10 @@ cdef class RadixTree:
     cdef int _settle(self) except -1:
         """After a collection, give back the index memory a smaller tree no longer needs, in steps as a grow takes
         it: move on a shrink under way, or a grow's that collection left below load 0.3 (`_MIGRATE_PER_GC` old
-        slots: a shrinking tree has few puts to carry a move); drop a grow's next table once the
-        load falls below 0.3 (it was mapped at 0.6); below load 0.1, map the smallest table that holds the
-        entries at load 0.25 or less (its pages faulted in off this thread, as a grow's), and at a later
-        collection, once they are in, move into it, unless the tree grew back meanwhile."""
+        slots: a shrinking tree has few puts to carry a move); drop a grow's next table once the load falls below
+        0.3 (it was mapped at 0.6); below load 0.1, map the smallest table that holds the entries at load 0.25 or
+        less (its pages faulted in off this thread, as a grow's), and at a later collection, once they are in,
+        move into it, unless the tree grew back meanwhile."""
         cdef size_t cap
         if self._old != NULL:
             if self._old_cap > self._cap or self._nidx * 10 < <Py_ssize_t>self._cap * 3:

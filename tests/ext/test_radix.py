@@ -880,9 +880,10 @@ def test_a_walk_memo_never_outlives_a_change_of_shape() -> None:
 
 @pytest.mark.skipif(_radix_c is None, reason="the Cython build did not load (test_c_extension_loaded fails)")
 def test_the_block_index_gives_memory_back_once_collection_empties_it() -> None:
-    """A tree that grew to thousands of blocks and was then collected down to a few dozen moves its index into a
-    small table, in steps across collections (lookups, inserts and deletions go on meanwhile, as the reference
-    gives them), and maps more again when it grows back."""
+    """A tree that grew to 6,000 blocks and was then collected down to one 200-block node gives its index back
+    over the next collections (the grow under way finished, the smallest table mapped, then moved into), while
+    inserts, stores, evictions and lookups between them give the reference's results; it grows again after.
+    (A small table moves within one collection; the next test moves a large one in steps.)"""
     import random
 
     rng = random.Random(5)
@@ -906,7 +907,7 @@ def test_the_block_index_gives_memory_back_once_collection_empties_it() -> None:
         assert snapshot(trees[0]) == snapshot(trees[1])
         probe = chains[0] + rng.sample(chains[1], 20)
         assert [n is None for n in map(trees[0].node_of, probe)] == [n is None for n in map(trees[1].node_of, probe)]
-    assert trees[1].index_bytes == 1_024 * 16 < full  # at most ~50 blocks: the smallest table
+    assert trees[1].index_bytes == 1_024 * 16 < full  # ~200 blocks: the smallest table
     assert shrunk_steps == 0  # a small old table is moved within one collection
     for t in trees:  # and it grows back
         for c in chains:
