@@ -60,9 +60,13 @@ async def stack(fakes: list[FakeWorker], api_key: str | None = None,
             await w.stop()
 
 
+def metric(daemon: RouterDaemon, name: str, **labels: str) -> float | None:
+    """A sample of the daemon's registry; None while that series does not exist."""
+    return daemon.metrics.registry.get_sample_value(name, labels)
+
+
 def sample(daemon: RouterDaemon, name: str, **labels: str) -> float:
-    value = daemon.metrics.registry.get_sample_value(name, labels)
-    return value or 0.0
+    return metric(daemon, name, **labels) or 0.0
 
 
 async def test_policy_actions_are_exported() -> None:
@@ -71,8 +75,7 @@ async def test_policy_actions_are_exported() -> None:
     reaches switchyard_policy_tick_seconds."""
     async with stack([FakeWorker("w0")], routing={"policy": "e2", "tick_interval_ms": 10}) as (daemon, _):
         def value(action: str) -> float | None:
-            return daemon.metrics.registry.get_sample_value(
-                "switchyard_policy_actions_total", {"policy": "e2", "action": action})
+            return metric(daemon, "switchyard_policy_actions_total", policy="e2", action=action)
 
         await until_async(lambda: value("replications") is not None)
         assert value("rebalance_redirects") == value("replications") == 0
@@ -93,8 +96,7 @@ async def test_policy_state_sizes_are_exported() -> None:
     blocks there."""
     async with stack([FakeWorker("w0")], routing={"policy": "e2", "tick_interval_ms": 10}) as (daemon, client):
         def value(quantity: str) -> float | None:
-            return daemon.metrics.registry.get_sample_value(
-                "switchyard_policy_state", {"policy": "e2", "quantity": quantity})
+            return metric(daemon, "switchyard_policy_state", policy="e2", quantity=quantity)
 
         await until_async(lambda: value("tree_blocks") is not None)
         assert value("tree_blocks") == 0 and value("tree_nodes") == 0 and value("in_flight_requests") == 0
@@ -652,9 +654,8 @@ async def test_kv_events_feed_the_prefix_view() -> None:
         assert sample(daemon, "switchyard_kv_event_lag_seconds_count") == sample(
             daemon, "switchyard_kv_event_batches_total", worker="w0")
         await client.deregister_worker("w0")  # a gone worker's series go with it
-        assert daemon.metrics.registry.get_sample_value("switchyard_kv_event_batches_total", {"worker": "w0"}) is None
-        assert daemon.metrics.registry.get_sample_value(
-            "switchyard_kv_event_blocks_total", {"worker": "w0", "kind": "stored"}) is None
+        assert metric(daemon, "switchyard_kv_event_batches_total", worker="w0") is None
+        assert metric(daemon, "switchyard_kv_event_blocks_total", worker="w0", kind="stored") is None
 
 
 def _admitted(rid: str, origin: str) -> worker_pb2.KvEventBatch:
@@ -688,7 +689,7 @@ async def test_the_workers_request_events_show_the_other_replicas_requests() -> 
         assert peer_key("replica-a", "r1") not in daemon.policy.in_flight  # type: ignore[attr-defined]
         await client.deregister_worker("w0")
         assert len(mirror) == 0
-        assert daemon.metrics.registry.get_sample_value("switchyard_worker_peer_in_flight", {"worker": "w0"}) is None
+        assert metric(daemon, "switchyard_worker_peer_in_flight", worker="w0") is None
 
 
 async def test_collector_pauses_are_measured_and_long_ones_logged(caplog: pytest.LogCaptureFixture) -> None:
