@@ -295,6 +295,11 @@ def measure_growth(mod: ModuleType, label: str, target_blocks: int, seed: int, p
     }
 
 
+def _pace(row: dict) -> str:
+    """A growth run's inserts/s, as its tables show it."""
+    return f"{row['pace_per_s']:,.0f}" if row["pace_per_s"] > 0 else "back to back"
+
+
 def collection_markdown(rows: list[dict]) -> str:
     lines = [
         f"| build | inserts/s | blocks kept (1 prompt in {KEEP_EVERY}) | index MiB at the peak → settled "
@@ -302,7 +307,7 @@ def collection_markdown(rows: list[dict]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        pace = f"{r['pace_per_s']:,.0f}" if r["pace_per_s"] > 0 else "back to back"
+        pace = _pace(r)
         idx = "-" if r["index_mib_peak"] is None else f"{r['index_mib_peak']} → {r['index_mib_end']}"
         lines.append(
             f"| {r['impl']} | {pace} | {r['kept_blocks']:,} | {idx} | {r['rss_mib_peak']} → {r['rss_mib_end']} "
@@ -318,7 +323,7 @@ def growth_markdown(rows: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        pace = f"{r['pace_per_s']:,.0f}" if r["pace_per_s"] > 0 else "back to back"
+        pace = _pace(r)
         lines.append(
             f"| {r['impl']} | {pace} | {r['inserts']:,} | {r['blocks']:,} | {r['insert_p50_us']} / {r['insert_p99_us']} "
             f"| {r['insert_max_ms']} | {r['inserts_over_1ms']} | {r['total_ms']} |"
