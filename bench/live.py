@@ -54,6 +54,7 @@ class Sample:
     first_at: float = 0.0
     done_at: float = 0.0
     ok: bool = False
+    chunks: int = 0  # messages the client received
 
 
 def _prompts(rng: np.random.Generator, n: int, prompt_len: int, groups: int) -> list[list[int]]:
@@ -87,10 +88,14 @@ async def _drive(
     return samples
 
 
-async def _via_router(client: AsyncRouterClient, s: Sample, prompt: list[int], max_tokens: int) -> None:
-    req = make_request(MODEL, token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, request_id=s.request_id)
+async def _via_router(
+    client: AsyncRouterClient, s: Sample, prompt: list[int], max_tokens: int, stream_interval: int = 0
+) -> None:
+    req = make_request(MODEL, token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, request_id=s.request_id,
+                       stream_interval_tokens=stream_interval)
     try:
         async for chunk in client.generate(request=req, timeout=60):
+            s.chunks += 1
             if chunk.token_ids and not s.first_at:
                 s.first_at = time.time()
         s.done_at = time.time()
@@ -152,6 +157,7 @@ def _step_result(
         "added_ttft_ms": dist(added_ms),
         "num_matched": len(added_ms),  # samples matched to a worker timing record
         "hit_ratio": cached_tokens / prompt_tokens if prompt_tokens else 0.0,  # prefix-cached prompt tokens
+        "chunks_per_request": sum(s.chunks for s in samples if s.ok) / ok if ok else 0.0,
     }
 
 
@@ -179,7 +185,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                                                                     for w in workers)])
     result: dict[str, Any] = {"policy": args.policy, "workers": args.workers, "profile": args.profile,
                               "duration_s": args.duration, "prompt_len": args.prompt_len,
-                              "output_len": args.output_len, "steps": []}
+                              "output_len": args.output_len, "stream_interval": args.stream_interval, "steps": []}
     rng = np.random.default_rng(args.seed)
     with procs.running([*workers, router, relay]):
         async with (
@@ -226,12 +232,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 routed_wall = time.perf_counter() - t0
                 cpu_s = router.cpu_seconds() - cpu0
+                if args.stream_interval > 1:  # the same router and load, each request asking for gathered chunks
+                    gathered_prompts = _prompts(rng, count, args.prompt_len, args.prefix_groups)
+                    gathered_cpu0, t0 = router.cpu_seconds(), time.perf_counter()
+                    gathered = await _drive(
+                        lambda s, p: _via_router(client, s, p, args.output_len, args.stream_interval),
+                        rate, args.duration, gathered_prompts, f"g{rate:g}", rng,
+                    )
+                    gathered_wall, gathered_cpu_s = time.perf_counter() - t0, router.cpu_seconds() - gathered_cpu0
                 timings = _read_timings(logs)
                 step = _step_result(routed, timings, rate, routed_wall)
                 step["router_cpu_us_per_request"] = cpu_s / max(1, len(routed)) * 1e6
                 step["router_cpu_us_per_request_net"] = (
                     max(0.0, cpu_s - idle_cpu_frac * routed_wall) / max(1, len(routed)) * 1e6
                 )
+                if args.stream_interval > 1:
+                    step["gathered"] = _step_result(gathered, timings, rate, gathered_wall)
+                    step["gathered"]["router_cpu_us_per_request_net"] = (
+                        max(0.0, gathered_cpu_s - idle_cpu_frac * gathered_wall) / max(1, len(gathered)) * 1e6
+                    )
                 step["direct"] = _step_result(direct, timings, rate, direct_wall)
                 step["relay"] = _step_result(relayed, timings, rate, relay_wall)
                 step["relay"]["cpu_us_per_request"] = relay_cpu_s / max(1, len(relayed)) * 1e6
@@ -246,6 +265,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     f"({step['router_cpu_us_per_request_net']:.0f} net of idle background)",
                     flush=True,
                 )
+                if "gathered" in step:
+                    g = step["gathered"]
+                    print(
+                        f"  stream interval {args.stream_interval}: ok {g['num_ok']}/{g['num_requests']}  "
+                        f"router-added TTFT p50 {g['added_ttft_ms']['p50']:.2f} ms p99 {g['added_ttft_ms']['p99']:.2f} "
+                        f"ms  {g['chunks_per_request']:.1f} chunks/req (against {step['chunks_per_request']:.1f})  "
+                        f"router CPU {g['router_cpu_us_per_request_net']:.0f} us/req net of idle",
+                        flush=True,
+                    )
             for c in channels:
                 await c.close()
         if args.peers:
@@ -301,6 +329,27 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {s['router_cpu_us_per_request']:.0f} | {s['router_cpu_us_per_request_net']:.0f} "
             f"| {s['relay']['cpu_us_per_request']:.0f} |"
         )
+    gathered = [s for s in result["steps"] if "gathered" in s]
+    if gathered:
+        n = result["stream_interval"]
+        lines += [
+            "",
+            f"Stream interval {n} (`GenerateRequest.stream_interval_tokens`: the first token alone, then chunks of "
+            f"at least {n}), the same router and load, measured after each step's default pass:",
+            "",
+            "| offered req/s | chunks/req, default → gathered | router CPU us/req net, default → gathered | ratio "
+            "| router-added TTFT p50 / p99 ms, default → gathered |",
+            "|---|---|---|---|---|",
+        ]
+        for s in gathered:
+            g = s["gathered"]
+            lines.append(
+                f"| {s['offered_rate']:g} | {s['chunks_per_request']:.1f} → {g['chunks_per_request']:.1f} "
+                f"| {s['router_cpu_us_per_request_net']:.0f} → {g['router_cpu_us_per_request_net']:.0f} "
+                f"| ×{g['router_cpu_us_per_request_net'] / max(s['router_cpu_us_per_request_net'], 1e-9):.2f} "
+                f"| {s['added_ttft_ms']['p50']:.2f} / {s['added_ttft_ms']['p99']:.2f} → "
+                f"{g['added_ttft_ms']['p50']:.2f} / {g['added_ttft_ms']['p99']:.2f} |"
+            )
     lines += [
         "",
         f"Saturation rate: {result['saturation_rate']} req/s. Router idle background CPU: "
@@ -526,6 +575,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--prefix-groups", type=int, default=8)
+    p.add_argument("--stream-interval", type=int, default=0,
+                   help="also run each rate with requests asking for chunks of this many tokens (0: no such pass)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--idle-probe-s", type=float, default=2.0, help="seconds to measure idle router CPU")
     p.add_argument("--out", default="results/live")

@@ -37,7 +37,8 @@ class Relay(router_pb2_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the relay takes token-id prompts only")
         call = next(self._next).Generate(
             worker_pb2.WorkerGenerateRequest(
-                request_id=request.request_id, prompt_token_ids=request.tokens.ids, sampling=request.sampling
+                request_id=request.request_id, prompt_token_ids=request.tokens.ids, sampling=request.sampling,
+                stream_interval_tokens=request.stream_interval_tokens,
             ),
             timeout=context.time_remaining(),
         )

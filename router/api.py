@@ -54,6 +54,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Complete's chunks from the worker: the first token alone (TTFT, the policy's first-token hook), then as few as the
+# worker's hold limit allows (one a second), since nobody reads them before the end
+COMPLETE_STREAM_INTERVAL = 1 << 30
+
 
 # ---------------------------------------------------------------------- public requests
 def sampling_from_proto(s: common_pb2.SamplingParams) -> Sampling:
@@ -99,13 +103,18 @@ def params_from_proto(req: router_pb2.GenerateRequest) -> GenerateParams:
 
 # ---------------------------------------------------------------------- worker protocol
 def worker_request(
-    req: AdmittedRequest, decision: Decision, predicted_output_tokens: int | None = None, origin: str = ""
+    req: AdmittedRequest,
+    decision: Decision,
+    predicted_output_tokens: int | None = None,
+    origin: str = "",
+    stream_interval: int = 1,
 ) -> worker_pb2.WorkerGenerateRequest:
     """Token ids only, so the worker caches exactly the blocks the router hashed. Hints: the policy's win, then
     the router's settled prediction (`predicted_output_tokens`), then the client's. `origin`: this router replica
     (the worker's request events name it); the API key's name travels as `tenant`, so the other replicas count the
-    request toward its limits."""
+    request toward its limits. `stream_interval`: token ids per chunk the worker may gather (the first goes alone)."""
     return worker_pb2.WorkerGenerateRequest(
+        stream_interval_tokens=stream_interval,
         origin=origin,
         tenant=req.tenant,
         request_id=req.request_id,
@@ -233,8 +242,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         predictor: PredictorService | None = None,
         key_limits: KeyLimits | None = None,
         key_events: KeyEvents | None = None,
+        stream_interval_tokens: int = 1,
     ) -> None:
         self._registry = registry
+        self._stream_interval = stream_interval_tokens  # Generate's, for requests that do not say
         self._predictor = predictor
         self._key_limits, self._key_events = key_limits, key_events  # the Router service's API keys' (or None)
         self._dispatcher = dispatcher
@@ -302,14 +313,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
             self._key_events.tokens(charge.key.name, used)
 
     async def _chunks(
-        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext, stream_interval: int
     ) -> AsyncIterator[router_pb2.GenerateChunk]:
         """The request admitted, charged to its API key's token quota (`_reserve`), and streamed by the
-        dispatcher; the charge is settled however the stream ends."""
+        dispatcher in chunks of `stream_interval` tokens; the charge is settled however the stream ends."""
         admitted = await self._admit(request)
         charge = self._reserve(admitted)
         try:
-            async for chunk in self._dispatcher.generate(admitted, context.time_remaining()):
+            async for chunk in self._dispatcher.generate(admitted, context.time_remaining(), stream_interval):
                 if charge is not None:
                     charge.seen(len(chunk.token_ids))
                 yield chunk
@@ -321,7 +332,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateChunk]:
         try:
-            async for chunk in self._chunks(request, context):
+            async for chunk in self._chunks(request, context, request.stream_interval_tokens or self._stream_interval):
                 yield chunk
         except ApiError as e:
             await _abort(context, e)
@@ -333,7 +344,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             token_ids: list[int] = []
             texts: list[str] = []
             last = None
-            async for chunk in self._chunks(request, context):
+            async for chunk in self._chunks(request, context, COMPLETE_STREAM_INTERVAL):
                 token_ids.extend(chunk.token_ids)
                 texts.append(chunk.text)
                 last = chunk

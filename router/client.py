@@ -44,8 +44,10 @@ def make_request(
     priority: int = 0,
     session_id: str = "",
     predicted_output_tokens_hint: int = 0,
+    stream_interval_tokens: int = 0,
 ) -> router_pb2.GenerateRequest:
-    """Build a GenerateRequest; give exactly one of prompt / messages / token_ids."""
+    """Build a GenerateRequest; give exactly one of prompt / messages / token_ids. `stream_interval_tokens`: token
+    ids per streamed chunk (the first goes alone); 0 = the router's default."""
     sampling = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, stop=list(stop))
     if temperature is not None:
         sampling.temperature = temperature
@@ -56,6 +58,7 @@ def make_request(
     req = router_pb2.GenerateRequest(
         request_id=request_id, model=model, sampling=sampling, lora_name=lora_name, cache_salt=cache_salt,
         priority=priority, session_id=session_id, predicted_output_tokens_hint=predicted_output_tokens_hint,
+        stream_interval_tokens=stream_interval_tokens,
     )
     if sum(x is not None for x in (prompt, messages, token_ids)) > 1:
         raise ValueError("give only one of prompt, messages, token_ids")

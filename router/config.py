@@ -45,6 +45,9 @@ class ServerConfig(_Section):
     log_level: str = "INFO"
     gc_freeze_at_start: bool = True  # freeze what startup loaded out of later garbage collections (gc_watch.py)
     gc_warn_ms: float = Field(default=50.0, ge=0)  # log a collector pause this long or longer; 0 = never
+    # Generate's token ids per chunk when a request does not say (GenerateRequest.stream_interval_tokens); the first
+    # token is never held. 1 streams each engine step's; more costs the router and workers fewer messages
+    stream_interval_tokens: int = Field(default=1, ge=1)
     # TLS on the Router and Admin services (PEM paths; "" = plaintext). With tls_client_ca, every client must
     # present a certificate that CA signed (mTLS). metrics_tls: the metrics endpoint too (HTTPS, same files).
     tls_cert: str = ""

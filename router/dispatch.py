@@ -87,6 +87,7 @@ class _Flight:
     num_tokens_sent: int = 0
     finished: bool = False
     served_by: str = ""
+    stream_interval: int = 1  # token ids per chunk the workers may gather (`worker_request`)
 
     def remaining_s(self, now: float) -> float | None:
         return None if self.deadline_at is None else self.deadline_at - now
@@ -227,12 +228,18 @@ class Dispatcher:
             asyncio.get_running_loop().call_soon(self.pump)
 
     # ------------------------------------------------------------------ request life
-    async def generate(self, req: AdmittedRequest, time_remaining_s: float | None) -> AsyncIterator[router_pb2.GenerateChunk]:
-        """Stream one admitted request's chunks; raises ApiError for every non-OK outcome."""
+    async def generate(
+        self, req: AdmittedRequest, time_remaining_s: float | None, stream_interval: int = 1
+    ) -> AsyncIterator[router_pb2.GenerateChunk]:
+        """Stream one admitted request's chunks (of `stream_interval` token ids, the first alone); raises ApiError
+        for every non-OK outcome."""
         if req.request_id in self._flights:
             raise ApiError(grpc.StatusCode.ALREADY_EXISTS, f"request id {req.request_id!r} is already in flight")
         now = self._clock.now()
-        fl = _Flight(req=req, deadline_at=None if time_remaining_s is None else now + time_remaining_s, enqueued_at=now)
+        fl = _Flight(
+            req=req, deadline_at=None if time_remaining_s is None else now + time_remaining_s, enqueued_at=now,
+            stream_interval=stream_interval,
+        )
         self._flights[req.request_id] = fl
         status = grpc.StatusCode.OK
         try:
@@ -289,7 +296,9 @@ class Dispatcher:
         timeout = fl.remaining_s(self._clock.now())
         if timeout is not None and timeout <= 0:
             raise ApiError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before dispatch")
-        request = api.worker_request(fl.req, decision, fl.predicted_output_tokens, self._registry.origin)
+        request = api.worker_request(
+            fl.req, decision, fl.predicted_output_tokens, self._registry.origin, fl.stream_interval
+        )
         call = stub.Generate(request, timeout=timeout)
         fl.call, fl.last_chunk_at, fl.stalled = call, self._clock.now(), False
         if self._idle_s:

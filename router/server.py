@@ -235,7 +235,8 @@ class RouterDaemon:
         self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=keys)
         router_pb2_grpc.add_RouterServicer_to_server(
             RouterService(self.registry, self.dispatcher, self.tokenizer_for, self.config.limits.max_tokens,
-                          self.clock, self.metrics, self.predictor, self.key_limits, router_events),
+                          self.clock, self.metrics, self.predictor, self.key_limits, router_events,
+                          cfg.stream_interval_tokens),
             self.server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -48,6 +48,7 @@ RATE_WINDOW_S = 5.0  # Stats token rates are averaged over this window
 RESYNC_LAG_S = 0.05  # wall seconds behind schedule after which the engine clock stops chaining steps
 DETOK_CONTEXT_TOKENS = 5  # prompt tokens decoded before the output (vLLM's initial detokenization offset)
 DETOK_MAX_HOLD_TOKENS = 6  # emit text even if it still ends in U+FFFD after this many held tokens
+STREAM_MAX_HOLD_S = 1.0  # a request's `stream_interval_tokens` holds no token longer (a slow decode still streams)
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -125,6 +126,16 @@ class TokenRateMeter:
         if t - t0 <= 1e-3:
             return 0.0, 0.0
         return (prompt_total - p0) / (t - t0), (generation_total - g0) / (t - t0)
+
+
+def _merged(
+    held: worker_pb2.WorkerGenerateChunk, chunk: worker_pb2.WorkerGenerateChunk
+) -> worker_pb2.WorkerGenerateChunk:
+    """`held` followed by `chunk`, as one chunk: ids and text appended, the final chunk's fields taken."""
+    text = held.text + chunk.text
+    held.MergeFrom(chunk)  # repeated token ids append; finish reason and usage (set only on the last) are copied
+    held.text = text
+    return held
 
 
 class _Stream:
@@ -655,9 +666,27 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if rid in w.streams:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running")
         stream = await self._admit(request, rid, received_at, context)
+        interval = request.stream_interval_tokens
+        held: worker_pb2.WorkerGenerateChunk | None = None  # token ids kept back for `stream_interval_tokens`
+        held_since = 0.0
         try:
             while True:
                 chunk = await self._consume(stream, await stream.take(), context)
+                if chunk is not None and interval > 1:
+                    if held is not None:
+                        chunk = _merged(held, chunk)
+                    now = time.monotonic()
+                    if (
+                        len(chunk.token_ids) < interval
+                        and not stream.is_finished
+                        and stream.num_streamed_tokens > len(chunk.token_ids)  # the first token goes at once
+                    ):
+                        if held is None:
+                            held_since = now
+                        if now - held_since < STREAM_MAX_HOLD_S:
+                            held = chunk
+                            continue
+                    held = None
                 if chunk is not None:
                     yield chunk
                 if stream.is_finished:

@@ -108,6 +108,11 @@ def test_streaming_and_complete(fast_workers: list[procs.Proc], router_factory) 
         assert final.timings.worker_id in {"fw0", "fw1"} and final.timings.attempts == 1
         assert 0 < final.timings.ttft_s <= final.timings.e2e_s
         assert all(ch.request_id == "s1" for ch in chunks)
+        # the request's stream interval: the first token alone, then chunks of at least 5 (the worker gathers them)
+        gathered = list(c.generate(MODEL, prompt="Tell me a story", max_tokens=23, ignore_eos=True,
+                                   stream_interval_tokens=5))
+        assert all(len(ch.token_ids) >= 5 for ch in gathered[1:-1]), [len(ch.token_ids) for ch in gathered]
+        assert len(gathered[0].token_ids) < 23 and sum(len(ch.token_ids) for ch in gathered) == 23
 
         resp = c.complete(MODEL, messages=[("system", "be brief"), ("user", "hi")], max_tokens=8, ignore_eos=True)
         assert len(resp.token_ids) == 8 and resp.finish_reason == common_pb2.FINISH_REASON_LENGTH
@@ -122,8 +127,8 @@ def test_streaming_and_complete(fast_workers: list[procs.Proc], router_factory) 
             lambda: {s.worker_id: s.num_resident_blocks for s in c.list_workers()}[served] >= 4,
             what="prefix view holds the prompt's blocks",
         )
-    assert metric(router, "switchyard_requests_total", model=MODEL, status="ok") == 9
-    assert metric(router, "switchyard_routing_decision_seconds_count") == 9
+    assert metric(router, "switchyard_requests_total", model=MODEL, status="ok") == 10
+    assert metric(router, "switchyard_routing_decision_seconds_count") == 10
 
 
 def test_error_statuses(fast_workers: list[procs.Proc], router_factory) -> None:  # type: ignore[no-untyped-def]

@@ -409,6 +409,11 @@ def test_streaming_generation_through_the_router(vllm_workers: list[VllmProc], r
             timeout=60,
         )
         assert list(again.token_ids) == [t for ch in chunks for t in ch.token_ids]
+        # a stream interval cuts the same tokens into fewer chunks: the first alone, then at least 6 at a time
+        gathered = list(c.generate(MODEL, prompt="Tell me a story about a fox", max_tokens=24, ignore_eos=True,
+                                   temperature=0.0, stream_interval_tokens=6, timeout=60))
+        assert [t for ch in gathered for t in ch.token_ids] == list(again.token_ids)
+        assert all(len(ch.token_ids) >= 6 for ch in gathered[1:-1]), [len(ch.token_ids) for ch in gathered]
         tok = load_tokenizer(str(TOKENIZER))
         assert again.text == "".join(ch.text for ch in chunks)
         assert again.text.strip() == tok.decode(list(again.token_ids)).strip()

@@ -22,6 +22,7 @@ from polling import until_async
 
 from switchyard.auth import KeySpec
 from switchyard.router.admission import LONG_INPUT, AdmittedRequest, Sampling
+from switchyard.router.api import COMPLETE_STREAM_INTERVAL
 from switchyard.router.client import AsyncRouterClient
 from switchyard.router.clock import RealClock
 from switchyard.router.config import load_config
@@ -125,6 +126,7 @@ async def test_streaming_generate_end_to_end() -> None:
         # token ids only reach the worker, with the BOS the router added
         assert list(w.received[0].prompt_token_ids) == TOK.encode("Hello there, router")
         assert w.received[0].sampling.max_tokens == 5
+        assert w.received[0].stream_interval_tokens == 1  # each token as it comes, unless configured or asked
         assert sample(daemon, "switchyard_requests_total", model="m", worker="w0", status="ok") == 1
         assert sample(daemon, "switchyard_ttft_seconds_count", model="m") == 1
         assert sample(daemon, "switchyard_routing_decision_seconds_count", policy=DEFAULT_POLICY) == 1
@@ -140,6 +142,17 @@ async def test_complete_relays_the_workers_text() -> None:
         assert resp.text == "<1000><1001><1002><1003><1004><1005>"
         assert resp.finish_reason == common_pb2.FINISH_REASON_LENGTH and resp.timings.worker_id == "w0"
         assert list(w.received[0].prompt_token_ids) == TOK.apply_chat_template([_msg("user", "hi")])
+
+
+async def test_the_stream_interval_reaches_the_worker() -> None:
+    """Generate asks the worker for the request's stream interval, else the router's default; Complete for as few
+    chunks as the worker's hold limit allows (nobody reads them before the end)."""
+    w = FakeWorker("w0")
+    async with stack([w], server={"stream_interval_tokens": 4}) as (_daemon, client):
+        assert len([c async for c in client.generate("m", prompt="a", max_tokens=2)]) == 2
+        assert len([c async for c in client.generate("m", prompt="b", max_tokens=2, stream_interval_tokens=16)]) == 2
+        assert len((await client.complete("m", prompt="c", max_tokens=2)).token_ids) == 2
+    assert [r.stream_interval_tokens for r in w.received] == [4, 16, COMPLETE_STREAM_INTERVAL]
 
 
 def _msg(role: str, content: str):  # type: ignore[no-untyped-def]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -22,6 +23,7 @@ from switchyard.workers.engine import kv_events as kv
 from switchyard.workers.engine.types import FinishReason, RequestOutput
 from switchyard.workers.sim_worker import (
     SNAPSHOT_BATCH_BLOCKS,
+    STREAM_MAX_HOLD_S,
     SUBSCRIBER_QUEUE_BATCHES,
     IncrementalDetokenizer,
     KvEventHub,
@@ -144,6 +146,53 @@ async def test_generate_streams_max_tokens_with_text(worker: WorkerProc) -> None
     detok = IncrementalDetokenizer(load_tokenizer(), prompt)
     assert "".join(c.text for c in chunks) == detok.add(token_ids, final=True)
     assert "".join(c.text for c in chunks).strip()
+
+
+async def test_a_stream_interval_gathers_the_tokens_after_the_first(worker: WorkerProc) -> None:
+    """`stream_interval_tokens` changes how the tokens are cut into chunks, never which: the first token goes
+    alone (TTFT), every later chunk but the final one holds at least the interval, and an interval past the output
+    leaves just the first token and the final chunk."""
+    prompt = prompt_of("Chunks of tokens, please.")
+
+    def request(rid: str, interval: int) -> worker_pb2.WorkerGenerateRequest:
+        req = gen_request(rid, prompt, 30, seed=3)
+        req.stream_interval_tokens = interval
+        return req
+
+    async with grpc.aio.insecure_channel(worker.address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        each = await collect(stub, request("iv-1", 0))
+        by_four = await collect(stub, request("iv-4", 4))
+        whole = await collect(stub, request("iv-all", 1_000))
+    for chunks in (each, by_four, whole):
+        assert [t for c in chunks for t in c.token_ids] == [t for c in each for t in c.token_ids]
+        assert "".join(c.text for c in chunks) == "".join(c.text for c in each)
+        assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert chunks[-1].usage.completion_tokens == 30
+        assert all(c.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
+        assert 0 < chunks[0].first_token_at == chunks[-1].first_token_at
+    assert all(len(c.token_ids) >= 4 for c in by_four[1:-1])
+    assert len(whole) == 2 and 1 <= len(whole[0].token_ids) < 30
+
+
+async def test_a_held_token_waits_at_most_the_hold_limit() -> None:
+    """A slow decode still streams with a huge interval: tokens held for STREAM_MAX_HOLD_S go out (so a router's
+    stall watchdog hears from the stream), ~36 ms a step here, 60 steps."""
+    slow = start_worker("--time-scale", "4")
+    try:
+        async with grpc.aio.insecure_channel(slow.address) as ch:
+            req = gen_request("hold-1", prompt_of("slowly"), 60)
+            req.stream_interval_tokens = 1_000
+            call = worker_pb2_grpc.WorkerStub(ch).Generate(req)
+            chunks, arrived = [], []
+            async for chunk in call:
+                chunks.append(chunk)
+                arrived.append(time.monotonic())
+    finally:
+        assert slow.stop() == 0
+    assert sum(len(c.token_ids) for c in chunks) == 60
+    assert len(chunks) >= 3  # the first token, at least one chunk the hold limit let go, the final chunk
+    assert all(b - a < STREAM_MAX_HOLD_S + 0.5 for a, b in zip(arrived[1:], arrived[2:], strict=False))
 
 
 async def test_stop_string_ends_generation_and_aborts_in_engine(worker: WorkerProc) -> None:
