@@ -463,11 +463,14 @@ cdef inline object _fast_seq(object seq):
     return list(seq)
 
 
+cdef size_t _BLOCKSET_SHRINK_FROM = 1024  # slots: smaller tables never shrink (9 KiB)
+
+
 cdef class BlockSet:
     """A set of block hashes (ints in [0, 2**64)): the operations of `set` that E2's evicted blocks and the fleet's
     `PrefixIndex` use (add, discard, update, difference_update, intersection, in, len, iteration), kept in a C
-    open-addressing table of uint64 (linear probing at load <= 0.7, backward-shift deletion) with no Python int
-    per member. `update` and `add` refuse anything else (ValueError); `discard`, `difference_update` and `in`
+    open-addressing table of uint64 (linear probing at load <= 0.7, backward-shift deletion, a smaller table below
+    load 0.1: `_shrink`) with no Python int per member. `update` and `add` refuse anything else (ValueError); `discard`, `difference_update` and `in`
     treat it as absent. The tree's `gc` and `match_cached` read and prune it in C (`RadixTree.block_set`).
 
     NOTE: not the block index's table (16-byte key + node slots), on purpose: most reads here are of absent
@@ -508,7 +511,14 @@ cdef class BlockSet:
         return -1
 
     cdef int _grow(self) except -1:
-        cdef size_t old_cap = self._cap, cap = self._cap * 2, mask = cap - 1, i, j
+        if self._rehash(self._cap * 2) < 0:
+            raise MemoryError()
+        return 0
+
+    cdef int _rehash(self, size_t cap) noexcept:
+        """Move the members into a table of `cap` slots (a power of two that holds them); -1 (nothing changed)
+        where it cannot be allocated."""
+        cdef size_t old_cap = self._cap, mask = cap - 1, i, j
         cdef uint64_t* old_keys = self._keys
         cdef unsigned char* old_used = self._used
         cdef uint64_t* keys = <uint64_t*>PyMem_Calloc(cap, sizeof(uint64_t))
@@ -516,7 +526,7 @@ cdef class BlockSet:
         if keys == NULL or used == NULL:
             PyMem_Free(keys)
             PyMem_Free(used)
-            raise MemoryError()
+            return -1
         for i in range(old_cap):
             if old_used[i]:
                 j = _home(old_keys[i], mask)
@@ -564,6 +574,22 @@ cdef class BlockSet:
             i = j
         self._used[i] = 0
         self._n -= 1
+        if self._n * 10 < <Py_ssize_t>self._cap and self._cap > _BLOCKSET_SHRINK_FROM:
+            self._shrink()
+
+    cdef void _shrink(self) noexcept:
+        """Below load 0.1, move into the smallest table at load <= 0.35 (a grow leaves 0.35): a set emptied after
+        a burst gives its memory back, and a set must halve again, or grow 2x, before the next resize. A failed
+        allocation keeps the larger table."""
+        cdef size_t cap = _BLOCKSET_SHRINK_FROM
+        while <Py_ssize_t>cap * 35 < self._n * 100:
+            cap *= 2
+        if cap < self._cap:
+            self._rehash(cap)
+
+    def __sizeof__(self):
+        """The object and its table (`sys.getsizeof`): 9 bytes a slot."""
+        return sizeof(BlockSet) + self._cap * (sizeof(uint64_t) + 1)
 
     def add(self, h):
         cdef uint64_t k

@@ -393,6 +393,27 @@ def test_block_set_behaves_as_a_set(seed: int) -> None:
     assert len(bs) == 0 and bs == set()
 
 
+@pytest.mark.skipif(_radix_c is None, reason="the Cython build did not load (test_c_extension_loaded fails)")
+def test_a_block_set_emptied_after_a_burst_gives_its_table_back() -> None:
+    """E2's evicted sets fill in a burst and empty as the blocks are stored again or collected: the table shrinks
+    below load 0.1 (`sys.getsizeof` reads it), keeping every member, and grows again with the next burst."""
+    import sys
+
+    burst = [(k * 0x9E3779B97F4A7C15) % 2**64 for k in range(1, 50_001)]
+    bs = _radix_c.BlockSet(burst)
+    peak = sys.getsizeof(bs)
+    assert peak >= len(burst) / 0.7 * 9
+    for cut in range(0, 49_000, 7_000):  # remove in steps, checking the members at each
+        bs.difference_update(burst[cut : cut + 7_000])
+        kept = burst[cut + 7_000 :]
+        assert len(bs) == len(kept) and all(h in bs for h in kept[::97]) and burst[cut] not in bs
+    bs.difference_update(burst[49_000:49_990])
+    assert sorted(bs) == sorted(burst[49_990:])
+    assert sys.getsizeof(bs) <= 1_024 * 9 + 256  # the smallest table that shrinks
+    bs.update(burst)
+    assert len(bs) == len(burst) and sys.getsizeof(bs) == peak
+
+
 TOKENS = st.lists(st.integers(min_value=0, max_value=2), min_size=0, max_size=7)
 WORKERS = st.sampled_from(["w0", "w1", "w2"])
 
