@@ -470,8 +470,9 @@ cdef class BlockSet:
     """A set of block hashes (ints in [0, 2**64)): the operations of `set` that E2's evicted blocks and the fleet's
     `PrefixIndex` use (add, discard, update, difference_update, intersection, in, len, iteration), kept in a C
     open-addressing table of uint64 (linear probing at load <= 0.7, backward-shift deletion, a smaller table below
-    load 0.1: `_shrink`) with no Python int per member. `update` and `add` refuse anything else (ValueError); `discard`, `difference_update` and `in`
-    treat it as absent. The tree's `gc` and `match_cached` read and prune it in C (`RadixTree.block_set`).
+    load 0.1: `_shrink`) with no Python int per member. `update` and `add` refuse anything else (ValueError);
+    `discard`, `difference_update` and `in` treat it as absent. The tree's `gc` and `match_cached` read and prune
+    it in C (`RadixTree.block_set`).
 
     NOTE: not the block index's table (16-byte key + node slots), on purpose: most reads here are of absent
     hashes (`match_cached` asks each block of an assigned run), and an absent key ends at the first empty slot,
