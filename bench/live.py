@@ -424,21 +424,28 @@ def _text_prompts(rng: np.random.Generator, words: list[str], n: int, prompt_len
     ]
 
 
-async def _via_http(session: Any, url: str, s: Sample, prompt: str, max_tokens: int) -> None:
-    """One streaming /v1/completions request; the response `id` (= X-Request-Id) keys the worker timings."""
+async def _via_http(
+    session: Any, url: str, s: Sample, prompt: str, max_tokens: int, stream_interval: int = 0
+) -> None:
+    """One streaming /v1/completions request; the response `id` (= X-Request-Id) keys the worker timings.
+    `stream_interval`: vLLM's field of that name (0: not sent), which smg and vllm-router pass on."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
+    if stream_interval:
+        body["stream_interval"] = stream_interval
     try:
         async with session.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": s.request_id}) as r:
             if r.status != 200:
                 await r.read()
                 return
             async for line in r.content:
-                if not s.first_at and line.startswith(b"data: {"):
-                    chunk = json.loads(line[6:])
-                    if chunk.get("choices"):
-                        s.first_at = time.time()
-                        s.request_id = chunk.get("id") or s.request_id
+                if line.startswith(b"data: {"):
+                    s.chunks += 1  # SSE events, the usage event included
+                    if not s.first_at:
+                        chunk = json.loads(line[6:])
+                        if chunk.get("choices"):
+                            s.first_at = time.time()
+                            s.request_id = chunk.get("id") or s.request_id
         s.done_at = time.time()
         s.ok = bool(s.first_at)
     except (TimeoutError, OSError, ValueError, aiohttp.ClientError):
@@ -458,7 +465,7 @@ async def run_peers(
     eps = [peers.WorkerEndpoints(w.extra["http"], w.extra.get("zmq", ""), w.extra.get("zmq_replay", ""))
            for w in workers]  # fmt: skip
     words = _word_pool()
-    out: dict[str, Any] = {"transport": "http", "runs": []}
+    out: dict[str, Any] = {"transport": "http", "runs": [], "stream_interval": args.stream_interval}
     tmp = logs[0].parent
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
@@ -476,19 +483,20 @@ async def run_peers(
             rng = np.random.default_rng(seed)
             await flush()
             warm = _text_prompts(rng, words, 20, args.prompt_len, args.prefix_groups)
-            await _drive(send, 20, 1.0, warm, f"{label}-{policy}-warm", rng)
+            await _drive(lambda s, p: send(s, p, 0), 20, 1.0, warm, f"{label}-{policy}-warm", rng)
             run: dict[str, Any] = {"router": label, "policy": policy, "steps": []}
             if proc is not None:
                 cpu0, t0 = proc.cpu_seconds(), time.perf_counter()
                 await asyncio.sleep(args.idle_probe_s)
                 run["router_idle_cpu_frac"] = (proc.cpu_seconds() - cpu0) / (time.perf_counter() - t0)
                 run["pid"] = proc.pid
-            for rate in rates:
+            async def one_pass(rate: float, interval: int) -> dict[str, Any]:
                 prompts = _text_prompts(rng, words, int(rate * args.duration) + 1, args.prompt_len,
                                         args.prefix_groups)  # fmt: skip
                 cpu0 = proc.cpu_seconds() if proc is not None else 0.0
                 t0 = time.perf_counter()
-                samples = await _drive(send, rate, args.duration, prompts, f"{label}-{policy}-{rate:g}", rng)
+                samples = await _drive(lambda s, p: send(s, p, interval), rate, args.duration, prompts,
+                                       f"{label}-{policy}-{rate:g}-i{interval}", rng)  # fmt: skip
                 wall = time.perf_counter() - t0
                 step = _step_result(samples, _read_timings(logs), rate, wall)
                 if proc is not None:
@@ -497,17 +505,24 @@ async def run_peers(
                     step["router_cpu_us_per_request_net"] = (
                         max(0.0, cpu_s - run["router_idle_cpu_frac"] * wall) / max(1, len(samples)) * 1e6
                     )
-                run["steps"].append(step)
                 a = step["added_ttft_ms"]
                 cpu = f"  CPU {step['router_cpu_us_per_request']:.0f} us/req" if proc is not None else ""
-                print(f"[{label} {policy}] rate {rate:7.1f}/s  ok {step['num_ok']}/{step['num_requests']}  "
-                      f"added TTFT p50 {a['p50']:.2f} ms p99 {a['p99']:.2f} ms  hit {step['hit_ratio']:.2f}{cpu}",
-                      flush=True)  # fmt: skip
+                print(f"[{label} {policy}{f' interval {interval}' if interval else ''}] rate {rate:7.1f}/s  "
+                      f"ok {step['num_ok']}/{step['num_requests']}  added TTFT p50 {a['p50']:.2f} ms "
+                      f"p99 {a['p99']:.2f} ms  hit {step['hit_ratio']:.2f}  "
+                      f"{step['chunks_per_request']:.1f} events/req{cpu}", flush=True)  # fmt: skip
+                return step
+
+            for rate in rates:
+                step = await one_pass(rate, 0)
+                if args.stream_interval > 1:  # the same router and load, each request asking for gathered events
+                    step["gathered"] = await one_pass(rate, args.stream_interval)
+                run["steps"].append(step)
             return run
 
         rr = itertools.cycle([ep.url for ep in eps])
         out["runs"].append(await steps(
-            "direct", "round_robin", lambda s, p: _via_http(session, next(rr), s, p, args.output_len), None,
+            "direct", "round_robin", lambda s, p, n: _via_http(session, next(rr), s, p, args.output_len, n), None,
             args.seed + 1))  # fmt: skip
         for k, pair in enumerate(args.peer_routers.split(",")):
             name, policy = pair.split(":")
@@ -515,7 +530,7 @@ async def run_peers(
             router = peers.start_router(name, policy, eps, block_size, MODEL, log_path)
             try:
                 out["runs"].append(await steps(
-                    name, policy, lambda s, p, u=router.url: _via_http(session, u, s, p, args.output_len),
+                    name, policy, lambda s, p, n, u=router.url: _via_http(session, u, s, p, args.output_len, n),
                     router, args.seed + 2 + k))  # fmt: skip
             finally:
                 router.stop()
@@ -558,6 +573,28 @@ def peers_markdown(p: dict[str, Any]) -> str:
         "`bench relay`, the router's Generate on Switchyard's grpc.aio/uvloop stack with no routing logic. "
         "Hit ratio: prefix-cached / prompt tokens, from the workers' timings. Router CPU from /proc/<pid>/stat.",
     ]
+    gathered = [(run, s) for run in runs for s in run["steps"] if "gathered" in s]
+    if gathered:
+        n = p["stream_interval"]
+        lines += [
+            "",
+            f"Stream interval {n}, each router and load measured again right after its default pass, every request "
+            f"asking for chunks of at least {n} tokens after the first (gRPC `stream_interval_tokens`; HTTP: vLLM's "
+            "`stream_interval` field, which smg and vllm-router pass on to the workers):",
+            "",
+            "| router | policy | offered req/s | chunks (events)/req, default → gathered | router CPU us/req net, "
+            "default → gathered | ratio | router-added TTFT p50 / p99 ms, default → gathered |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for run, s in gathered:
+            g, a, ga = s["gathered"], s["added_ttft_ms"], s["gathered"]["added_ttft_ms"]
+            net, gnet = s.get("router_cpu_us_per_request_net"), g.get("router_cpu_us_per_request_net")
+            cpu = "- | -" if net is None or gnet is None else f"{net:.0f} → {gnet:.0f} | ×{gnet / max(net, 1e-9):.2f}"
+            lines.append(
+                f"| {run['router']} | {run['policy']} | {s['offered_rate']:g} "
+                f"| {s['chunks_per_request']:.1f} → {g['chunks_per_request']:.1f} | {cpu} "
+                f"| {a['p50']:.2f} / {a['p99']:.2f} → {ga['p50']:.2f} / {ga['p99']:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -576,7 +613,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--prefix-groups", type=int, default=8)
     p.add_argument("--stream-interval", type=int, default=0,
-                   help="also run each rate with requests asking for chunks of this many tokens (0: no such pass)")
+                   help="also run each rate with requests asking for chunks of this many tokens (0: no such pass); with "
+                   "--peers, through each peer router too (vLLM's `stream_interval` field)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--idle-probe-s", type=float, default=2.0, help="seconds to measure idle router CPU")
     p.add_argument("--out", default="results/live")

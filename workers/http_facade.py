@@ -15,7 +15,8 @@ Prompts: `"prompt"` is a string or a list of token ids (a one-element batch of e
 requests go through the router's chat template (`Tokenizer.apply_chat_template`). The extra SGLang fields the
 routers add (`echo`, `no_stop_trim`, `ignore_eos`, `skip_special_tokens`, `return_hidden_states`,
 `max_completion_tokens`, `continue_final_message`, `separate_reasoning`, ...) are accepted; `ignore_eos`,
-`echo` and `max_completion_tokens` are honoured.
+`echo` and `max_completion_tokens` are honoured, and so is vLLM's `stream_interval` (SSE events of at least that
+many tokens after the first, raised to the worker's `--stream-interval`, as vLLM does).
 
 Request ids: the engine and the timings log use the HTTP request's id: the `X-Request-Id` header when present,
 else a generated `cmpl-<hex>` (`chatcmpl-<hex>` for chat). The client learns it from the response's `id` field
@@ -43,6 +44,7 @@ from aiohttp import web
 
 from switchyard.v1 import common_pb2, worker_pb2
 from switchyard.workers.engine.types import EngineRequest
+from switchyard.workers.sim_worker import ChunkGatherer, stream_interval
 from switchyard.workers.tokenizer import ChatMessage
 
 if TYPE_CHECKING:
@@ -419,7 +421,11 @@ class HttpFacade:
         opts = body.get("stream_options") or {}
         if not isinstance(opts, dict):
             raise BadRequest(f"stream_options must be an object (got {opts!r})")
-        return {"priority": priority, **names, "include_usage": bool(opts.get("include_usage"))}
+        interval = body.get("stream_interval")  # vLLM's: token ids per streamed chunk, at least
+        if interval is not None and (not _is_int(interval) or interval < 1):
+            raise BadRequest(f"stream_interval must be an integer >= 1 (got {interval!r})")
+        return {"priority": priority, **names, "include_usage": bool(opts.get("include_usage")),
+                "stream_interval": interval or 0}  # fmt: skip
 
     def _validate_prompt(self, ids: list[int]) -> None:
         cfg = self.w.core.config
@@ -450,10 +456,13 @@ class HttpFacade:
             stream = w.add(engine_request, sp["stop"], received_at)
         except ValueError as e:
             raise BadRequest(str(e)) from e
+        gather = ChunkGatherer(stream_interval(opts["stream_interval"], w.stream_interval))
         try:
             while True:
                 items = await stream.take()
                 chunk = stream.consume(items)  # RuntimeError if the engine loop failed
+                if chunk is not None:
+                    chunk = gather.add(chunk, stream.is_finished)
                 if chunk is not None:
                     yield chunk
                 if stream.is_finished:

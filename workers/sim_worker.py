@@ -138,6 +138,59 @@ def _merged(
     return held
 
 
+class ChunkGatherer:
+    """Cuts one stream's chunks into chunks of at least `interval` token ids (vLLM's `stream_interval`), so a
+    streaming client and every hop before it handle N times fewer messages. Which tokens, and when the first and
+    the last arrive, never change: the first chunk and the final one go at once, and no token is held longer than
+    `STREAM_MAX_HOLD_S` (a slow decode still streams). The gRPC Generate and the HTTP facade share it."""
+
+    __slots__ = ("interval", "_held", "_held_since", "_sent")
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self._held: worker_pb2.WorkerGenerateChunk | None = None
+        self._held_since = 0.0
+        self._sent = False
+
+    def add(self, chunk: worker_pb2.WorkerGenerateChunk, finished: bool) -> worker_pb2.WorkerGenerateChunk | None:
+        """The chunk to send now (`chunk`, after what was held), or None while it is held."""
+        if self.interval <= 1:
+            return chunk
+        if self._held is not None:
+            chunk = _merged(self._held, chunk)
+        if self._sent and not finished and len(chunk.token_ids) < self.interval:
+            now = time.monotonic()
+            if self._held is None:
+                self._held_since = now
+            if now - self._held_since < STREAM_MAX_HOLD_S:
+                self._held = chunk
+                return None
+        self._held = None
+        self._sent = True
+        return chunk
+
+
+def stream_interval(requested: int, worker_floor: int) -> int:
+    """A request's effective stream interval: what it asked for (0: not set), raised to the worker's
+    `--stream-interval`, as vLLM clamps a request's `stream_interval` up to its engine-level one."""
+    return max(requested, worker_floor, 1)
+
+
+def add_stream_interval_arg(p: argparse.ArgumentParser) -> None:
+    """`--stream-interval`, the sim and the vLLM worker's (vLLM's engine flag of the same name and meaning)."""
+    def at_least_one(text: str) -> int:
+        n = int(text)
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"must be at least 1 (got {n})")
+        return n
+
+    p.add_argument(
+        "--stream-interval", type=at_least_one, default=1,
+        help="token ids per streamed chunk, at least (the first and the last go at once; a request may ask for "
+        "more, never less): fewer messages for the router and the client, as vLLM's --stream-interval",
+    )  # fmt: skip
+
+
 class _Stream:
     """One Generate call's state: outputs queued by the engine loop, consumed by the RPC handler."""
 
@@ -432,6 +485,7 @@ class SimWorker:
         self.time_scale = time_scale
         self.seed = seed
         self.timings_log = timings_log  # JSONL, one line per request: the worker-side timestamps
+        self.stream_interval = 1  # token ids per streamed chunk, at least (`--stream-interval`)
         self.state = worker_pb2.LIFECYCLE_STATE_STARTING
         self.hub = KvEventHub(core.capture_kv_snapshot)
         # Extra KV event consumers, called with each step's events (the vLLM-format ZMQ publisher).
@@ -666,27 +720,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if rid in w.streams:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running")
         stream = await self._admit(request, rid, received_at, context)
-        interval = request.stream_interval_tokens
-        held: worker_pb2.WorkerGenerateChunk | None = None  # token ids kept back for `stream_interval_tokens`
-        held_since = 0.0
+        gather = ChunkGatherer(stream_interval(request.stream_interval_tokens, w.stream_interval))
         try:
             while True:
                 chunk = await self._consume(stream, await stream.take(), context)
-                if chunk is not None and interval > 1:
-                    if held is not None:
-                        chunk = _merged(held, chunk)
-                    now = time.monotonic()
-                    if (
-                        len(chunk.token_ids) < interval
-                        and not stream.is_finished
-                        and stream.num_streamed_tokens > len(chunk.token_ids)  # the first token goes at once
-                    ):
-                        if held is None:
-                            held_since = now
-                        if now - held_since < STREAM_MAX_HOLD_S:
-                            held = chunk
-                            continue
-                    held = None
+                if chunk is not None:
+                    chunk = gather.add(chunk, stream.is_finished)
                 if chunk is not None:
                     yield chunk
                 if stream.is_finished:
@@ -848,6 +887,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kv-events-topic", default="", help="topic frame of the ZMQ KV event messages")
     p.add_argument("--log-level", default="INFO")
+    add_stream_interval_arg(p)
     add_server_args(p)
     return p
 
@@ -932,6 +972,7 @@ async def serve(args: argparse.Namespace) -> int:
         args.seed,
         timings_log,
     )
+    worker.stream_interval = args.stream_interval
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -226,6 +226,7 @@ class VllmWorker:
         self.hash_algo = hash_algo
         self.hash_seed = hash_seed
         self.priority_scheduling = priority_scheduling
+        self.stream_interval = 1  # token ids per streamed chunk, at least (`--stream-interval`)
         cfg = engine.vllm_config
         self.block_size = int(cfg.cache_config.block_size)
         self.num_blocks = int(cfg.cache_config.num_gpu_blocks or 0)
@@ -531,6 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--drain-timeout", type=float, default=30.0, help="SIGTERM: seconds in-flight requests get"
     )
     p.add_argument("--log-level", default="INFO")
+    sim_worker.add_stream_interval_arg(p)
     add_server_args(p)
     return p
 
@@ -660,6 +662,7 @@ async def serve(args: argparse.Namespace) -> int:
         hash_seed,
         args.scheduling_policy == "priority",
     )
+    worker.stream_interval = args.stream_interval
     holder.append(worker)
     worker_pb2_grpc.add_WorkerServicer_to_server(VllmServicer(worker), server)
     health_servicer = health.aio.HealthServicer()

@@ -39,8 +39,9 @@ WORKER_ARGS = [
 
 
 class Worker:
-    def __init__(self, popen: subprocess.Popen[str], extra: dict[str, str], timings: Path) -> None:
+    def __init__(self, popen: subprocess.Popen[str], extra: dict[str, str], timings: Path, address: str) -> None:
         self.popen = popen
+        self.address = address  # gRPC
         self.url = f"http://{extra['http']}"
         self.zmq = extra["zmq"]
         self.zmq_replay = extra["zmq_replay"]
@@ -54,10 +55,10 @@ class Worker:
         return None
 
 
-def start_worker(timings: Path, timeout_s: float = 30.0) -> Worker:
-    args = ["worker", "sim", "--port", "0", *WORKER_ARGS, "--timings-log", str(timings)]
+def start_worker(timings: Path, *extra: str, timeout_s: float = 30.0) -> Worker:
+    args = ["worker", "sim", "--port", "0", *WORKER_ARGS, "--timings-log", str(timings), *extra]
     p = procs.start("worker", args, timeout_s=timeout_s)
-    return Worker(p.popen, p.extra, timings)
+    return Worker(p.popen, p.extra, timings, p.address)
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +162,70 @@ async def test_completion_sse_stream_with_usage(worker: Worker) -> None:
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
 
 
+def event_ids(events: list[dict]) -> list[list[int]]:
+    """Each SSE event's token ids (the usage event, with no choices, left out)."""
+    return [e["choices"][0]["token_ids"] for e in events if e["choices"]]
+
+
+async def test_stream_interval_gathers_the_sse_events(worker: Worker) -> None:
+    """vLLM's per-request `stream_interval` cuts the same tokens into fewer events: the first alone, then at least
+    the interval each until the last; the text is unchanged, on completions and on chat."""
+    prompt = load_tokenizer().encode("Gather the streamed tokens")
+    body = {"prompt": prompt, "max_tokens": 23, "ignore_eos": True, "stream": True, "seed": 5,
+            "stream_options": {"include_usage": True}, "return_token_ids": True}  # fmt: skip
+    chat = {"messages": [{"role": "user", "content": "Gather"}], "max_tokens": 23, "ignore_eos": True,
+            "stream": True, "seed": 5}  # fmt: skip
+    async with aiohttp.ClientSession() as s:
+        each = await sse(s, f"{worker.url}/v1/completions", body)
+        by_five = await sse(s, f"{worker.url}/v1/completions", {**body, "stream_interval": 5})
+        chat_each = await sse(s, f"{worker.url}/v1/chat/completions", chat)
+        chat_by_five = await sse(s, f"{worker.url}/v1/chat/completions", {**chat, "stream_interval": 5})
+    ids, gathered = event_ids(each), event_ids(by_five)
+    assert [t for e in gathered for t in e] == [t for e in ids for t in e] and len(gathered[0]) == 1
+    assert all(len(e) >= 5 for e in gathered[1:-1]) and len(gathered) <= 6
+    assert "".join(e["choices"][0]["text"] for e in by_five if e["choices"]) == "".join(
+        e["choices"][0]["text"] for e in each if e["choices"])  # fmt: skip
+    assert by_five[-1]["usage"]["completion_tokens"] == 23 and by_five[-2]["choices"][0]["finish_reason"] == "length"
+
+    def text(events: list[dict]) -> str:
+        return "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+
+    assert len(chat_by_five) <= 7  # the role event, the first token, 4 chunks of 5 or more (22 tokens)
+    assert text(chat_by_five) == text(chat_each)
+    assert chat_by_five[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_the_worker_stream_interval_is_a_floor_on_both_transports(tmp_path: Path) -> None:
+    """`--stream-interval 4` gathers what a request leaves unset, over HTTP and gRPC alike, and a request may ask
+    for more, never less (vLLM's engine-level clamp)."""
+    import grpc
+
+    from switchyard.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+    w = start_worker(tmp_path / "timings.jsonl", "--stream-interval", "4")
+    try:
+        prompt = load_tokenizer().encode("A floor on the interval")
+        body = {"prompt": prompt, "max_tokens": 21, "ignore_eos": True, "stream": True, "return_token_ids": True}
+        async with aiohttp.ClientSession() as s:
+            unset = event_ids(await sse(s, f"{w.url}/v1/completions", body))
+            fewer = event_ids(await sse(s, f"{w.url}/v1/completions", {**body, "stream_interval": 2}))
+            more = event_ids(await sse(s, f"{w.url}/v1/completions", {**body, "stream_interval": 8}))
+        async with grpc.aio.insecure_channel(w.address) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            req = worker_pb2.WorkerGenerateRequest(
+                request_id="floor-grpc", prompt_token_ids=prompt,
+                sampling=common_pb2.SamplingParams(max_tokens=21, ignore_eos=True),
+            )  # fmt: skip
+            via_grpc = [list(c.token_ids) async for c in stub.Generate(req)]
+    finally:
+        w.popen.send_signal(signal.SIGTERM)
+        assert w.popen.wait(timeout=15) == 0
+    for chunks, least in ((unset, 4), (fewer, 4), (more, 8), (via_grpc, 4)):
+        assert sum(map(len, chunks)) == 21
+        assert len(chunks[0]) == 1 and all(len(c) >= least for c in chunks[1:-1]), (least, chunks)
+        assert len(chunks) <= 2 + 20 // least
+
+
 async def test_chat_json_and_stream_apply_the_chat_template(worker: Worker) -> None:
     msgs = [
         {"role": "system", "content": "Be brief."},
@@ -211,7 +276,8 @@ async def test_bad_requests_are_400(worker: Worker) -> None:
                      {"prompt": "x", "priority": [1]}, {"prompt": "x", "priority": "high"},
                      {"prompt": "x", "stop": 5}, {"prompt": "x", "stop": ["a", 5]},
                      {"prompt": "x", "stream": True, "stream_options": [1]}, {"prompt": "x", "lora_name": 5},
-                     {"prompt": "x", "cache_salt": {"a": 1}}):  # fmt: skip
+                     {"prompt": "x", "cache_salt": {"a": 1}}, {"prompt": "x", "stream_interval": 0},
+                     {"prompt": "x", "stream_interval": "4"}, {"prompt": "x", "stream_interval": 2.5}):  # fmt: skip
             status, out, _ = await post(s, f"{worker.url}/v1/completions", body)
             assert status == 400, body
             assert out["object"] == "error"

@@ -173,6 +173,20 @@ async def test_a_stream_interval_gathers_the_tokens_after_the_first(worker: Work
     assert len(whole) == 2 and 1 <= len(whole[0].token_ids) < 30
 
 
+@pytest.mark.parametrize("module", ["sim_worker", "vllm_worker"])
+def test_the_worker_stream_interval_flag_is_at_least_one(module: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Both workers take `--stream-interval` (vLLM's flag); 0 is a usage error, not a silent 1."""
+    import importlib
+
+    parser = importlib.import_module(f"switchyard.workers.{module}").build_parser()
+    model = ["--model", "m"] if module == "vllm_worker" else []
+    assert parser.parse_args([*model, "--stream-interval", "3"]).stream_interval == 3
+    assert parser.parse_args(model).stream_interval == 1
+    with pytest.raises(SystemExit):
+        parser.parse_args([*model, "--stream-interval", "0"])
+    assert "must be at least 1" in capsys.readouterr().err
+
+
 async def test_a_held_token_waits_at_most_the_hold_limit() -> None:
     """A slow decode still streams with a huge interval: tokens held for `STREAM_MAX_HOLD_S` (1 s) go out, so a
     router's stall watchdog hears from the stream (~33 ms a step here, 60 steps)."""
