@@ -125,7 +125,8 @@ class RouterMetrics:
         self._policy_counts: dict[tuple[str, str], int] = {}
         self.policy_state = Gauge(
             "switchyard_policy_state", "Sizes of what the routing policy holds, at its last tick (E2: tree nodes and "
-            "blocks, the block index's bytes, requests in flight; `Policy.state_sizes`)", ["policy", "quantity"],
+            "blocks, the block index's bytes, requests in flight; the peers: their trees, tables and indexes; "
+            "`Policy.state_sizes`)", ["policy", "quantity"],
             registry=r,
         )
         self.worker_in_flight = Gauge(

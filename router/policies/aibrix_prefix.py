@@ -145,6 +145,9 @@ class AibrixPrefix(Policy):
             table = self._tables.setdefault(ctx.model, PrefixHashTable(self.config.max_blocks))
             table.add(ctx.block_hashes, decision.worker_id, now)
 
+    def state_sizes(self) -> dict[str, int]:
+        return {"table_blocks": sum(map(len, self._tables.values()))}  # bounded by `max_blocks` per model
+
     def on_tick(self, now: float) -> None:
         if self._last_eviction_s is not None and now - self._last_eviction_s < self.config.eviction_interval_s:
             return

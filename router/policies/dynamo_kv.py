@@ -152,6 +152,11 @@ class DynamoKv(Policy):
         self._requests[ctx.request_id] = _Request(wid, ctx.block_hashes, has_partial, prefill)
         self._prefilling.add(ctx.request_id)
 
+    def state_sizes(self) -> dict[str, int]:
+        # Dynamo's ActiveSequences: what its decode-block term counts; the overlaps come from the router's index
+        return {"in_flight_requests": len(self._requests),
+                "active_blocks": sum(len(a.block_refs) for a in self._active.values())}  # fmt: skip
+
     def on_peer_dispatch(self, ctx: RoutingContext, decision: Decision, fleet: FleetView, now: float) -> None:
         """Replica sync's AddRequest carries the overlap the sending router saw: read here from the same KV events."""
         w = fleet.get(decision.worker_id)

@@ -96,6 +96,10 @@ class ApproxPrefixIndex:
     def num_blocks(self, worker_id: str) -> int:
         return len(self._lru.get(worker_id, ()))
 
+    def sizes(self) -> tuple[int, int]:
+        """(distinct block hashes, (worker, hash) entries): what the index holds."""
+        return len(self._holders), sum(map(len, self._lru.values()))
+
 
 class LlmdScorer(Policy):
     name = "llmd_scorer"
@@ -162,3 +166,8 @@ class LlmdScorer(Policy):
         if self.config.auto_tune:
             capacity = self._capacity.get(decision.worker_id, capacity)
         self._index.setdefault(ctx.model, ApproxPrefixIndex()).add(decision.worker_id, hashes, capacity)
+
+    def state_sizes(self) -> dict[str, int]:
+        sizes = [index.sizes() for index in self._index.values()]
+        # entries are bounded by the LRU capacity per worker; blocks count a hash held by several workers once
+        return {"index_blocks": sum(b for b, _ in sizes), "index_entries": sum(e for _, e in sizes)}

@@ -99,6 +99,8 @@ class ApproxTree:
     def __init__(self) -> None:
         self.root = _Node((), None)
         self.tenant_size: dict[str, int] = {}  # worker -> tokens in the nodes it holds
+        self.num_nodes = 0  # below the root
+        self.num_keys = 0  # Σ edge lengths: the tokens (or, with `mesh`, the block hashes) the tree holds
 
     def insert(self, tokens: Sequence[int], tenant: str, now: float) -> None:
         size = self.tenant_size.setdefault(tenant, 0)
@@ -110,6 +112,8 @@ class ApproxTree:
                 leaf.tenants[tenant] = now
                 node.children[tokens[i]] = leaf
                 size += n - i
+                self.num_nodes += 1
+                self.num_keys += n - i
                 break
             k = _shared(child.key, tokens, i)
             if k < len(child.key):  # split: a new parent for the shared part
@@ -120,6 +124,7 @@ class ApproxTree:
                 mid.children[child.key[0]] = child
                 node.children[tokens[i]] = mid
                 child = mid
+                self.num_nodes += 1
             if tenant not in child.tenants:
                 size += len(child.key)
             child.tenants[tenant] = now
@@ -162,6 +167,8 @@ class ApproxTree:
                 assert parent is not None
                 if not node.tenants and not node.children:
                     del parent.children[node.key[0]]
+                    self.num_nodes -= 1
+                    self.num_keys -= len(node.key)
                 if parent is not self.root and tenant in parent.tenants and not any(
                     tenant in c.tenants for c in parent.children.values()
                 ):
@@ -240,6 +247,13 @@ class SmgCacheAware(Policy):
 
     def on_dispatch(self, ctx: RoutingContext, decision: Decision, now: float) -> None:
         self.tree(ctx.model).insert(self._keys(ctx), decision.worker_id, now)
+
+    def state_sizes(self) -> dict[str, int]:
+        trees = self._trees.values()
+        return {"tree_nodes": sum(t.num_nodes for t in trees),
+                "tree_tokens": sum(t.num_keys for t in trees) * self._unit,
+                # what `max_tree_size` bounds, per worker: a shared node counts once per worker holding it
+                "worker_tokens": sum(sum(t.tenant_size.values()) for t in trees) * self._unit}  # fmt: skip
 
     def on_tick(self, now: float) -> None:
         if self._last_eviction_s is None:

@@ -17,9 +17,13 @@ from factories import make_requests, make_stats, make_worker_info
 from hook_fuzz import chained
 
 from switchyard.router.fleet import Fleet, WorkerState
-from switchyard.router.policies.base import WorkerId
+from switchyard.router.policies.aibrix_prefix import AibrixPrefix
+from switchyard.router.policies.base import Decision, Policy, RoutingContext, WorkerId
+from switchyard.router.policies.dynamo_kv import DynamoKv
+from switchyard.router.policies.llmd_scorer import LlmdScorer
 from switchyard.router.policies.oracle_partition import OraclePartition
 from switchyard.router.policies.registry import POLICIES
+from switchyard.router.policies.smg_cache_aware import SmgCacheAware, SmgCacheAwareConfig
 from switchyard.workers.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
 
 
@@ -143,3 +147,62 @@ def churn(name: str, seed: int, steps: int = 400) -> int:
 def test_select_picks_an_allowed_worker_through_churn(name: str) -> None:
     served = [churn(name, seed) for seed in range(8)]
     assert min(served) > 0  # every run routed requests, not only refusals
+
+
+def test_the_peer_policies_report_what_they_hold() -> None:
+    """`state_sizes` (the switchyard_policy_state gauge) follows each stateful peer policy: after random prompts
+    (tokens from a small alphabet, so they share prefixes) it equals an independent count of what each holds, and
+    it falls back as each one's own bound or eviction drops the state."""
+    rng = random.Random(7)
+    workers = [WorkerId("w0"), WorkerId("w1"), WorkerId("w2")]
+    sent: list[tuple[RoutingContext, WorkerId]] = []
+    for i in range(60):
+        tokens = tuple(rng.randrange(4) for _ in range(rng.randint(1, 9)))
+        # one "block" per token: the hash of the prefix ending there
+        ctx = RoutingContext(request_id=f"r{i}", model="m", prompt_token_ids=tokens, max_tokens=4, arrival_s=0.0,
+                             block_hashes=tuple(hash(tokens[: j + 1]) for j in range(len(tokens))))  # fmt: skip
+        sent.append((ctx, rng.choice(workers)))
+    prefixes = {w: {c.prompt_token_ids[: j + 1] for c, x in sent if x == w for j in range(len(c.prompt_token_ids))}
+                for w in workers}  # fmt: skip
+    blocks = {w: {h for c, x in sent if x == w for h in c.block_hashes} for w in workers}
+    everything = set().union(*prefixes.values())
+    # a radix tree's nodes: the prefixes where an inserted prompt ends or that branch
+    branches: dict[tuple[int, ...], set[int]] = {}
+    for p in everything:
+        branches.setdefault(p[:-1], set()).add(p[-1])
+    ends = {c.prompt_token_ids for c, _ in sent}
+    nodes = {p for p in everything if p in ends or len(branches.get(p, ())) >= 2}
+
+    def dispatch_all(policy: Policy) -> None:
+        for ctx, w in sent:
+            policy.on_dispatch(ctx, Decision(worker_id=w), 1.0)
+
+    smg = SmgCacheAware(SmgCacheAwareConfig(max_tree_size=5, eviction_interval_s=1.0))
+    assert smg.state_sizes() == {"tree_nodes": 0, "tree_tokens": 0, "worker_tokens": 0}
+    dispatch_all(smg)
+    sizes = smg.state_sizes()
+    assert (sizes["tree_tokens"], sizes["tree_nodes"]) == (len(everything), len(nodes))
+    assert sizes["worker_tokens"] == sum(map(len, prefixes.values()))
+    smg.on_tick(2.0)
+    smg.on_tick(3.5)  # past the eviction interval: each worker down to 5 tokens
+    after = smg.state_sizes()
+    assert after["tree_tokens"] <= after["worker_tokens"] <= 5 * len(workers) < sizes["worker_tokens"]
+    assert 0 < after["tree_nodes"] < sizes["tree_nodes"]
+
+    aibrix = AibrixPrefix()
+    dispatch_all(aibrix)
+    assert aibrix.state_sizes() == {"table_blocks": len(set().union(*blocks.values()))}
+    aibrix.on_tick(1.0 + aibrix.config.eviction_duration_s + 1)  # every entry untouched past the duration
+    assert aibrix.state_sizes() == {"table_blocks": 0}
+
+    llmd = LlmdScorer()
+    dispatch_all(llmd)
+    assert llmd.state_sizes() == {"index_blocks": len(set().union(*blocks.values())),
+                                  "index_entries": sum(map(len, blocks.values()))}  # fmt: skip
+
+    dynamo = DynamoKv()
+    dispatch_all(dynamo)
+    assert dynamo.state_sizes() == {"in_flight_requests": len(sent), "active_blocks": sum(map(len, blocks.values()))}
+    for ctx, w in sent:
+        dynamo.on_finish(ctx.request_id, w, 2.0, 4)
+    assert dynamo.state_sizes() == {"in_flight_requests": 0, "active_blocks": 0}
