@@ -44,7 +44,7 @@ from aiohttp import web
 
 from switchyard.v1 import common_pb2, worker_pb2
 from switchyard.workers.engine.types import EngineRequest
-from switchyard.workers.sim_worker import ChunkGatherer, stream_interval
+from switchyard.workers.sim_worker import ChunkGatherer, effective_stream_interval
 from switchyard.workers.tokenizer import ChatMessage
 
 if TYPE_CHECKING:
@@ -456,7 +456,7 @@ class HttpFacade:
             stream = w.add(engine_request, sp["stop"], received_at)
         except ValueError as e:
             raise BadRequest(str(e)) from e
-        gather = ChunkGatherer(stream_interval(opts["stream_interval"], w.stream_interval))
+        gather = ChunkGatherer(effective_stream_interval(opts["stream_interval"], w.stream_interval))
         try:
             while True:
                 items = await stream.take()

@@ -170,7 +170,7 @@ class ChunkGatherer:
         return chunk
 
 
-def stream_interval(requested: int, worker_floor: int) -> int:
+def effective_stream_interval(requested: int, worker_floor: int) -> int:
     """A request's effective stream interval: what it asked for (0: not set), raised to the worker's
     `--stream-interval`, as vLLM clamps a request's `stream_interval` up to its engine-level one."""
     return max(requested, worker_floor, 1)
@@ -720,7 +720,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if rid in w.streams:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running")
         stream = await self._admit(request, rid, received_at, context)
-        gather = ChunkGatherer(stream_interval(request.stream_interval_tokens, w.stream_interval))
+        gather = ChunkGatherer(effective_stream_interval(request.stream_interval_tokens, w.stream_interval))
         try:
             while True:
                 chunk = await self._consume(stream, await stream.take(), context)
