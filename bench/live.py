@@ -120,6 +120,20 @@ async def _direct(stub: worker_pb2_grpc.WorkerStub, s: Sample, prompt: list[int]
         s.ok = False
 
 
+def _net_cpu_us(cpu_s: float, idle_cpu_frac: float, wall_s: float, n: int) -> float:
+    """A router's CPU µs per request in a pass, less its idle background (Stats polls, ticks) over the pass."""
+    return max(0.0, cpu_s - idle_cpu_frac * wall_s) / max(1, n) * 1e6
+
+
+def _gathered_cells(s: dict[str, Any]) -> str:
+    """A step's default pass against its gathered one: rate, chunks, net CPU and its ratio, added TTFT (table cells)."""
+    g, a, ga = s["gathered"], s["added_ttft_ms"], s["gathered"]["added_ttft_ms"]
+    net, gnet = s.get("router_cpu_us_per_request_net"), g.get("router_cpu_us_per_request_net")
+    cpu = "- | -" if net is None or gnet is None else f"{net:.0f} → {gnet:.0f} | ×{gnet / max(net, 1e-9):.2f}"
+    return (f"| {s['offered_rate']:g} | {s['chunks_per_request']:.1f} → {g['chunks_per_request']:.1f} | {cpu} "
+            f"| {a['p50']:.2f} / {a['p99']:.2f} → {ga['p50']:.2f} / {ga['p99']:.2f} |")  # fmt: skip
+
+
 def _read_timings(paths: list[Path]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for p in paths:
@@ -243,14 +257,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 timings = _read_timings(logs)
                 step = _step_result(routed, timings, rate, routed_wall)
                 step["router_cpu_us_per_request"] = cpu_s / max(1, len(routed)) * 1e6
-                step["router_cpu_us_per_request_net"] = (
-                    max(0.0, cpu_s - idle_cpu_frac * routed_wall) / max(1, len(routed)) * 1e6
-                )
+                step["router_cpu_us_per_request_net"] = _net_cpu_us(cpu_s, idle_cpu_frac, routed_wall, len(routed))
                 if args.stream_interval > 1:
                     step["gathered"] = _step_result(gathered, timings, rate, gathered_wall)
-                    step["gathered"]["router_cpu_us_per_request_net"] = (
-                        max(0.0, gathered_cpu_s - idle_cpu_frac * gathered_wall) / max(1, len(gathered)) * 1e6
-                    )
+                    step["gathered"]["router_cpu_us_per_request_net"] = _net_cpu_us(
+                        gathered_cpu_s, idle_cpu_frac, gathered_wall, len(gathered))  # fmt: skip
                 step["direct"] = _step_result(direct, timings, rate, direct_wall)
                 step["relay"] = _step_result(relayed, timings, rate, relay_wall)
                 step["relay"]["cpu_us_per_request"] = relay_cpu_s / max(1, len(relayed)) * 1e6
@@ -341,15 +352,7 @@ def markdown(result: dict[str, Any]) -> str:
             "| router-added TTFT p50 / p99 ms, default → gathered |",
             "|---|---|---|---|---|",
         ]
-        for s in gathered:
-            g = s["gathered"]
-            lines.append(
-                f"| {s['offered_rate']:g} | {s['chunks_per_request']:.1f} → {g['chunks_per_request']:.1f} "
-                f"| {s['router_cpu_us_per_request_net']:.0f} → {g['router_cpu_us_per_request_net']:.0f} "
-                f"| ×{g['router_cpu_us_per_request_net'] / max(s['router_cpu_us_per_request_net'], 1e-9):.2f} "
-                f"| {s['added_ttft_ms']['p50']:.2f} / {s['added_ttft_ms']['p99']:.2f} → "
-                f"{g['added_ttft_ms']['p50']:.2f} / {g['added_ttft_ms']['p99']:.2f} |"
-            )
+        lines += [_gathered_cells(s) for s in gathered]
     lines += [
         "",
         f"Saturation rate: {result['saturation_rate']} req/s. Router idle background CPU: "
@@ -502,9 +505,8 @@ async def run_peers(
                 if proc is not None:
                     cpu_s = proc.cpu_seconds() - cpu0
                     step["router_cpu_us_per_request"] = cpu_s / max(1, len(samples)) * 1e6
-                    step["router_cpu_us_per_request_net"] = (
-                        max(0.0, cpu_s - run["router_idle_cpu_frac"] * wall) / max(1, len(samples)) * 1e6
-                    )
+                    step["router_cpu_us_per_request_net"] = _net_cpu_us(
+                        cpu_s, run["router_idle_cpu_frac"], wall, len(samples))  # fmt: skip
                 a = step["added_ttft_ms"]
                 cpu = f"  CPU {step['router_cpu_us_per_request']:.0f} us/req" if proc is not None else ""
                 print(f"[{label} {policy}{f' interval {interval}' if interval else ''}] rate {rate:7.1f}/s  "
@@ -586,15 +588,7 @@ def peers_markdown(p: dict[str, Any]) -> str:
             "default → gathered | ratio | router-added TTFT p50 / p99 ms, default → gathered |",
             "|---|---|---|---|---|---|---|",
         ]
-        for run, s in gathered:
-            g, a, ga = s["gathered"], s["added_ttft_ms"], s["gathered"]["added_ttft_ms"]
-            net, gnet = s.get("router_cpu_us_per_request_net"), g.get("router_cpu_us_per_request_net")
-            cpu = "- | -" if net is None or gnet is None else f"{net:.0f} → {gnet:.0f} | ×{gnet / max(net, 1e-9):.2f}"
-            lines.append(
-                f"| {run['router']} | {run['policy']} | {s['offered_rate']:g} "
-                f"| {s['chunks_per_request']:.1f} → {g['chunks_per_request']:.1f} | {cpu} "
-                f"| {a['p50']:.2f} / {a['p99']:.2f} → {ga['p50']:.2f} / {ga['p99']:.2f} |"
-            )
+        lines += [f"| {run['router']} | {run['policy']} {_gathered_cells(s)}" for run, s in gathered]
     return "\n".join(lines)
 
 
