@@ -20,12 +20,17 @@ vllm-router 0.1.17 (cache_aware, kv_aware) with streaming HTTP /v1/completions (
 token-id prompts), plus a direct-to-worker HTTP baseline. Router-added TTFT is measured the same way, matching
 each client sample to the worker's timings by the response `id` (= the X-Request-Id both routers forward).
 Each router gets fresh prompts of the same shape, after a /flush_cache of every worker, so hit ratios compare.
+
+`--adaptive-interval N`: a second Switchyard router on the same workers with `server.stream_interval_max_tokens =
+N` (router/stream_governor.py) gets each rate's load right after the default router's pass, requests that do not
+choose an interval; both routers' event-loop lag (`switchyard_event_loop_lag_seconds`) is scraped around each pass.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import tempfile
@@ -38,8 +43,9 @@ from typing import Any
 import aiohttp
 import grpc
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
-from switchyard.bench import peers, procs
+from switchyard.bench import cpu_limit, peers, procs
 from switchyard.bench.metrics import dist
 from switchyard.router.client import AsyncRouterClient, make_request
 from switchyard.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -134,6 +140,35 @@ def _gathered_cells(s: dict[str, Any]) -> str:
             f"| {a['p50']:.2f} / {a['p99']:.2f} → {ga['p50']:.2f} / {ga['p99']:.2f} |")  # fmt: skip
 
 
+LAG_SUM, LAG_COUNT = "switchyard_event_loop_lag_seconds_sum", "switchyard_event_loop_lag_seconds_count"
+INTERVAL = "switchyard_stream_interval_tokens"
+
+
+async def _scrape(session: Any, metrics_address: str) -> dict[str, float]:
+    """A router's loop-lag sum and count and its stream interval now, from its /metrics."""
+    async with session.get(f"http://{metrics_address}/metrics") as r:
+        text = await r.text()
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name in (LAG_SUM, LAG_COUNT, INTERVAL)}  # fmt: skip
+
+
+def _loop_lag_ms(before: dict[str, float], after: dict[str, float]) -> float:
+    """Mean loop lag between two scrapes, ms."""
+    n = after[LAG_COUNT] - before[LAG_COUNT]
+    return (after[LAG_SUM] - before[LAG_SUM]) / n * 1e3 if n > 0 else 0.0
+
+
+def _adaptive_cells(s: dict[str, Any]) -> str:
+    """A step's default router against the adaptive one (table cells)."""
+    g, a, ga = s["adaptive"], s["added_ttft_ms"], s["adaptive"]["added_ttft_ms"]
+    return (f"| {s['offered_rate']:g} | {s['achieved_rate']:.1f} → {g['achieved_rate']:.1f} "
+            f"| {s['num_ok']}/{s['num_requests']} → {g['num_ok']}/{g['num_requests']} "
+            f"| {s['chunks_per_request']:.1f} → {g['chunks_per_request']:.1f} (interval {g['interval_at_end']:g} at the end) "
+            f"| {s['router_cpu_us_per_request_net']:.0f} → {g['router_cpu_us_per_request_net']:.0f} "
+            f"| {s['loop_lag_ms']:.2f} → {g['loop_lag_ms']:.2f} "
+            f"| {a['p50']:.2f} / {a['p99']:.2f} → {ga['p50']:.2f} / {ga['p99']:.2f} |")  # fmt: skip
+
+
 def _read_timings(paths: list[Path]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for p in paths:
@@ -195,28 +230,50 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     for w in workers:
         router_args += ["--worker", w.address]
     router = procs.start("router", router_args)
+    adaptive = (procs.start("router-adaptive", [*router_args, "--set",
+                                                f"server.stream_interval_max_tokens={args.adaptive_interval}"])
+                if args.adaptive_interval > 1 else None)  # fmt: skip
     relay = procs.start("relay", ["bench", "relay", *itertools.chain.from_iterable(("--worker", w.address)
                                                                                     for w in workers)])
     result: dict[str, Any] = {"policy": args.policy, "workers": args.workers, "profile": args.profile,
                               "duration_s": args.duration, "prompt_len": args.prompt_len,
-                              "output_len": args.output_len, "stream_interval": args.stream_interval, "steps": []}
+                              "output_len": args.output_len, "stream_interval": args.stream_interval,
+                              "adaptive_interval": args.adaptive_interval, "steps": []}
     rng = np.random.default_rng(args.seed)
-    with procs.running([*workers, router, relay]):
+    limits = contextlib.ExitStack()
+    if args.router_cpu_limit:  # each router process its own limit, as a pod each
+        for p in (router, relay, *([adaptive] if adaptive else [])):
+            limits.enter_context(cpu_limit.cpu_limited(p.pid, args.router_cpu_limit, p.name))
+        result["router_cpu_limit"] = args.router_cpu_limit
+    with procs.running([*workers, router, relay, *([adaptive] if adaptive else [])]), limits:
         async with (
             AsyncRouterClient(router.address, admin_address=router.extra.get("admin")) as client,
             AsyncRouterClient(relay.address) as relay_client,
+            contextlib.AsyncExitStack() as more,
+            aiohttp.ClientSession() as http,
         ):
             await _wait_routable(client, args.workers)
+            if adaptive:
+                adaptive_client = await more.enter_async_context(
+                    AsyncRouterClient(adaptive.address, admin_address=adaptive.extra.get("admin"))
+                )
+                await _wait_routable(adaptive_client, args.workers)
             channels = [grpc.aio.insecure_channel(w.address) for w in workers]
             stubs = [worker_pb2_grpc.WorkerStub(c) for c in channels]
             # Warm-up: connections, code paths, caches.
             warm = _prompts(rng, 20, args.prompt_len, args.prefix_groups)
             await _drive(lambda s, p: _via_router(client, s, p, args.output_len), 20, 1.0, warm, "warm", rng)
             await _drive(lambda s, p: _via_router(relay_client, s, p, args.output_len), 20, 1.0, warm, "wrelay", rng)
+            if adaptive:
+                await _drive(lambda s, p: _via_router(adaptive_client, s, p, args.output_len), 20, 1.0, warm,
+                             "wadaptive", rng)  # fmt: skip
             # Background CPU (Stats polls, health, ticks) with no traffic, to separate it from per-request work.
             cpu0, t0 = router.cpu_seconds(), time.perf_counter()
+            adaptive_cpu0 = adaptive.cpu_seconds() if adaptive else 0.0
             await asyncio.sleep(args.idle_probe_s)
-            idle_cpu_frac = (router.cpu_seconds() - cpu0) / (time.perf_counter() - t0)
+            idle_s = time.perf_counter() - t0
+            idle_cpu_frac = (router.cpu_seconds() - cpu0) / idle_s
+            adaptive_idle_cpu_frac = (adaptive.cpu_seconds() - adaptive_cpu0) / idle_s if adaptive else 0.0
             result["router_idle_cpu_frac"] = idle_cpu_frac
             for rate in rates:
                 # each pass gets its own prompts (fresh prefixes): the routed pass must not find the direct pass's
@@ -238,6 +295,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     rate, args.duration, relay_prompts, f"b{rate:g}", rng,
                 )
                 relay_wall, relay_cpu_s = time.perf_counter() - t0, relay.cpu_seconds() - relay_cpu0
+                lag0 = await _scrape(http, router.extra["metrics"])
                 cpu0 = router.cpu_seconds()
                 t0 = time.perf_counter()
                 routed = await _drive(
@@ -246,6 +304,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 routed_wall = time.perf_counter() - t0
                 cpu_s = router.cpu_seconds() - cpu0
+                routed_lag_ms = _loop_lag_ms(lag0, await _scrape(http, router.extra["metrics"]))
+                if adaptive:  # the second router, requests that leave the interval to it
+                    adaptive_prompts = _prompts(rng, count, args.prompt_len, args.prefix_groups)
+                    lag0 = await _scrape(http, adaptive.extra["metrics"])
+                    adaptive_cpu0, t0 = adaptive.cpu_seconds(), time.perf_counter()
+                    adapted = await _drive(
+                        lambda s, p: _via_router(adaptive_client, s, p, args.output_len),
+                        rate, args.duration, adaptive_prompts, f"a{rate:g}", rng,
+                    )
+                    adaptive_wall, adaptive_cpu_s = time.perf_counter() - t0, adaptive.cpu_seconds() - adaptive_cpu0
+                    adaptive_lag1 = await _scrape(http, adaptive.extra["metrics"])
                 if args.stream_interval > 1:  # the same router and load, each request asking for gathered chunks
                     gathered_prompts = _prompts(rng, count, args.prompt_len, args.prefix_groups)
                     gathered_cpu0, t0 = router.cpu_seconds(), time.perf_counter()
@@ -258,6 +327,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 step = _step_result(routed, timings, rate, routed_wall)
                 step["router_cpu_us_per_request"] = cpu_s / max(1, len(routed)) * 1e6
                 step["router_cpu_us_per_request_net"] = _net_cpu_us(cpu_s, idle_cpu_frac, routed_wall, len(routed))
+                step["loop_lag_ms"] = routed_lag_ms
+                if adaptive:
+                    step["adaptive"] = _step_result(adapted, timings, rate, adaptive_wall)
+                    step["adaptive"]["router_cpu_us_per_request_net"] = _net_cpu_us(
+                        adaptive_cpu_s, adaptive_idle_cpu_frac, adaptive_wall, len(adapted))  # fmt: skip
+                    step["adaptive"]["loop_lag_ms"] = _loop_lag_ms(lag0, adaptive_lag1)
+                    step["adaptive"]["interval_at_end"] = adaptive_lag1[INTERVAL]
                 if args.stream_interval > 1:
                     step["gathered"] = _step_result(gathered, timings, rate, gathered_wall)
                     step["gathered"]["router_cpu_us_per_request_net"] = _net_cpu_us(
@@ -276,6 +352,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     f"({step['router_cpu_us_per_request_net']:.0f} net of idle background)",
                     flush=True,
                 )
+                if "adaptive" in step:
+                    g = step["adaptive"]
+                    print(
+                        f"  adaptive interval (max {args.adaptive_interval}): ok {g['num_ok']}/{g['num_requests']}  "
+                        f"router-added TTFT p50 {g['added_ttft_ms']['p50']:.2f} ms p99 {g['added_ttft_ms']['p99']:.2f} "
+                        f"ms  {g['chunks_per_request']:.1f} chunks/req (interval {g['interval_at_end']:g} at the end)  "
+                        f"loop lag {g['loop_lag_ms']:.2f} ms (default router {step['loop_lag_ms']:.2f})  "
+                        f"router CPU {g['router_cpu_us_per_request_net']:.0f} us/req net of idle",
+                        flush=True,
+                    )
                 if "gathered" in step:
                     g = step["gathered"]
                     print(
@@ -353,6 +439,20 @@ def markdown(result: dict[str, Any]) -> str:
             "|---|---|---|---|---|",
         ]
         lines += [_gathered_cells(s) for s in gathered]
+    adapted = [s for s in result["steps"] if "adaptive" in s]
+    if adapted:
+        lines += [
+            "",
+            f"Adaptive stream interval: a second router with `server.stream_interval_max_tokens = "
+            f"{result['adaptive_interval']}` (chunks grow while its event loop lags more than "
+            "`server.stream_lag_target_ms`), the same workers and load right after the default router's pass; "
+            "requests do not choose an interval. Default router → adaptive one:",
+            "",
+            "| offered req/s | achieved req/s | ok | chunks/req | router CPU us/req net | mean loop lag ms "
+            "| router-added TTFT p50 / p99 ms |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lines += [_adaptive_cells(s) for s in adapted]
     lines += [
         "",
         f"Saturation rate: {result['saturation_rate']} req/s. Router idle background CPU: "
@@ -360,7 +460,9 @@ def markdown(result: dict[str, Any]) -> str:
         "(worker timestamps); 'direct gRPC' is the same measure with the client talking to the workers directly; "
         "'bare relay' through `bench relay` (the router's Generate on the same grpc.aio/uvloop stack, round-robin, no "
         "admission, policy or metrics): the floor of a Python gRPC router.",
-        f"Each request: {result['prompt_len']}-token prompt, {result['output_len']} output tokens streamed.",
+        f"Each request: {result['prompt_len']}-token prompt, {result['output_len']} output tokens streamed."
+        + (f" Each router process limited to {result['router_cpu_limit']:g} cores (a CFS quota in its own cgroup)."
+           if result.get("router_cpu_limit") else ""),
         "",
     ]
     if result.get("peers"):
@@ -609,6 +711,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-interval", type=int, default=0,
                    help="also run each rate with requests asking for chunks of this many tokens (0: no such pass); with "
                    "--peers, through each peer router too (vLLM's `stream_interval` field)")
+    p.add_argument("--adaptive-interval", type=int, default=0, metavar="N",
+                   help="also run each rate through a second router whose stream interval rises under event-loop "
+                   "lag up to N tokens (server.stream_interval_max_tokens; 0: no such router)")
+    p.add_argument("--router-cpu-limit", type=float, default=0.0, metavar="CORES",
+                   help="give each router process (Switchyard's, the adaptive one, the bare relay) at most this many "
+                   "cores' CPU time, as a pod's CPU limit (a cgroup CFS quota; needs root; 0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--idle-probe-s", type=float, default=2.0, help="seconds to measure idle router CPU")
     p.add_argument("--out", default="results/live")

@@ -30,6 +30,7 @@ from switchyard.router.admission import (
 )
 from switchyard.router.fleet import StatsSample, WorkerInfo, WorkerState
 from switchyard.router.policies.base import Decision, WorkerId
+from switchyard.router.stream_governor import StreamIntervalGovernor
 from switchyard.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from switchyard.workers.engine.kv_events import (
     AllBlocksCleared,
@@ -242,10 +243,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         predictor: PredictorService | None = None,
         key_limits: KeyLimits | None = None,
         key_events: KeyEvents | None = None,
-        stream_interval_tokens: int = 1,
+        stream_interval: StreamIntervalGovernor | None = None,
     ) -> None:
         self._registry = registry
-        self._stream_interval = stream_interval_tokens  # Generate's, for requests that do not say
+        # Generate's token ids per chunk for requests that do not say (its `interval`, which may move under load)
+        self._stream_interval = stream_interval or StreamIntervalGovernor(1, 1, 1.0)
         self._predictor = predictor
         self._key_limits, self._key_events = key_limits, key_events  # the Router service's API keys' (or None)
         self._dispatcher = dispatcher
@@ -332,7 +334,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateChunk]:
         try:
-            async for chunk in self._chunks(request, context, request.stream_interval_tokens or self._stream_interval):
+            interval = request.stream_interval_tokens or self._stream_interval.interval
+            async for chunk in self._chunks(request, context, interval):
                 yield chunk
         except ApiError as e:
             await _abort(context, e)

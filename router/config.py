@@ -48,6 +48,10 @@ class ServerConfig(_Section):
     # Generate's token ids per chunk when a request does not say (GenerateRequest.stream_interval_tokens); the first
     # token is never held. 1 streams each engine step's; more costs the router and workers fewer messages
     stream_interval_tokens: int = Field(default=1, ge=1)
+    # Under load, up to this many for requests that do not say, while the event loop's lag (over half-second
+    # windows) is above stream_lag_target_ms (router/stream_governor.py); 0 = never more than stream_interval_tokens
+    stream_interval_max_tokens: int = Field(default=0, ge=0)
+    stream_lag_target_ms: float = Field(default=5.0, gt=0)
     # TLS on the Router and Admin services (PEM paths; "" = plaintext). With tls_client_ca, every client must
     # present a certificate that CA signed (mTLS). metrics_tls: the metrics endpoint too (HTTPS, same files).
     tls_cert: str = ""
@@ -65,6 +69,8 @@ class ServerConfig(_Section):
             raise ValueError("server.tls_cert and server.tls_key go together: give both or neither")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("server.tls_client_ca (mTLS) needs server.tls_cert and server.tls_key")
+        if self.stream_interval_max_tokens and self.stream_interval_max_tokens < self.stream_interval_tokens:
+            raise ValueError("server.stream_interval_max_tokens must be 0 (off) or >= server.stream_interval_tokens")
         if self.metrics_tls and not self.tls_cert:
             raise ValueError("server.metrics_tls serves the metrics with server.tls_cert and server.tls_key: set them")
         return self

@@ -118,6 +118,15 @@ class RouterMetrics:
             "switchyard_gc_pause_seconds", "Pauses of the cyclic garbage collector, by generation (the event loop "
             "stops meanwhile)", ["generation"], buckets=GC_BUCKETS_S, registry=r,
         )
+        self.loop_lag = Histogram(
+            "switchyard_event_loop_lag_seconds", "How late the event loop ran a 50 ms timer: the time every request's "
+            "next step waited for other work (sampled 20 times a second)", buckets=GC_BUCKETS_S, registry=r,
+        )
+        self.stream_interval = Gauge(
+            "switchyard_stream_interval_tokens", "Token ids per chunk for Generate requests that do not choose "
+            "(server.stream_interval_tokens, raised under loop lag up to server.stream_interval_max_tokens)",
+            registry=r,
+        )
         self.policy_actions = Counter(
             "switchyard_policy_actions", "Background actions of the routing policy (E2: rebalancing redirects, "
             "hot-prefix replicas; `Policy.counters`)", ["policy", "action"], registry=r,

@@ -38,6 +38,7 @@ from switchyard.router.predictor.onnx_predictor import PredictorLoadError
 from switchyard.router.predictor.service import load_predictor, make_service
 from switchyard.router.queue import RequestQueue
 from switchyard.router.registry import WorkerRegistry
+from switchyard.router.stream_governor import LOOP_LAG_PERIOD_S, StreamIntervalGovernor, watch_loop_lag
 from switchyard.sd_notify import ServiceNotifier
 from switchyard.tls import ServerTls, TlsError, add_port
 from switchyard.v1 import router_pb2, router_pb2_grpc
@@ -198,6 +199,13 @@ class RouterDaemon:
         self.server: grpc.aio.Server | None = None
         self.admin_server: grpc.aio.Server | None = None
         self._tick_task: asyncio.Task[None] | None = None
+        cfg = config.server
+        self.stream_governor = StreamIntervalGovernor(
+            cfg.stream_interval_tokens, max(cfg.stream_interval_max_tokens, cfg.stream_interval_tokens),
+            cfg.stream_lag_target_ms / 1000,
+        )
+        self.metrics.stream_interval.set(cfg.stream_interval_tokens)
+        self._lag_task: asyncio.Task[None] | None = None
 
     async def start(self) -> Bound:
         cfg = self.config.server
@@ -236,7 +244,7 @@ class RouterDaemon:
         router_pb2_grpc.add_RouterServicer_to_server(
             RouterService(self.registry, self.dispatcher, self.tokenizer_for, self.config.limits.max_tokens,
                           self.clock, self.metrics, self.predictor, self.key_limits, router_events,
-                          cfg.stream_interval_tokens),
+                          self.stream_governor),
             self.server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -256,6 +264,7 @@ class RouterDaemon:
         self._tick_task = asyncio.create_task(
             self.dispatcher.run_ticks(self.config.routing.tick_interval_ms / 1000), name="policy-tick"
         )
+        self._lag_task = asyncio.create_task(watch_loop_lag(LOOP_LAG_PERIOD_S, self._on_loop_lag), name="loop-lag")
         await self.server.start()
         await self.admin_server.start()
         for name in ("", names[0]):
@@ -274,6 +283,17 @@ class RouterDaemon:
             self.predictor.describe(),
         )
         return bound
+
+    def _on_loop_lag(self, lag_s: float) -> None:
+        self.metrics.loop_lag.observe(lag_s)
+        governor = self.stream_governor
+        if governor.adaptive:
+            before = governor.interval
+            governor.observe(lag_s, self.clock.now())
+            if governor.interval != before:
+                self.metrics.stream_interval.set(governor.interval)
+                log.info("stream interval %d -> %d tokens (event loop lag %.1f ms over the last %.1f s)",
+                         before, governor.interval, governor.last_lag_s * 1e3, governor.window_s)
 
     def _start_predictor(self) -> None:
         """Load the configured length predictor into the service the dispatcher already holds."""
@@ -315,8 +335,9 @@ class RouterDaemon:
         await self.health.enter_graceful_shutdown()  # every service NOT_SERVING
         if self.server is not None:
             await self.server.stop(grace_s)  # stop accepting; in-flight streams get `grace_s`, then are cancelled
-        if self._tick_task is not None:
-            self._tick_task.cancel()
+        for task in (self._tick_task, self._lag_task):
+            if task is not None:
+                task.cancel()
         await self.dispatcher.close()
         if self.admin_server is not None:
             await self.admin_server.stop(0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -153,6 +154,58 @@ async def test_the_stream_interval_reaches_the_worker() -> None:
         assert len([c async for c in client.generate("m", prompt="b", max_tokens=2, stream_interval_tokens=16)]) == 2
         assert len((await client.complete("m", prompt="c", max_tokens=2)).token_ids) == 2
     assert [r.stream_interval_tokens for r in w.received] == [4, 16, COMPLETE_STREAM_INTERVAL]
+
+
+async def test_the_stream_interval_rises_while_the_event_loop_lags() -> None:
+    """server.stream_interval_max_tokens: while the event loop's lag is above the target,
+    Generate requests that do not choose an interval ask the worker for longer chunks, and one that names its
+    interval keeps it; once the loop is calm again the interval falls back to the base. The lag is real: a task on
+    the daemon's loop that computes for 20 ms at a time (the probe's timer waits for it)."""
+    w = FakeWorker("w0")
+    server = {"stream_interval_max_tokens": 2, "stream_lag_target_ms": 5.0}
+    async with stack([w], server=server) as (daemon, client):
+        governor = daemon.stream_governor
+        assert governor.interval == 1 and sample(daemon, "switchyard_stream_interval_tokens") == 1
+        await until_async(lambda: sample(daemon, "switchyard_event_loop_lag_seconds_count") >= 3)
+        assert sample(daemon, "switchyard_event_loop_lag_seconds_sum") < 0.005 * 3  # idle: well under the target
+        busy = True
+
+        async def hog() -> None:
+            while busy:
+                t0 = time.perf_counter()
+                while time.perf_counter() - t0 < 0.02:
+                    pass
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(hog())
+        try:
+            await until_async(lambda: governor.interval == 2, timeout_s=15, what="the interval at its cap")
+            assert sample(daemon, "switchyard_stream_interval_tokens") == 2
+            assert governor.last_lag_s > 0.005
+            assert len([c async for c in client.generate("m", prompt="a", max_tokens=2)]) == 2
+            assert len([c async for c in client.generate("m", prompt="b", max_tokens=2, stream_interval_tokens=1)]) == 2
+        finally:
+            busy = False
+            await task
+        await until_async(lambda: governor.interval == 1, timeout_s=20, what="the interval back at its base")
+        assert sample(daemon, "switchyard_stream_interval_tokens") == 1
+        assert len([c async for c in client.generate("m", prompt="c", max_tokens=2)]) == 2
+    assert [r.stream_interval_tokens for r in w.received] == [2, 1, 1]
+
+
+async def test_without_a_cap_the_stream_interval_stays_put_under_lag() -> None:
+    """The default (stream_interval_max_tokens = 0): the loop's lag is measured, the interval never moves."""
+    w = FakeWorker("w0")
+    async with stack([w], server={"stream_interval_tokens": 2}) as (daemon, client):
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.3:  # one 300 ms stall of the daemon's loop
+            pass
+        await until_async(lambda: metric(daemon, "switchyard_event_loop_lag_seconds_bucket", le="0.25") is not None
+                          and sample(daemon, "switchyard_event_loop_lag_seconds_count")
+                          > sample(daemon, "switchyard_event_loop_lag_seconds_bucket", le="0.25"))
+        assert not daemon.stream_governor.adaptive
+        assert len([c async for c in client.generate("m", prompt="a", max_tokens=2)]) == 2
+    assert [r.stream_interval_tokens for r in w.received] == [2]
 
 
 def _msg(role: str, content: str):  # type: ignore[no-untyped-def]

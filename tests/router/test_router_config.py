@@ -84,6 +84,9 @@ def test_unrelated_switchyard_env_vars_are_ignored() -> None:
         ("[queue]\nkv_usage_hold_frac = 1.5\n", r"queue\.kv_usage_hold_frac"),
         ("[workers]\nstats_interval_s = inf\n", r"workers\.stats_interval_s: Input should be a finite number"),
         ("[server]\ngrace_s = nan\n", r"server\.grace_s: Input should be a finite number"),
+        ("[server]\nstream_interval_tokens = 4\nstream_interval_max_tokens = 2\n",
+         r"server\.stream_interval_max_tokens must be 0 \(off\) or >= server\.stream_interval_tokens"),
+        ("[server]\nstream_lag_target_ms = 0\n", r"server\.stream_lag_target_ms"),
         ("[server\n", r"config file .*router\.toml"),
     ],
 )
