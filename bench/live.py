@@ -94,6 +94,16 @@ async def _drive(
     return samples
 
 
+async def _pass(
+    proc: procs.Proc, send: Any, rate: float, duration_s: float, prompts: list[list[int]], tag: str,
+    rng: np.random.Generator,
+) -> tuple[list[Sample], float, float]:
+    """`_drive` through one router process: the samples, the pass's wall seconds and the process's CPU seconds."""
+    cpu0, t0 = proc.cpu_seconds(), time.perf_counter()
+    samples = await _drive(send, rate, duration_s, prompts, tag, rng)
+    return samples, time.perf_counter() - t0, proc.cpu_seconds() - cpu0
+
+
 async def _via_router(
     client: AsyncRouterClient, s: Sample, prompt: list[int], max_tokens: int, stream_interval: int = 0
 ) -> None:
@@ -289,40 +299,30 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     rate, args.duration, prompts, f"d{rate:g}", rng,
                 )
                 direct_wall = time.perf_counter() - t0
-                relay_cpu0, t0 = relay.cpu_seconds(), time.perf_counter()
-                relayed = await _drive(
-                    lambda s, p: _via_router(relay_client, s, p, args.output_len),
+                relayed, relay_wall, relay_cpu_s = await _pass(
+                    relay, lambda s, p: _via_router(relay_client, s, p, args.output_len),
                     rate, args.duration, relay_prompts, f"b{rate:g}", rng,
                 )
-                relay_wall, relay_cpu_s = time.perf_counter() - t0, relay.cpu_seconds() - relay_cpu0
                 lag0 = await _scrape(http, router.extra["metrics"])
-                cpu0 = router.cpu_seconds()
-                t0 = time.perf_counter()
-                routed = await _drive(
-                    lambda s, p: _via_router(client, s, p, args.output_len),
+                routed, routed_wall, cpu_s = await _pass(
+                    router, lambda s, p: _via_router(client, s, p, args.output_len),
                     rate, args.duration, routed_prompts, f"r{rate:g}", rng,
                 )
-                routed_wall = time.perf_counter() - t0
-                cpu_s = router.cpu_seconds() - cpu0
                 routed_lag_ms = _loop_lag_ms(lag0, await _scrape(http, router.extra["metrics"]))
                 if adaptive:  # the second router, requests that leave the interval to it
                     adaptive_prompts = _prompts(rng, count, args.prompt_len, args.prefix_groups)
                     lag0 = await _scrape(http, adaptive.extra["metrics"])
-                    adaptive_cpu0, t0 = adaptive.cpu_seconds(), time.perf_counter()
-                    adapted = await _drive(
-                        lambda s, p: _via_router(adaptive_client, s, p, args.output_len),
+                    adapted, adaptive_wall, adaptive_cpu_s = await _pass(
+                        adaptive, lambda s, p: _via_router(adaptive_client, s, p, args.output_len),
                         rate, args.duration, adaptive_prompts, f"a{rate:g}", rng,
                     )
-                    adaptive_wall, adaptive_cpu_s = time.perf_counter() - t0, adaptive.cpu_seconds() - adaptive_cpu0
                     adaptive_lag1 = await _scrape(http, adaptive.extra["metrics"])
                 if args.stream_interval > 1:  # the same router and load, each request asking for gathered chunks
                     gathered_prompts = _prompts(rng, count, args.prompt_len, args.prefix_groups)
-                    gathered_cpu0, t0 = router.cpu_seconds(), time.perf_counter()
-                    gathered = await _drive(
-                        lambda s, p: _via_router(client, s, p, args.output_len, args.stream_interval),
+                    gathered, gathered_wall, gathered_cpu_s = await _pass(
+                        router, lambda s, p: _via_router(client, s, p, args.output_len, args.stream_interval),
                         rate, args.duration, gathered_prompts, f"g{rate:g}", rng,
                     )
-                    gathered_wall, gathered_cpu_s = time.perf_counter() - t0, router.cpu_seconds() - gathered_cpu0
                 timings = _read_timings(logs)
                 step = _step_result(routed, timings, rate, routed_wall)
                 step["router_cpu_us_per_request"] = cpu_s / max(1, len(routed)) * 1e6
