@@ -50,8 +50,9 @@ class StreamIntervalGovernor:
         return self.max_tokens > self.base_tokens
 
     def observe(self, lag_s: float, now: float) -> None:
-        """One lag sample taken at `now`; a sample past the current window closes it first (a window with no
-        samples, as after a stall, decides nothing)."""
+        """One lag sample taken at `now`; a sample past the current window closes it first. A window opens with a
+        sample, so none closes empty; after a stall it is judged on what it held, and the stall's own lag comes with
+        the sample that opens the next one."""
         if self._window_end is None:
             self._window_end = now + self.window_s
         elif now >= self._window_end:
@@ -61,8 +62,6 @@ class StreamIntervalGovernor:
 
     def _close_window(self) -> None:
         samples = self._samples
-        if not samples:
-            return
         lag = (sum(samples) - max(samples)) / (len(samples) - 1) if len(samples) > 1 else samples[0]
         samples.clear()
         self.last_lag_s = lag

@@ -59,9 +59,9 @@ def test_a_lone_pause_does_not_raise_it_a_loop_throttled_every_period_does() -> 
     assert g.interval == 2 and g.last_lag_s == pytest.approx((7 * 0.0003 + 2 * 0.03) / 9)  # the largest left out
 
 
-def test_a_window_without_samples_decides_nothing() -> None:
-    """After a stall longer than a window (the loop stopped), the next sample opens a window; the closed one is
-    judged on what it held."""
+def test_after_a_stall_each_window_is_judged_on_what_it_held() -> None:
+    """After a stall longer than a window (the loop stopped), the next sample closes the stale window, judged on
+    the samples it held, and opens one with the stall's lag in it."""
     g = StreamIntervalGovernor(1, 8, TARGET)
     g.observe(0.02, 0.0)
     g.observe(0.02, 10.0)  # ten seconds later: the first window (one lagging sample) closes
