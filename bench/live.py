@@ -194,7 +194,7 @@ def _step_result(
     samples: list[Sample], timings: dict[str, dict[str, float]], rate: float, wall_s: float
 ) -> dict[str, Any]:
     added_ms = []
-    settled_ms = []  # of the requests sent in the pass's second half: an adaptive router's interval has risen
+    second_half_ms = []  # of the requests sent in the pass's second half: an adaptive router's interval has risen
     half = (samples[0].sent_at + samples[-1].sent_at) / 2 if samples else 0.0
     prompt_tokens = cached_tokens = 0
     for s in samples:
@@ -204,7 +204,7 @@ def _step_result(
             worker_ttft = w["first_token_at"] - w["received_at"]
             added_ms.append((client_ttft - worker_ttft) * 1e3)
             if s.sent_at >= half:
-                settled_ms.append(added_ms[-1])
+                second_half_ms.append(added_ms[-1])
             prompt_tokens += w.get("prompt_tokens", 0)
             cached_tokens += w.get("cached_prompt_tokens", 0)
     ok = sum(s.ok for s in samples)
@@ -219,7 +219,7 @@ def _step_result(
         "wall_s": wall_s,
         "send_span_s": span,
         "added_ttft_ms": dist(added_ms),
-        "added_ttft_ms_second_half": dist(settled_ms),
+        "added_ttft_ms_second_half": dist(second_half_ms),
         "num_matched": len(added_ms),  # samples matched to a worker timing record
         "hit_ratio": cached_tokens / prompt_tokens if prompt_tokens else 0.0,  # prefix-cached prompt tokens
         "chunks_per_request": sum(s.chunks for s in samples if s.ok) / ok if ok else 0.0,
