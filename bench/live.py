@@ -24,6 +24,11 @@ Each router gets fresh prompts of the same shape, after a /flush_cache of every 
 `--adaptive-interval N`: a second Switchyard router on the same workers with `server.stream_interval_max_tokens =
 N` (router/stream_governor.py) gets each rate's load right after the default router's pass, requests that do not
 choose an interval; both routers' event-loop lag (`switchyard_event_loop_lag_seconds`) is scraped around each pass.
+
+`--worker-session`: the default router sends each request as its own Generate call (`workers.session = false`) and
+a second router on the same workers sends them over one Session stream per worker (`workers.session = true`), each
+rate's load right after the default router's pass; the router's CPU and the workers' (all of them, over the pass)
+per request, and the router-added TTFT, side by side.
 """
 
 from __future__ import annotations
@@ -168,6 +173,19 @@ def _loop_lag_ms(before: dict[str, float], after: dict[str, float]) -> float:
     return (after[LAG_SUM] - before[LAG_SUM]) / n * 1e3 if n > 0 else 0.0
 
 
+def _session_cells(s: dict[str, Any]) -> str:
+    """A step's Generate-call router against the session one (table cells)."""
+    g, a, ga = s["session"], s["added_ttft_ms"], s["session"]["added_ttft_ms"]
+    rc, rs = s["router_cpu_us_per_request_net"], g["router_cpu_us_per_request_net"]
+    wc, ws = s["workers_cpu_us_per_request"], g["workers_cpu_us_per_request"]
+    return (
+        f"| {s['offered_rate']:g} | {s['achieved_rate']:.1f} → {g['achieved_rate']:.1f} "
+        f"| {s['num_ok']}/{s['num_requests']} → {g['num_ok']}/{g['num_requests']} | {rc:,.0f} → {rs:,.0f} "
+        f"| ×{rs / rc if rc else float('nan'):.2f} | {wc:,.0f} → {ws:,.0f} | ×{ws / wc if wc else float('nan'):.2f} "
+        f"| {a['p50']:.2f} / {a['p99']:.2f} → {ga['p50']:.2f} / {ga['p99']:.2f} |"
+    )
+
+
 def _adaptive_cells(s: dict[str, Any]) -> str:
     """A step's default router against the adaptive one (table cells)."""
     g, a, ga = s["adaptive"], s["added_ttft_ms"], s["adaptive"]["added_ttft_ms"]
@@ -245,7 +263,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                    "--log-level", "WARNING"]
     for w in workers:
         router_args += ["--worker", w.address]
-    router = procs.start("router", router_args)
+    router = procs.start("router", [*router_args, *(("--set", "workers.session=false") if args.worker_session else ())])
+    session = (procs.start("router-session", [*router_args, "--set", "workers.session=true"])
+               if args.worker_session else None)  # fmt: skip
     adaptive = (procs.start("router-adaptive", [*router_args, "--set",
                                                 f"server.stream_interval_max_tokens={args.adaptive_interval}"])
                 if args.adaptive_interval > 1 else None)  # fmt: skip
@@ -256,12 +276,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                               "output_len": args.output_len, "stream_interval": args.stream_interval,
                               "adaptive_interval": args.adaptive_interval, "steps": []}
     rng = np.random.default_rng(args.seed)
+    routers = [p for p in (router, relay, adaptive, session) if p is not None]
     limits = contextlib.ExitStack()
     if args.router_cpu_limit:  # each router process its own limit, as a pod each
-        for p in (router, relay, *([adaptive] if adaptive else [])):
+        for p in routers:
             limits.enter_context(cpu_limit.cpu_limited(p.pid, args.router_cpu_limit, p.name))
         result["router_cpu_limit"] = args.router_cpu_limit
-    with procs.running([*workers, router, relay, *([adaptive] if adaptive else [])]), limits:
+    with procs.running([*workers, *routers]), limits:
         async with (
             AsyncRouterClient(router.address, admin_address=router.extra.get("admin")) as client,
             AsyncRouterClient(relay.address) as relay_client,
@@ -274,6 +295,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     AsyncRouterClient(adaptive.address, admin_address=adaptive.extra.get("admin"))
                 )
                 await _wait_routable(adaptive_client, args.workers)
+            if session:
+                session_client = await more.enter_async_context(
+                    AsyncRouterClient(session.address, admin_address=session.extra.get("admin"))
+                )
+                await _wait_routable(session_client, args.workers)
             channels = [grpc.aio.insecure_channel(w.address) for w in workers]
             stubs = [worker_pb2_grpc.WorkerStub(c) for c in channels]
             # Warm-up: connections, code paths, caches.
@@ -283,13 +309,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if adaptive:
                 await _drive(lambda s, p: _via_router(adaptive_client, s, p, args.output_len), 20, 1.0, warm,
                              "wadaptive", rng)  # fmt: skip
+            if session:
+                await _drive(lambda s, p: _via_router(session_client, s, p, args.output_len), 20, 1.0, warm,
+                             "wsession", rng)  # fmt: skip
             # Background CPU (Stats polls, health, ticks) with no traffic, to separate it from per-request work.
             cpu0, t0 = router.cpu_seconds(), time.perf_counter()
             adaptive_cpu0 = adaptive.cpu_seconds() if adaptive else 0.0
+            session_cpu0 = session.cpu_seconds() if session else 0.0
             await asyncio.sleep(args.idle_probe_s)
             idle_s = time.perf_counter() - t0
             idle_cpu_frac = (router.cpu_seconds() - cpu0) / idle_s
             adaptive_idle_cpu_frac = (adaptive.cpu_seconds() - adaptive_cpu0) / idle_s if adaptive else 0.0
+            session_idle_cpu_frac = (session.cpu_seconds() - session_cpu0) / idle_s if session else 0.0
             result["router_idle_cpu_frac"] = idle_cpu_frac
             for rate in rates:
                 # each pass gets its own prompts (fresh prefixes): the routed pass must not find the direct pass's
@@ -310,10 +341,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     rate, args.duration, relay_prompts, f"b{rate:g}", rng,
                 )
                 lag0 = await _scrape(http, router.extra["metrics"])
+                workers_cpu0 = sum(w.cpu_seconds() for w in workers)
                 routed, routed_wall, cpu_s = await _pass(
                     router, lambda s, p: _via_router(client, s, p, args.output_len),
                     rate, args.duration, routed_prompts, f"r{rate:g}", rng,
                 )
+                routed_workers_cpu_s = sum(w.cpu_seconds() for w in workers) - workers_cpu0
                 routed_lag_ms = _loop_lag_ms(lag0, await _scrape(http, router.extra["metrics"]))
                 if adaptive:  # the second router, requests that leave the interval to it
                     adaptive_prompts = _prompts(rng, count, args.prompt_len, args.prefix_groups)
@@ -323,6 +356,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         rate, args.duration, adaptive_prompts, f"a{rate:g}", rng,
                     )
                     adaptive_lag1 = await _scrape(http, adaptive.extra["metrics"])
+                if session:  # the second router, over one Session stream per worker
+                    session_prompts = _prompts(rng, count, args.prompt_len, args.prefix_groups)
+                    workers_cpu0 = sum(w.cpu_seconds() for w in workers)
+                    sessioned, session_wall, session_cpu_s = await _pass(
+                        session, lambda s, p: _via_router(session_client, s, p, args.output_len),
+                        rate, args.duration, session_prompts, f"s{rate:g}", rng,
+                    )
+                    session_workers_cpu_s = sum(w.cpu_seconds() for w in workers) - workers_cpu0
                 if args.stream_interval > 1:  # the same router and load, each request asking for gathered chunks
                     gathered_prompts = _prompts(rng, count, args.prompt_len, args.prefix_groups)
                     gathered, gathered_wall, gathered_cpu_s = await _pass(
@@ -334,6 +375,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 step["router_cpu_us_per_request"] = cpu_s / max(1, len(routed)) * 1e6
                 step["router_cpu_us_per_request_net"] = _net_cpu_us(cpu_s, idle_cpu_frac, routed_wall, len(routed))
                 step["loop_lag_ms"] = routed_lag_ms
+                step["workers_cpu_us_per_request"] = routed_workers_cpu_s / max(1, len(routed)) * 1e6
+                if session:
+                    step["session"] = _step_result(sessioned, timings, rate, session_wall)
+                    step["session"]["router_cpu_us_per_request_net"] = _net_cpu_us(
+                        session_cpu_s, session_idle_cpu_frac, session_wall, len(sessioned))  # fmt: skip
+                    step["session"]["workers_cpu_us_per_request"] = session_workers_cpu_s / max(1, len(sessioned)) * 1e6
                 if adaptive:
                     step["adaptive"] = _step_result(adapted, timings, rate, adaptive_wall)
                     step["adaptive"]["router_cpu_us_per_request_net"] = _net_cpu_us(
@@ -368,6 +415,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         f"{g['chunks_per_request']:.1f} chunks/req (interval {g['interval_at_end']:g} at the end)  "
                         f"loop lag {g['loop_lag_ms']:.2f} ms (default router {step['loop_lag_ms']:.2f})  "
                         f"router CPU {g['router_cpu_us_per_request_net']:.0f} us/req net of idle",
+                        flush=True,
+                    )
+                if "session" in step:
+                    g = step["session"]
+                    print(
+                        f"  over sessions: ok {g['num_ok']}/{g['num_requests']}  router-added TTFT p50 "
+                        f"{g['added_ttft_ms']['p50']:.2f} ms p99 {g['added_ttft_ms']['p99']:.2f} ms  router CPU "
+                        f"{g['router_cpu_us_per_request_net']:.0f} us/req net of idle (calls "
+                        f"{step['router_cpu_us_per_request_net']:.0f})  workers' CPU "
+                        f"{g['workers_cpu_us_per_request']:.0f} us/req (calls {step['workers_cpu_us_per_request']:.0f})",
                         flush=True,
                     )
                 if "gathered" in step:
@@ -447,6 +504,19 @@ def markdown(result: dict[str, Any]) -> str:
             "|---|---|---|---|---|",
         ]
         lines += [_gathered_cells(s) for s in gathered]
+    sessioned = [s for s in result["steps"] if "session" in s]
+    if sessioned:
+        lines += [
+            "",
+            "Worker sessions: the default router with one Generate call per request (`workers.session = false`) "
+            "against a second router on the same workers with one Session stream per worker (`workers.session = "
+            "true`), each rate's load right after the default router's pass. Calls → session:",
+            "",
+            "| offered req/s | achieved req/s | ok | router CPU us/req net | ratio | workers' CPU us/req | ratio "
+            "| router-added TTFT p50 / p99 ms |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [_session_cells(s) for s in sessioned]
     adapted = [s for s in result["steps"] if "adaptive" in s]
     if adapted:
         lines += [
@@ -722,6 +792,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adaptive-interval", type=int, default=0, metavar="N",
                    help="also run each rate through a second router whose stream interval rises under event-loop "
                    "lag up to N tokens (server.stream_interval_max_tokens; 0: no such router)")
+    p.add_argument("--worker-session", action="store_true",
+                   help="a pass per rate through a second router sending over one Session stream per worker, "
+                        "against the default router's Generate calls")
     p.add_argument("--router-cpu-limit", type=float, default=0.0, metavar="CORES",
                    help="give each router process (Switchyard's, the adaptive one, the bare relay) at most this many "
                    "cores' CPU time, as a pod's CPU limit (a cgroup CFS quota; needs root; 0: none)")

@@ -96,6 +96,9 @@ class WorkersConfig(_Section):
     # a Generate stream with no chunk for this long has stalled (a hung engine whose server still answers):
     # the attempt fails, and is retried elsewhere if no token was sent yet; 0 = wait forever
     stream_idle_timeout_s: float = Field(default=120.0, ge=0)
+    # send requests to each worker that serves it over one Session stream (worker.proto), not one Generate call
+    # each: the worker sends every chunk ready at once, of all its requests, in one message
+    session: bool = True
     # TLS to the workers: tls_ca checks their certificates ("" = the system's roots), tls_cert/tls_key are the
     # router's own when workers require client certificates (mTLS), tls_server_name the name their certificates
     # carry when it differs from the addresses dialled

@@ -2,7 +2,7 @@
 
 The only module that sends requests to workers (policies only return a `Decision`). It owns the request's life
 after admission: fast path or queue -> `policy.select` (timed) -> `Fleet.note_dispatch` + `on_dispatch` ->
-worker Generate stream -> chunks with text deltas -> final chunk with usage and timings -> `on_finish`.
+worker Generate stream (a call, or the worker's Session) -> chunks with text deltas -> final chunk with usage and timings -> `on_finish`.
 The output-length prediction started at admission is settled at the first bind: the fast path waits for it up to
 its deadline; a request released from the queue takes what is there (the wait already overlapped inference).
 Failures before the first token are retried on another worker; cancellations and deadlines remove the request
@@ -33,6 +33,7 @@ from switchyard.v1 import common_pb2, router_pb2, worker_pb2
 
 if TYPE_CHECKING:
     from switchyard.router.predictor.service import PredictorService
+    from switchyard.router.worker_session import SessionCall
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class _Flight:
     decision: Decision | None = None  # the current attempt's, until the attempt ends
     entry: QueueEntry | None = None
     future: asyncio.Future[Decision] | None = None  # resolved by the pump when released from the queue
-    call: grpc.aio.UnaryStreamCall | None = None  # the current attempt's worker stream
+    call: grpc.aio.UnaryStreamCall | SessionCall | None = None  # the current attempt's worker stream
     last_chunk_at: float = 0.0  # router clock: the current attempt's start or its last chunk
     watchdog: asyncio.TimerHandle | None = None  # the current attempt's stall check
     stalled: bool = False  # the watchdog cancelled the current attempt's stream
@@ -290,16 +291,15 @@ class Dispatcher:
 
     async def _attempt(self, fl: _Flight, decision: Decision) -> AsyncIterator[router_pb2.GenerateChunk]:
         wid = decision.worker_id
-        stub = self._registry.stub(wid)
-        if stub is None:
-            raise WorkerFailed(wid, "UNAVAILABLE", "worker was removed")
         timeout = fl.remaining_s(self._clock.now())
         if timeout is not None and timeout <= 0:
             raise ApiError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before dispatch")
         request = api.worker_request(
             fl.req, decision, fl.predicted_output_tokens, self._registry.origin, fl.stream_interval
         )
-        call = stub.Generate(request, timeout=timeout)
+        call = self._registry.generate(wid, request, timeout)
+        if call is None:
+            raise WorkerFailed(wid, "UNAVAILABLE", "worker was removed")
         fl.call, fl.last_chunk_at, fl.stalled = call, self._clock.now(), False
         if self._idle_s:
             fl.watchdog = asyncio.get_running_loop().call_later(self._idle_s, self._check_stall, fl, call)
@@ -330,7 +330,7 @@ class Dispatcher:
                 fl.watchdog = None
         raise WorkerFailed(wid, "UNAVAILABLE", "stream ended without a final chunk")
 
-    def _check_stall(self, fl: _Flight, call: grpc.aio.UnaryStreamCall) -> None:
+    def _check_stall(self, fl: _Flight, call: grpc.aio.UnaryStreamCall | SessionCall) -> None:
         """The stall watchdog of the attempt streaming `call`: a timer, re-armed from the last chunk, so a stream
         costs one timer per idle period rather than one per chunk (asyncio.timeout around each read costs ~8 µs)."""
         if fl.call is not call:

@@ -114,6 +114,10 @@ class RouterMetrics:
             "switchyard_retries", "Dispatch retries after a worker failed before the first token",
             ["model", "reason"], registry=r,
         )
+        self.worker_sessions = Counter(
+            "switchyard_worker_sessions", "Session streams opened to a worker (`workers.session`): one serves all "
+            "the requests sent to it until it ends", ["worker"], registry=r,
+        )
         self.gc_pauses = Histogram(
             "switchyard_gc_pause_seconds", "Pauses of the cyclic garbage collector, by generation (the event loop "
             "stops meanwhile)", ["generation"], buckets=GC_BUCKETS_S, registry=r,
@@ -269,7 +273,7 @@ class RouterMetrics:
             with contextlib.suppress(KeyError):
                 gauge.remove(worker)
         self._kv_children.pop(worker, None)
-        for counter in (self.kv_streams, self.kv_batches):
+        for counter in (self.kv_streams, self.kv_batches, self.worker_sessions):
             with contextlib.suppress(KeyError):
                 counter.remove(worker)
         for kind in ("stored", "removed", "cleared"):

@@ -26,6 +26,7 @@ from switchyard.router.fleet import Fleet, WorkerInfo, WorkerState
 from switchyard.router.metrics import RouterMetrics
 from switchyard.router.peer_mirror import PeerMirror
 from switchyard.router.policies.base import Policy, WorkerId
+from switchyard.router.worker_session import FRAME_BYTES, SessionCall, WorkerSession
 from switchyard.tls import aio_channel
 from switchyard.v1 import router_pb2, worker_pb2, worker_pb2_grpc
 from switchyard.workers.tokenizer import Tokenizer, same_tokenizer
@@ -66,6 +67,8 @@ class WorkerConn:
     first_attempt: asyncio.Event = field(default_factory=asyncio.Event)  # set after the first connect attempt
     kv_ready: asyncio.Event = field(default_factory=asyncio.Event)  # set while the KV stream may run
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    serves_session: bool = False  # its last Info advertised Session
+    session: WorkerSession | None = None  # the open one (`WorkerRegistry.generate`)
 
     @property
     def worker_id(self) -> WorkerId | None:
@@ -125,9 +128,35 @@ class WorkerRegistry:
         )
 
     def stub(self, worker_id: WorkerId) -> worker_pb2_grpc.WorkerStub | None:
+        conn = self._conn_of(worker_id)
+        return conn.stub if conn else None
+
+    def _conn_of(self, worker_id: WorkerId) -> WorkerConn | None:
         rec = self._fleet.get(worker_id)
         conn = self._conns.get(rec.info.address) if rec else None
-        return conn.stub if conn and not conn.removed else None
+        return conn if conn and not conn.removed else None
+
+    def generate(
+        self, worker_id: WorkerId, request: worker_pb2.WorkerGenerateRequest, timeout: float | None
+    ) -> grpc.aio.UnaryStreamCall | SessionCall | None:
+        """Send one request to the worker: over its Session stream where `workers.session` is on and the worker
+        serves it (a new stream when the last one ended), else, or when the request alone is over a session
+        message's budget, as its own Generate call. None: not connected."""
+        conn = self._conn_of(worker_id)
+        if conn is None:
+            return None
+        use_session = self._cfg.session and conn.serves_session
+        size = request.ByteSize() if use_session else 0
+        if use_session and size <= FRAME_BYTES:
+            session = conn.session
+            if session is None or not session.usable:
+                if session is not None and session.end_code is grpc.StatusCode.UNIMPLEMENTED:
+                    conn.serves_session = False  # advertised, not served: Generate calls from now on
+                    return conn.stub.Generate(request, timeout=timeout)
+                session = conn.session = WorkerSession(conn.stub, f"worker {worker_id} ({conn.address})")
+                self._metrics.worker_sessions.labels(worker_id).inc()
+            return session.start(request, timeout, size)
+        return conn.stub.Generate(request, timeout=timeout)
 
     def find(self, ref: str) -> WorkerConn:
         """By worker id, else by address; NOT_FOUND otherwise."""
@@ -311,6 +340,7 @@ class WorkerRegistry:
         old = conn.channel
         conn.channel = aio_channel(conn.address, tls, CHANNEL_OPTIONS)
         conn.stub = worker_pb2_grpc.WorkerStub(conn.channel)
+        conn.session = None  # the open one runs on the old channel until it closes
         conn.tls_generation = tls.generation
         self._spawn(old.close(grace=self._close_grace_s))
         log.info("worker at %s: new channel with the rotated client TLS files", conn.address)
@@ -346,6 +376,7 @@ class WorkerRegistry:
             self._fleet.set_healthy(info.worker_id, True)
             self._fleet.set_state(info.worker_id, state_of(raw.state, conn.drained))
         conn.info, conn.connected, conn.num_failures, conn.last_error, conn.rejected = info, True, 0, "", False
+        conn.serves_session = raw.session
         conn.kv_ready.set()
         log.info(
             "worker %s at %s joined: model=%s max_model_len=%d block_size=%d hash=%s max_num_seqs=%d",

@@ -672,6 +672,7 @@ class SimWorker:
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             incarnation=self.hub.incarnation,
+            session=True,
         )
 
     def stats(self) -> worker_pb2.WorkerStats:
@@ -697,6 +698,90 @@ class SimWorker:
         )
 
 
+# events per Session reply, at most: a reply stays well under the router's 4 MiB receive limit (a chunk is a few
+# hundred bytes) even when events piled up while the stream was slow to take them
+SESSION_REPLY_EVENTS = 512
+
+
+class RequestError(Exception):
+    """A request that cannot run or failed: the status its Generate call ends with (a Session event's)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class _Session:
+    """One Session stream's requests: a task per request (`WorkerServicer._generate`) putting its chunks, or its
+    error, on one list of events that the stream's writer empties into each message."""
+
+    def __init__(self, servicer: WorkerServicer) -> None:
+        self.servicer = servicer
+        self.events: list[worker_pb2.SessionEvent] = []
+        self.ready = asyncio.Event()
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.reading = True  # the router may still send requests
+        self.ending = False  # the worker drains: end the stream once its requests ended (`end_sessions`)
+        self.violation: RequestError | None = None  # a request no event could name: the stream ends with it
+
+    async def read(self, request_iterator: AsyncIterator[worker_pb2.SessionRequest]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            async for req in request_iterator:
+                for g in req.generate:
+                    rid = g.request_id
+                    if not rid or rid in self.tasks:  # its error event would name no request, or a running one
+                        why = "empty" if not rid else f"{rid!r}, already running in this session"
+                        self.violation = RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"session request_id {why}")
+                        return
+                    self.tasks[rid] = loop.create_task(self._run(g, time.time()))
+                if req.abort_request_ids:
+                    self.servicer.w.abort(list(req.abort_request_ids))
+        finally:
+            self.reading = False
+            self.ready.set()
+
+    async def _run(self, request: worker_pb2.WorkerGenerateRequest, received_at: float) -> None:
+        rid = request.request_id
+        try:
+            async for chunk in self.servicer._generate(request, received_at):
+                self.events.append(worker_pb2.SessionEvent(chunk=chunk))
+                self.ready.set()
+        except RequestError as e:
+            self._put(rid, e)
+        except Exception as e:  # noqa: BLE001 - the request ends with UNKNOWN, as an uncaught error ends a call
+            log.exception("session request %s failed", rid)
+            self._put(rid, RequestError(grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}"))
+        finally:
+            self.tasks.pop(rid, None)
+            self.ready.set()
+
+    def _put(self, rid: str, e: RequestError) -> None:
+        self.events.append(worker_pb2.SessionEvent(
+            chunk=worker_pb2.WorkerGenerateChunk(request_id=rid), status_code=e.code.value[0], status_message=e.message
+        ))
+        self.ready.set()
+
+    async def take(self) -> list[worker_pb2.SessionEvent] | None:
+        """Every event ready (waiting for one); None once the router closed its side and every request ended."""
+        while not self.events:
+            if self.violation is not None or ((not self.reading or self.ending) and not self.tasks):
+                return None
+            self.ready.clear()
+            await self.ready.wait()
+        if len(self.events) <= SESSION_REPLY_EVENTS:
+            events, self.events = self.events, []
+        else:
+            events, self.events = self.events[:SESSION_REPLY_EVENTS], self.events[SESSION_REPLY_EVENTS:]
+        return events
+
+    def close(self) -> None:
+        """The stream ended (cancelled, or the router's side closed): requests still running are cancelled,
+        which aborts them in the engine (`release`)."""
+        for task in self.tasks.values():
+            task.cancel()
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """proto <-> SimWorker, and the status codes. The vLLM worker's servicer is this one with its own admission
     (`_admit`), chunking (`_consume`) and limits (`_limits`, `_validate`)."""
@@ -705,25 +790,43 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def __init__(self, worker: SimWorker) -> None:
         self.w = worker
+        self.sessions: set[_Session] = set()
+
+    def end_sessions(self) -> None:
+        """Draining: each Session stream ends (OK) once its requests have, so the server's stop does not wait its
+        grace for streams the router keeps open."""
+        for session in self.sessions:
+            session.ending = True
+            session.ready.set()
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.WorkerGenerateChunk]:
-        received_at = time.time()
+        try:
+            async for chunk in self._generate(request, time.time()):
+                yield chunk
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+
+    async def _generate(
+        self, request: worker_pb2.WorkerGenerateRequest, received_at: float
+    ) -> AsyncIterator[worker_pb2.WorkerGenerateChunk]:
+        """One request's chunks, as Generate and Session send them; a request that cannot run or fails raises
+        `RequestError` with the status its call ends with."""
         w = self.w
         if w.state != worker_pb2.LIFECYCLE_STATE_READY:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable_message)
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, self.unavailable_message)
         error = self._validate(request)
         if error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, error)
         rid = request.request_id or uuid.uuid4().hex
         if rid in w.streams:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running")
-        stream = await self._admit(request, rid, received_at, context)
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running")
+        stream = self._admit(request, rid, received_at)
         gather = ChunkGatherer(effective_stream_interval(request.stream_interval_tokens, w.stream_interval))
         try:
             while True:
-                chunk = await self._consume(stream, await stream.take(), context)
+                chunk = self._consume(stream, await stream.take())
                 if chunk is not None:
                     chunk = gather.add(chunk, stream.is_finished)
                 if chunk is not None:
@@ -733,11 +836,27 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             w.release(stream)
 
-    async def _admit(
-        self, request: worker_pb2.WorkerGenerateRequest, rid: str, received_at: float,
-        context: grpc.aio.ServicerContext,
-    ) -> Any:
-        """Queue the validated request in the engine; returns its stream (aborts the call if the engine refuses)."""
+    async def Session(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[worker_pb2.SessionRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.SessionReply]:
+        """Many Generate calls over one stream (worker.proto): each request runs as its own task, as under its
+        own call, and every event ready when the stream can take one more message goes in that one message, so
+        an engine step's tokens for all of the session's requests cost one message, not one per request."""
+        session = _Session(self)
+        self.sessions.add(session)
+        reader = asyncio.get_running_loop().create_task(session.read(request_iterator))
+        try:
+            while (events := await session.take()) is not None:
+                yield worker_pb2.SessionReply(events=events)
+            if session.violation is not None:
+                await context.abort(session.violation.code, session.violation.message)
+        finally:
+            self.sessions.discard(session)
+            reader.cancel()
+            session.close()
+
+    def _admit(self, request: worker_pb2.WorkerGenerateRequest, rid: str, received_at: float) -> Any:
+        """Queue the validated request in the engine; returns its stream (`RequestError` if the engine refuses)."""
         w = self.w
         sp = request.sampling
         engine_request = EngineRequest(
@@ -755,21 +874,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             stream = w.add(engine_request, list(sp.stop), received_at, request.origin, request.tenant)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         log.debug(
             "request %s: %d prompt tokens, max_tokens %d", rid, len(request.prompt_token_ids), sp.max_tokens
         )
         return stream
 
-    async def _consume(
-        self, stream: Any, items: list[Any], context: grpc.aio.ServicerContext
-    ) -> worker_pb2.WorkerGenerateChunk | None:
+    def _consume(self, stream: Any, items: list[Any]) -> worker_pb2.WorkerGenerateChunk | None:
         """The chunk a batch of the stream's queued items makes (None: nothing to send yet)."""
         try:
             return stream.consume(items)
         except RuntimeError as e:
-            await context.abort(grpc.StatusCode.INTERNAL, str(e))
-            raise  # unreachable: abort raises
+            raise RequestError(grpc.StatusCode.INTERNAL, str(e)) from None
 
     def _limits(self) -> tuple[int, int, int]:
         """(max_model_len, the longest prompt it admits, the vocabulary size)."""
@@ -973,7 +1089,8 @@ async def serve(args: argparse.Namespace) -> int:
         timings_log,
     )
     worker.stream_interval = args.stream_interval
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), server)
+    servicer = WorkerServicer(worker)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     lifecycle = _Lifecycle()
@@ -1036,6 +1153,7 @@ async def serve(args: argparse.Namespace) -> int:
     if worker.streams:
         log.warning("drain: aborting %d unfinished requests", len(worker.streams))
         worker.abort(list(worker.streams))
+    servicer.end_sessions()
     worker.hub.close()
     if facade is not None:
         await facade.stop()

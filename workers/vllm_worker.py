@@ -404,6 +404,7 @@ class VllmWorker:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             incarnation=self.hub.incarnation,
+            session=True,
         )
 
     def stats(self) -> worker_pb2.WorkerStats:
@@ -441,28 +442,23 @@ class VllmServicer(sim_worker.WorkerServicer):
     unavailable_message = "worker is not accepting requests"
 
     def __init__(self, worker: VllmWorker) -> None:
-        self.w = worker  # type: ignore[assignment]
+        super().__init__(worker)  # type: ignore[arg-type]
 
-    async def _admit(
-        self, request: worker_pb2.WorkerGenerateRequest, rid: str, received_at: float,
-        context: grpc.aio.ServicerContext,
-    ) -> Any:
+    def _admit(self, request: worker_pb2.WorkerGenerateRequest, rid: str, received_at: float) -> Any:
         w: VllmWorker = self.w  # type: ignore[assignment]
         try:
             params = w.sampling_params(request.sampling)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise sim_worker.RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         return w.add(
             rid, request.prompt_token_ids, params, list(request.sampling.stop), request.priority, received_at,
             request.origin, max(0, request.predicted_output_tokens), request.tenant,
         )
 
-    async def _consume(
-        self, stream: Any, items: list[Any], context: grpc.aio.ServicerContext
-    ) -> worker_pb2.WorkerGenerateChunk | None:
+    def _consume(self, stream: Any, items: list[Any]) -> worker_pb2.WorkerGenerateChunk | None:
         err = next((i for i in items if isinstance(i, _Error)), None)
         if err is not None:
-            await context.abort(err.code, err.message)
+            raise sim_worker.RequestError(err.code, err.message)
         return stream.consume(items)
 
     def _limits(self) -> tuple[int, int, int]:
@@ -664,7 +660,8 @@ async def serve(args: argparse.Namespace) -> int:
     )
     worker.stream_interval = args.stream_interval
     holder.append(worker)
-    worker_pb2_grpc.add_WorkerServicer_to_server(VllmServicer(worker), server)
+    servicer = VllmServicer(worker)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     lifecycle = _Lifecycle(log)
@@ -707,6 +704,7 @@ async def serve(args: argparse.Namespace) -> int:
     if worker.streams:
         log.warning("aborting %d unfinished requests", len(worker.streams))
         worker.abort(list(worker.streams))
+    servicer.end_sessions()
     hub.close()
     await server.stop(grace=1.0)
     with notifier.keepalive(), contextlib.suppress(Exception):  # it blocks the loop while its processes exit

@@ -68,15 +68,18 @@ def fast_workers() -> Iterator[list[procs.Proc]]:
         yield workers
 
 
-@pytest.fixture
-def router_factory() -> Iterator[Callable[..., procs.Proc]]:
+@pytest.fixture(params=["session", "calls"])
+def router_factory(request: pytest.FixtureRequest) -> Iterator[Callable[..., procs.Proc]]:
+    """Each test runs twice: requests over one Session stream per worker, and one Generate call each."""
     started: list[procs.Proc] = []
+    mode = ["--set", f"workers.session={'true' if request.param == 'session' else 'false'}"]
 
     def make(workers: list[procs.Proc], *extra: str) -> procs.Proc:
-        r = start_router(workers, *extra)
+        r = start_router(workers, *mode, *extra)
         started.append(r)
         return r
 
+    make.session = request.param == "session"  # type: ignore[attr-defined]
     yield make
     for r in started:
         r.stop()
@@ -129,6 +132,9 @@ def test_streaming_and_complete(fast_workers: list[procs.Proc], router_factory) 
         )
     assert metric(router, "switchyard_requests_total", model=MODEL, status="ok") == 10
     assert metric(router, "switchyard_routing_decision_seconds_count") == 10
+    # over sessions, each worker's one stream carried all its requests
+    for w in ("fw0", "fw1"):
+        assert metric(router, "switchyard_worker_sessions_total", worker=w) == (1 if router_factory.session else 0)
 
 
 def test_error_statuses(fast_workers: list[procs.Proc], router_factory) -> None:  # type: ignore[no-untyped-def]

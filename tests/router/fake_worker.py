@@ -45,6 +45,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     stats_calls: int = 0
+    advertises_session: bool = False  # Info's `session`; this fake serves no Session (UNIMPLEMENTED), as a faulty worker
     _kv_queues: list[asyncio.Queue[worker_pb2.KvEventBatch]] = field(default_factory=list)
     _kv_seq: int = 0
     server: grpc.aio.Server | None = None
@@ -80,6 +81,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             worker_id=self.worker_id, model=self.model, max_model_len=self.max_model_len, block_size=self.block_size,
             kv_capacity_blocks=self.kv_blocks_total, tokenizer_id=self.tokenizer_id, block_hash_algo="xxhash",
             state=worker_pb2.LIFECYCLE_STATE_READY, engine="fake", max_num_seqs=self.max_num_seqs,
+            session=self.advertises_session,
         )
 
     async def Stats(self, request, context):  # type: ignore[no-untyped-def]

@@ -134,6 +134,31 @@ async def test_streaming_generate_end_to_end() -> None:
         await until_async(lambda: daemon.fleet.get(WorkerId("w0")).in_flight == 0)  # type: ignore[union-attr]
 
 
+async def test_a_worker_advertising_a_session_it_does_not_serve_gets_generate_calls() -> None:
+    """A worker whose Info says it serves Session but answers UNIMPLEMENTED (a faulty build; this fake is one): the
+    request on that stream fails over (here, with no other worker, UNAVAILABLE, never a hang), and the router sends
+    that worker Generate calls from then on. A worker that does not advertise it only ever gets calls."""
+    w = FakeWorker("w0", advertises_session=True)
+    async with stack([w]) as (daemon, client):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            _ = [c async for c in client.generate("m", prompt="a", max_tokens=2)]
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        async def served() -> bool:
+            try:
+                return len([c async for c in client.generate("m", prompt="b", max_tokens=2)]) == 2
+            except grpc.aio.AioRpcError:
+                return False  # the failed stream's probe may still hold the worker out of the routable set
+
+        await until_async(served)
+        assert [r.prompt_token_ids for r in w.received][-1] == TOK.encode("b")  # through a Generate call
+        assert sample(daemon, "switchyard_worker_sessions_total", worker="w0") == 1
+    plain = FakeWorker("w1")
+    async with stack([plain], workers={"session": True}) as (daemon, client):
+        assert len([c async for c in client.generate("m", prompt="a", max_tokens=2)]) == 2
+        assert sample(daemon, "switchyard_worker_sessions_total", worker="w1") == 0
+
+
 async def test_complete_relays_the_workers_text() -> None:
     # Workers detokenize (and apply stop strings, as vLLM does); the router relays their text deltas unchanged.
     w = FakeWorker("w0")
