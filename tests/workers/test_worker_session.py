@@ -6,6 +6,7 @@ protocol error, the worker's drain) ends or aborts what runs on it. Synchronised
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from collections.abc import AsyncIterator
 
@@ -41,6 +42,15 @@ class Sender:
     async def frames(self) -> AsyncIterator[worker_pb2.SessionRequest]:
         while (frame := await self.queue.get()) is not None:
             yield frame
+
+
+@contextlib.asynccontextmanager
+async def session_to(address: str) -> AsyncIterator[tuple[worker_pb2_grpc.WorkerStub, Sender, grpc.aio.StreamStreamCall]]:
+    """A channel to the worker, and a Session stream on it whose requests `Sender` sends."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        sender = Sender()
+        yield stub, sender, stub.Session(sender.frames())
 
 
 async def read_until_done(call, rids: set[str]) -> tuple[dict[str, list], list[set[str]]]:  # type: ignore[no-untyped-def]
@@ -93,10 +103,7 @@ async def test_each_request_gets_its_generate_calls_chunks_and_a_step_shares_one
 
 
 async def test_a_failed_or_aborted_request_ends_alone(worker: WorkerProc) -> None:
-    async with grpc.aio.insecure_channel(worker.address) as ch:
-        stub = worker_pb2_grpc.WorkerStub(ch)
-        sender = Sender()
-        call = stub.Session(sender.frames())
+    async with session_to(worker.address) as (stub, sender, call):
         sender.send(gen_request("long", prompt_of("a long story " * 10), 3000), gen_request("bad", [1, 2, 3], 0))
         bad, _ = await read_until_done(call, {"bad"})
         assert bad["bad"][-1].status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -113,23 +120,18 @@ async def test_a_failed_or_aborted_request_ends_alone(worker: WorkerProc) -> Non
 
 
 async def test_cancelling_the_session_aborts_its_requests(worker: WorkerProc) -> None:
-    async with grpc.aio.insecure_channel(worker.address) as ch:
-        stub = worker_pb2_grpc.WorkerStub(ch)
-        sender = Sender()
-        call = stub.Session(sender.frames())
+    async with session_to(worker.address) as (stub, sender, call):
         sender.send(gen_request("c1", prompt_of("cancel me"), 3000), gen_request("c2", prompt_of("and me"), 3000))
-        while len({ev.chunk.request_id for ev in (await call.read()).events}) < 2:
-            pass
+        seen: set[str] = set()
+        while len(seen) < 2:  # both have sent tokens
+            seen |= {ev.chunk.request_id for ev in (await call.read()).events}
         assert (await stub.Stats(worker_pb2.StatsRequest())).num_running == 2
         call.cancel()
         assert (await wait_until_idle(stub)).num_running == 0
 
 
 async def test_a_request_id_no_event_could_name_ends_the_session(worker: WorkerProc) -> None:
-    async with grpc.aio.insecure_channel(worker.address) as ch:
-        stub = worker_pb2_grpc.WorkerStub(ch)
-        sender = Sender()
-        call = stub.Session(sender.frames())
+    async with session_to(worker.address) as (stub, sender, call):
         sender.send(gen_request("dup", prompt_of("twice"), 3000))
         await call.read()
         sender.send(gen_request("dup", [1, 2, 3], 4))
@@ -146,10 +148,7 @@ async def test_the_drain_ends_an_open_session_cleanly() -> None:
     than the server's stop cutting it off."""
     proc = start_worker("--time-scale", "0.2", "--drain-timeout", "20")
     try:
-        async with grpc.aio.insecure_channel(proc.address) as ch:
-            stub = worker_pb2_grpc.WorkerStub(ch)
-            sender = Sender()
-            call = stub.Session(sender.frames())
+        async with session_to(proc.address) as (_stub, sender, call):
             sender.send(gen_request("drain-1", prompt_of("drain test"), 200))
             first = await call.read()
             proc.popen.send_signal(signal.SIGTERM)
