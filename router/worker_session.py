@@ -187,9 +187,3 @@ class WorkerSession:
                 call._push(_error(grpc.StatusCode.UNAVAILABLE, why))
             if calls:
                 log.warning("%s: %s; %d requests on it fail over", self._name, why, len(calls))
-
-    def close(self) -> None:
-        """End the stream now (requests still on it fail with UNAVAILABLE)."""
-        self.usable = False
-        if self._call is not None:
-            self._call.cancel()
