@@ -263,7 +263,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                    "--log-level", "WARNING"]
     for w in workers:
         router_args += ["--worker", w.address]
-    router = procs.start("router", [*router_args, *(("--set", "workers.session=false") if args.worker_session else ())])
+    if args.worker_session:  # every router on Generate calls (the adaptive one too) but the session one
+        router_args += ["--set", "workers.session=false"]
+    router = procs.start("router", router_args)
     session = (procs.start("router-session", [*router_args, "--set", "workers.session=true"])
                if args.worker_session else None)  # fmt: skip
     adaptive = (procs.start("router-adaptive", [*router_args, "--set",
@@ -290,37 +292,28 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             aiohttp.ClientSession() as http,
         ):
             await _wait_routable(client, args.workers)
-            if adaptive:
-                adaptive_client = await more.enter_async_context(
-                    AsyncRouterClient(adaptive.address, admin_address=adaptive.extra.get("admin"))
+            seconds = [p for p in (adaptive, session) if p is not None]  # the second routers, each its own pass
+            second_clients = {}  # by process name
+            for p in seconds:
+                second_clients[p.name] = await more.enter_async_context(
+                    AsyncRouterClient(p.address, admin_address=p.extra.get("admin"))
                 )
-                await _wait_routable(adaptive_client, args.workers)
-            if session:
-                session_client = await more.enter_async_context(
-                    AsyncRouterClient(session.address, admin_address=session.extra.get("admin"))
-                )
-                await _wait_routable(session_client, args.workers)
+                await _wait_routable(second_clients[p.name], args.workers)
             channels = [grpc.aio.insecure_channel(w.address) for w in workers]
             stubs = [worker_pb2_grpc.WorkerStub(c) for c in channels]
             # Warm-up: connections, code paths, caches.
             warm = _prompts(rng, 20, args.prompt_len, args.prefix_groups)
             await _drive(lambda s, p: _via_router(client, s, p, args.output_len), 20, 1.0, warm, "warm", rng)
             await _drive(lambda s, p: _via_router(relay_client, s, p, args.output_len), 20, 1.0, warm, "wrelay", rng)
-            if adaptive:
-                await _drive(lambda s, p: _via_router(adaptive_client, s, p, args.output_len), 20, 1.0, warm,
-                             "wadaptive", rng)  # fmt: skip
-            if session:
-                await _drive(lambda s, p: _via_router(session_client, s, p, args.output_len), 20, 1.0, warm,
-                             "wsession", rng)  # fmt: skip
+            for name, c in second_clients.items():
+                await _drive(lambda s, q, c=c: _via_router(c, s, q, args.output_len), 20, 1.0, warm, f"w{name}", rng)
             # Background CPU (Stats polls, health, ticks) with no traffic, to separate it from per-request work.
             cpu0, t0 = router.cpu_seconds(), time.perf_counter()
-            adaptive_cpu0 = adaptive.cpu_seconds() if adaptive else 0.0
-            session_cpu0 = session.cpu_seconds() if session else 0.0
+            second_cpu0 = {p.name: p.cpu_seconds() for p in seconds}
             await asyncio.sleep(args.idle_probe_s)
             idle_s = time.perf_counter() - t0
             idle_cpu_frac = (router.cpu_seconds() - cpu0) / idle_s
-            adaptive_idle_cpu_frac = (adaptive.cpu_seconds() - adaptive_cpu0) / idle_s if adaptive else 0.0
-            session_idle_cpu_frac = (session.cpu_seconds() - session_cpu0) / idle_s if session else 0.0
+            second_idle_cpu_frac = {p.name: (p.cpu_seconds() - second_cpu0[p.name]) / idle_s for p in seconds}
             result["router_idle_cpu_frac"] = idle_cpu_frac
             for rate in rates:
                 # each pass gets its own prompts (fresh prefixes): the routed pass must not find the direct pass's
@@ -352,7 +345,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     adaptive_prompts = _prompts(rng, count, args.prompt_len, args.prefix_groups)
                     lag0 = await _scrape(http, adaptive.extra["metrics"])
                     adapted, adaptive_wall, adaptive_cpu_s = await _pass(
-                        adaptive, lambda s, p: _via_router(adaptive_client, s, p, args.output_len),
+                        adaptive, lambda s, p: _via_router(second_clients[adaptive.name], s, p, args.output_len),
                         rate, args.duration, adaptive_prompts, f"a{rate:g}", rng,
                     )
                     adaptive_lag1 = await _scrape(http, adaptive.extra["metrics"])
@@ -360,7 +353,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     session_prompts = _prompts(rng, count, args.prompt_len, args.prefix_groups)
                     workers_cpu0 = sum(w.cpu_seconds() for w in workers)
                     sessioned, session_wall, session_cpu_s = await _pass(
-                        session, lambda s, p: _via_router(session_client, s, p, args.output_len),
+                        session, lambda s, p: _via_router(second_clients[session.name], s, p, args.output_len),
                         rate, args.duration, session_prompts, f"s{rate:g}", rng,
                     )
                     session_workers_cpu_s = sum(w.cpu_seconds() for w in workers) - workers_cpu0
@@ -379,12 +372,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 if session:
                     step["session"] = _step_result(sessioned, timings, rate, session_wall)
                     step["session"]["router_cpu_us_per_request_net"] = _net_cpu_us(
-                        session_cpu_s, session_idle_cpu_frac, session_wall, len(sessioned))  # fmt: skip
+                        session_cpu_s, second_idle_cpu_frac[session.name], session_wall, len(sessioned))  # fmt: skip
                     step["session"]["workers_cpu_us_per_request"] = session_workers_cpu_s / max(1, len(sessioned)) * 1e6
                 if adaptive:
                     step["adaptive"] = _step_result(adapted, timings, rate, adaptive_wall)
                     step["adaptive"]["router_cpu_us_per_request_net"] = _net_cpu_us(
-                        adaptive_cpu_s, adaptive_idle_cpu_frac, adaptive_wall, len(adapted))  # fmt: skip
+                        adaptive_cpu_s, second_idle_cpu_frac[adaptive.name], adaptive_wall, len(adapted))  # fmt: skip
                     step["adaptive"]["loop_lag_ms"] = _loop_lag_ms(lag0, adaptive_lag1)
                     step["adaptive"]["interval_at_end"] = adaptive_lag1[INTERVAL]
                 if args.stream_interval > 1:

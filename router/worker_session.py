@@ -181,9 +181,7 @@ class WorkerSession:
             self.usable = False
             calls, self._calls = self._calls, {}
             for call in calls.values():
-                call._done = True
-                if call._deadline is not None:
-                    call._deadline.cancel()
+                call._end()
                 call._push(_error(grpc.StatusCode.UNAVAILABLE, why))
             if calls:
                 log.warning("%s: %s; %d requests on it fail over", self._name, why, len(calls))
