@@ -29,11 +29,11 @@ from switchyard.router.metrics import RouterMetrics
 from switchyard.router.policies.base import Decision, Policy, WorkerId, WorkerView
 from switchyard.router.queue import QueueEntry, QueueFull, RequestQueue, should_hold
 from switchyard.router.registry import WorkerRegistry
+from switchyard.router.worker_session import SessionCall
 from switchyard.v1 import common_pb2, router_pb2, worker_pb2
 
 if TYPE_CHECKING:
     from switchyard.router.predictor.service import PredictorService
-    from switchyard.router.worker_session import SessionCall
 
 log = logging.getLogger(__name__)
 
@@ -413,7 +413,7 @@ class Dispatcher:
         call, fl.call = fl.call, None
         if call is not None:
             call.cancel()
-            if send_abort:
+            if send_abort and not isinstance(call, SessionCall):  # a session's cancel sent its abort frame
                 self._spawn(self._send_abort(wid, fl.req.request_id))
         self.schedule_pump()
 
