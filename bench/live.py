@@ -272,7 +272,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                                 f"server.stream_interval_max_tokens={args.adaptive_interval}"])
                 if args.adaptive_interval > 1 else None)  # fmt: skip
     relay = procs.start("relay", ["bench", "relay", *itertools.chain.from_iterable(("--worker", w.address)
-                                                                                    for w in workers)])
+                                                                                    for w in workers),
+                                  *(["--calls"] if args.worker_session else [])])  # as the first router
     result: dict[str, Any] = {"policy": args.policy, "workers": args.workers, "profile": args.profile,
                               "duration_s": args.duration, "prompt_len": args.prompt_len,
                               "output_len": args.output_len, "stream_interval": args.stream_interval,

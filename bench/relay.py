@@ -4,7 +4,9 @@ It serves the router's `Generate` on the same stack as the daemon (grpc.aio on u
 channel options) and does nothing a router decides: no admission, hashing, queue, policy, metrics or hooks. A
 token-id request goes round-robin to the next worker as a `WorkerGenerateRequest`, and the worker's chunks come
 back as they arrive. Switchyard's router-added latency minus this relay's is what its own logic costs; the
-relay's minus the direct-to-worker baseline is what one more Python gRPC hop costs.
+relay's minus the direct-to-worker baseline is what one more Python gRPC hop costs. It reaches the workers as the
+daemon does by default, over one Session stream per worker (`router/worker_session.py`), or with `--calls` one
+Generate call per request, as a daemon with `workers.session = false`.
 
 Benchmark only (`bench live` starts it beside the router): token-id prompts only, no retries, no Admin service.
 Prints `READY host:port` once serving, like `switchyard serve`.
@@ -23,24 +25,36 @@ import grpc
 
 from switchyard.router.registry import CHANNEL_OPTIONS
 from switchyard.router.server import SERVER_OPTIONS
+from switchyard.router.worker_session import WorkerSession
 from switchyard.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
 class Relay(router_pb2_grpc.RouterServicer):
-    def __init__(self, stubs: list[worker_pb2_grpc.WorkerStub]) -> None:
-        self._next = itertools.cycle(stubs)
+    def __init__(self, stubs: list[worker_pb2_grpc.WorkerStub], session: bool) -> None:
+        self._next = itertools.cycle(range(len(stubs)))
+        self._stubs = stubs
+        self._sessions: list[WorkerSession | None] = [None] * len(stubs) if session else []
+
+    def _send(self, i: int, request: worker_pb2.WorkerGenerateRequest, timeout: float | None):  # type: ignore[no-untyped-def]
+        if not self._sessions:
+            return self._stubs[i].Generate(request, timeout=timeout)
+        session = self._sessions[i]
+        if session is None or not session.usable:
+            session = self._sessions[i] = WorkerSession(self._stubs[i], f"worker {i}")
+        return session.start(request, timeout, request.ByteSize())
 
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateChunk]:
         if request.WhichOneof("input") != "tokens" or not request.tokens.ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the relay takes token-id prompts only")
-        call = next(self._next).Generate(
+        call = self._send(
+            next(self._next),
             worker_pb2.WorkerGenerateRequest(
                 request_id=request.request_id, prompt_token_ids=request.tokens.ids, sampling=request.sampling,
                 stream_interval_tokens=request.stream_interval_tokens,
             ),
-            timeout=context.time_remaining(),
+            context.time_remaining(),
         )
         try:
             async for wc in call:
@@ -50,12 +64,14 @@ class Relay(router_pb2_grpc.RouterServicer):
                 )
         except grpc.aio.AioRpcError as e:
             await context.abort(e.code(), e.details() or "")
+        finally:
+            call.cancel()  # the client left early: abort it on the worker (a no-op once it ended)
 
 
-async def serve(workers: list[str], host: str, port: int) -> None:
+async def serve(workers: list[str], host: str, port: int, session: bool) -> None:
     channels = [grpc.aio.insecure_channel(w, options=CHANNEL_OPTIONS) for w in workers]
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    router_pb2_grpc.add_RouterServicer_to_server(Relay([worker_pb2_grpc.WorkerStub(c) for c in channels]), server)
+    router_pb2_grpc.add_RouterServicer_to_server(Relay([worker_pb2_grpc.WorkerStub(c) for c in channels], session), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await asyncio.gather(*(c.channel_ready() for c in channels))
     await server.start()
@@ -75,10 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker", action="append", required=True, help="worker host:port (repeat)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--calls", action="store_true",
+                    help="one Generate call per request instead of one Session stream per worker")
     args = ap.parse_args(argv)
     import uvloop
 
-    uvloop.run(serve(args.worker, args.host, args.port))
+    uvloop.run(serve(args.worker, args.host, args.port, not args.calls))
     return 0
 
 

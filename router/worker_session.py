@@ -76,6 +76,8 @@ class SessionCall:
             chunk = item.chunk
             if chunk.finish_reason:
                 self._end()
+                yield chunk
+                return  # as a call's iteration, it ends after the final chunk
             yield chunk
 
     def _push(self, item: worker_pb2.SessionEvent | grpc.aio.AioRpcError | object) -> None:

@@ -1,11 +1,13 @@
 """End to end: `bench relay` (bench live's floor of a Python gRPC router) over real worker processes: a token-id
-request streams every token back with the worker's final chunk, requests alternate over the workers, and a text
-prompt is refused with INVALID_ARGUMENT."""
+request streams every token back with the worker's final chunk, requests alternate over the workers, a text
+prompt is refused with INVALID_ARGUMENT, and a client that leaves mid-stream has its request aborted on the worker;
+over worker sessions (the daemon's default) and over one Generate call per request (`--calls`)."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
+from polling import until
 
 from switchyard.bench import procs
 from switchyard.router.client import RouterClient, make_request
@@ -16,12 +18,19 @@ pytestmark = pytest.mark.e2e
 MODEL = "mistral-7b-sim"
 
 
-def test_relay_streams_round_robin_and_refuses_text() -> None:
-    workers = [
-        procs.start(f"w{i}", ["worker", "sim", "--port", "0", "--worker-id", f"w{i}", "--time-scale", "0.01"])
+def _stats(worker: procs.Proc) -> worker_pb2.WorkerStats:
+    with grpc.insecure_channel(worker.address) as ch:
+        return worker_pb2_grpc.WorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=5)
+
+
+@pytest.mark.parametrize("mode", ["session", "calls"])
+def test_relay_streams_round_robin_and_refuses_text(mode: str) -> None:
+    workers = [  # real decode speed (~9 ms a step): the long request below is still running when the client leaves
+        procs.start(f"w{i}", ["worker", "sim", "--port", "0", "--worker-id", f"w{i}", "--time-scale", "1"])
         for i in range(2)
     ]
-    relay = procs.start("relay", ["bench", "relay", *(x for w in workers for x in ("--worker", w.address))])
+    relay = procs.start("relay", ["bench", "relay", *(x for w in workers for x in ("--worker", w.address)),
+                                  *(["--calls"] if mode == "calls" else [])])
     with procs.running([*workers, relay]), RouterClient(relay.address) as c:
         for i in range(4):
             chunks = list(c.generate(request=make_request(
@@ -34,7 +43,10 @@ def test_relay_streams_round_robin_and_refuses_text() -> None:
             list(c.generate(request=make_request(MODEL, prompt="hello", max_tokens=2)))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         # round-robin: each worker served two of the four requests
-        for w in workers:
-            with grpc.insecure_channel(w.address) as ch:
-                stats = worker_pb2_grpc.WorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=5)
-            assert stats.num_requests_received == 2
+        assert [_stats(w).num_requests_received for w in workers] == [2, 2]
+        call = c.generate(request=make_request(
+            MODEL, token_ids=[1, *range(300, 364)], max_tokens=2000, ignore_eos=True, request_id="long"))
+        next(call), next(call)
+        assert _stats(workers[0]).num_running == 1
+        call.cancel()
+        until(lambda: _stats(workers[0]).num_running == 0, what="the worker aborted the request the client left")

@@ -14,6 +14,7 @@ import grpc
 import pytest
 from test_sim_worker import WorkerProc, collect, gen_request, prompt_of, start_worker, wait_until_idle
 
+from switchyard.router.worker_session import WorkerSession
 from switchyard.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from switchyard.workers.sim_worker import SESSION_REPLY_EVENTS, _Session
 
@@ -100,6 +101,24 @@ async def test_each_request_gets_its_generate_calls_chunks_and_a_step_shares_one
     # the four run in one batch: a step's chunks of all of them go in one message, not one message each
     assert max(len(r) for r in replies) == 4, replies
     assert len(replies) < sum(len(v) for v in events.values()) / 2
+
+
+async def test_the_routers_session_call_iterates_as_a_generate_call(worker: WorkerProc) -> None:
+    """The router's side (`WorkerSession`): `async for` over a request's `SessionCall` yields its Generate call's
+    tokens and ends after the final chunk, as a call's iteration does (a caller that does not stop at the
+    finish reason itself, as `bench relay`, would otherwise wait forever)."""
+    async with grpc.aio.insecure_channel(worker.address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        alone = await collect(stub, gen_request("call-it", prompt_of("one more story"), 6, seed=3))
+        session = WorkerSession(stub, "test")
+        req = gen_request("it", prompt_of("one more story"), 6, seed=3)
+        got = await asyncio.wait_for(_chunks(session.start(req, 10.0, req.ByteSize())), 10)
+    assert [t for c in got for t in c.token_ids] == [t for c in alone for t in c.token_ids]
+    assert got[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+async def _chunks(call) -> list:  # type: ignore[no-untyped-def]
+    return [chunk async for chunk in call]
 
 
 async def test_a_failed_or_aborted_request_ends_alone(worker: WorkerProc) -> None:
