@@ -25,10 +25,12 @@ Each router gets fresh prompts of the same shape, after a /flush_cache of every 
 N` (router/stream_governor.py) gets each rate's load right after the default router's pass, requests that do not
 choose an interval; both routers' event-loop lag (`switchyard_event_loop_lag_seconds`) is scraped around each pass.
 
-`--worker-session`: the default router sends each request as its own Generate call (`workers.session = false`) and
-a second router on the same workers sends them over one Session stream per worker (`workers.session = true`), each
-rate's load right after the default router's pass; the router's CPU and the workers' (all of them, over the pass)
-per request, and the router-added TTFT, side by side.
+`--worker-session` and `--grpc-io` each compare two settings of one thing (`VARIANTS`): the default router (and the
+bare relay) runs with the old setting and a second router on the same workers with the new one, each rate's load
+right after the default router's pass; the router's CPU and the workers' (all of them, over the pass) per request,
+and the router-added TTFT, side by side. `--worker-session`: one Generate call per request (`workers.session =
+false`) → one Session stream per worker. `--grpc-io`: gRPC's EventEngine I/O threads (`GRPC_EXPERIMENTS` empty,
+gRPC's defaults) → its polled I/O, the console script's default (`switchyard/cli.py`).
 """
 
 from __future__ import annotations
@@ -56,6 +58,36 @@ from switchyard.router.client import AsyncRouterClient, make_request
 from switchyard.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 MODEL = "mistral-7b-sim"
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """Two settings of one thing, old → new: the default router and the bare relay get the old one, a second router
+    the new one (router arguments and environment each)."""
+
+    key: str  # its flag's dest and its results' key in each step
+    old_args: tuple[str, ...]
+    new_args: tuple[str, ...]
+    old_env: tuple[tuple[str, str], ...]
+    relay_args: tuple[str, ...]  # the relay's flags for the old setting
+    heading: str  # the markdown table's lead-in, ending with "old → new:"
+
+
+VARIANTS = {
+    "worker_session": Variant(
+        "worker_session", ("--set", "workers.session=false"), ("--set", "workers.session=true"), (), ("--calls",),
+        "Worker sessions: the default router with one Generate call per request (`workers.session = false`) against "
+        "a second router on the same workers with one Session stream per worker (`workers.session = true`), each "
+        "rate's load right after the default router's pass. Calls → session:",
+    ),
+    "grpc_io": Variant(
+        "grpc_io", (), (), (("GRPC_EXPERIMENTS", ""),), (),
+        "gRPC's I/O: the default router and the bare relay on gRPC's EventEngine I/O threads (`GRPC_EXPERIMENTS` "
+        "empty: gRPC's defaults) against a second router on the same workers with its polled I/O (the console "
+        "script's `-event_engine_client,-event_engine_listener`), each rate's load right after the default router's "
+        "pass. EventEngine → polled:",
+    ),
+}
 
 
 @dataclass(slots=True)
@@ -173,9 +205,9 @@ def _loop_lag_ms(before: dict[str, float], after: dict[str, float]) -> float:
     return (after[LAG_SUM] - before[LAG_SUM]) / n * 1e3 if n > 0 else 0.0
 
 
-def _session_cells(s: dict[str, Any]) -> str:
-    """A step's Generate-call router against the session one (table cells)."""
-    g, a, ga = s["session"], s["added_ttft_ms"], s["session"]["added_ttft_ms"]
+def _variant_cells(s: dict[str, Any]) -> str:
+    """A step's default router (the old setting) against the variant one (table cells)."""
+    g, a, ga = s["variant"], s["added_ttft_ms"], s["variant"]["added_ttft_ms"]
     rc, rs = s["router_cpu_us_per_request_net"], g["router_cpu_us_per_request_net"]
     wc, ws = s["workers_cpu_us_per_request"], g["workers_cpu_us_per_request"]
     return (
@@ -263,23 +295,29 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                    "--log-level", "WARNING"]
     for w in workers:
         router_args += ["--worker", w.address]
-    if args.worker_session:  # every router on Generate calls (the adaptive one too) but the session one
-        router_args += ["--set", "workers.session=false"]
-    router = procs.start("router", router_args)
-    session = (procs.start("router-session", [*router_args, "--set", "workers.session=true"])
-               if args.worker_session else None)  # fmt: skip
+    chosen = [v for key, v in VARIANTS.items() if getattr(args, key)]
+    if len(chosen) > 1:
+        raise SystemExit("bench live: --worker-session and --grpc-io compare one thing at a time")
+    variant = chosen[0] if chosen else None
+    old_env = dict(variant.old_env) if variant else {}
+    if variant:  # every router (the adaptive one too) on the old setting but the variant one
+        router_args += variant.old_args
+    router = procs.start("router", router_args, env=old_env)
+    second = (procs.start("router-variant", [*router_args, *variant.new_args]) if variant else None)  # fmt: skip
     adaptive = (procs.start("router-adaptive", [*router_args, "--set",
-                                                f"server.stream_interval_max_tokens={args.adaptive_interval}"])
+                                                f"server.stream_interval_max_tokens={args.adaptive_interval}"],
+                            env=old_env)
                 if args.adaptive_interval > 1 else None)  # fmt: skip
     relay = procs.start("relay", ["bench", "relay", *itertools.chain.from_iterable(("--worker", w.address)
                                                                                     for w in workers),
-                                  *(["--calls"] if args.worker_session else [])])  # as the first router
+                                  *(variant.relay_args if variant else ())], env=old_env)  # as the first router
     result: dict[str, Any] = {"policy": args.policy, "workers": args.workers, "profile": args.profile,
                               "duration_s": args.duration, "prompt_len": args.prompt_len,
                               "output_len": args.output_len, "stream_interval": args.stream_interval,
-                              "adaptive_interval": args.adaptive_interval, "steps": []}
+                              "adaptive_interval": args.adaptive_interval,
+                              "variant": variant.key if variant else None, "steps": []}
     rng = np.random.default_rng(args.seed)
-    routers = [p for p in (router, relay, adaptive, session) if p is not None]
+    routers = [p for p in (router, relay, adaptive, second) if p is not None]
     limits = contextlib.ExitStack()
     if args.router_cpu_limit:  # each router process its own limit, as a pod each
         for p in routers:
@@ -293,7 +331,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             aiohttp.ClientSession() as http,
         ):
             await _wait_routable(client, args.workers)
-            seconds = [p for p in (adaptive, session) if p is not None]  # the second routers, each its own pass
+            seconds = [p for p in (adaptive, second) if p is not None]  # the second routers, each its own pass
             second_clients = {}  # by process name
             for p in seconds:
                 second_clients[p.name] = await more.enter_async_context(
@@ -350,14 +388,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         rate, args.duration, adaptive_prompts, f"a{rate:g}", rng,
                     )
                     adaptive_lag1 = await _scrape(http, adaptive.extra["metrics"])
-                if session:  # the second router, over one Session stream per worker
-                    session_prompts = _prompts(rng, count, args.prompt_len, args.prefix_groups)
+                if second:  # the variant's second router, on the new setting
+                    second_prompts = _prompts(rng, count, args.prompt_len, args.prefix_groups)
                     workers_cpu0 = sum(w.cpu_seconds() for w in workers)
-                    sessioned, session_wall, session_cpu_s = await _pass(
-                        session, lambda s, p: _via_router(second_clients[session.name], s, p, args.output_len),
-                        rate, args.duration, session_prompts, f"s{rate:g}", rng,
+                    varied, second_wall, second_cpu_s = await _pass(
+                        second, lambda s, p: _via_router(second_clients[second.name], s, p, args.output_len),
+                        rate, args.duration, second_prompts, f"s{rate:g}", rng,
                     )
-                    session_workers_cpu_s = sum(w.cpu_seconds() for w in workers) - workers_cpu0
+                    second_workers_cpu_s = sum(w.cpu_seconds() for w in workers) - workers_cpu0
                 if args.stream_interval > 1:  # the same router and load, each request asking for gathered chunks
                     gathered_prompts = _prompts(rng, count, args.prompt_len, args.prefix_groups)
                     gathered, gathered_wall, gathered_cpu_s = await _pass(
@@ -370,11 +408,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 step["router_cpu_us_per_request_net"] = _net_cpu_us(cpu_s, idle_cpu_frac, routed_wall, len(routed))
                 step["loop_lag_ms"] = routed_lag_ms
                 step["workers_cpu_us_per_request"] = routed_workers_cpu_s / max(1, len(routed)) * 1e6
-                if session:
-                    step["session"] = _step_result(sessioned, timings, rate, session_wall)
-                    step["session"]["router_cpu_us_per_request_net"] = _net_cpu_us(
-                        session_cpu_s, second_idle_cpu_frac[session.name], session_wall, len(sessioned))  # fmt: skip
-                    step["session"]["workers_cpu_us_per_request"] = session_workers_cpu_s / max(1, len(sessioned)) * 1e6
+                if second:
+                    step["variant"] = _step_result(varied, timings, rate, second_wall)
+                    step["variant"]["router_cpu_us_per_request_net"] = _net_cpu_us(
+                        second_cpu_s, second_idle_cpu_frac[second.name], second_wall, len(varied))  # fmt: skip
+                    step["variant"]["workers_cpu_us_per_request"] = second_workers_cpu_s / max(1, len(varied)) * 1e6
                 if adaptive:
                     step["adaptive"] = _step_result(adapted, timings, rate, adaptive_wall)
                     step["adaptive"]["router_cpu_us_per_request_net"] = _net_cpu_us(
@@ -411,14 +449,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         f"router CPU {g['router_cpu_us_per_request_net']:.0f} us/req net of idle",
                         flush=True,
                     )
-                if "session" in step:
-                    g = step["session"]
+                if "variant" in step:
+                    g = step["variant"]
                     print(
-                        f"  over sessions: ok {g['num_ok']}/{g['num_requests']}  router-added TTFT p50 "
+                        f"  {result['variant']} (new): ok {g['num_ok']}/{g['num_requests']}  router-added TTFT p50 "
                         f"{g['added_ttft_ms']['p50']:.2f} ms p99 {g['added_ttft_ms']['p99']:.2f} ms  router CPU "
-                        f"{g['router_cpu_us_per_request_net']:.0f} us/req net of idle (calls "
+                        f"{g['router_cpu_us_per_request_net']:.0f} us/req net of idle (old "
                         f"{step['router_cpu_us_per_request_net']:.0f})  workers' CPU "
-                        f"{g['workers_cpu_us_per_request']:.0f} us/req (calls {step['workers_cpu_us_per_request']:.0f})",
+                        f"{g['workers_cpu_us_per_request']:.0f} us/req (old {step['workers_cpu_us_per_request']:.0f})",
                         flush=True,
                     )
                 if "gathered" in step:
@@ -498,19 +536,17 @@ def markdown(result: dict[str, Any]) -> str:
             "|---|---|---|---|---|",
         ]
         lines += [_gathered_cells(s) for s in gathered]
-    sessioned = [s for s in result["steps"] if "session" in s]
-    if sessioned:
+    varied = [s for s in result["steps"] if "variant" in s]
+    if varied:
         lines += [
             "",
-            "Worker sessions: the default router with one Generate call per request (`workers.session = false`) "
-            "against a second router on the same workers with one Session stream per worker (`workers.session = "
-            "true`), each rate's load right after the default router's pass. Calls → session:",
+            VARIANTS[result["variant"]].heading,
             "",
             "| offered req/s | achieved req/s | ok | router CPU us/req net | ratio | workers' CPU us/req | ratio "
             "| router-added TTFT p50 / p99 ms |",
             "|---|---|---|---|---|---|---|---|",
         ]
-        lines += [_session_cells(s) for s in sessioned]
+        lines += [_variant_cells(s) for s in varied]
     adapted = [s for s in result["steps"] if "adaptive" in s]
     if adapted:
         lines += [
@@ -789,6 +825,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-session", action="store_true",
                    help="a pass per rate through a second router sending over one Session stream per worker, "
                         "against the default router's Generate calls")
+    p.add_argument("--grpc-io", action="store_true",
+                   help="a pass per rate through a second router on gRPC's polled I/O (the console script's default), "
+                        "against the default router and the relay on gRPC's EventEngine I/O threads")
     p.add_argument("--router-cpu-limit", type=float, default=0.0, metavar="CORES",
                    help="give each router process (Switchyard's, the adaptive one, the bare relay) at most this many "
                    "cores' CPU time, as a pod's CPU limit (a cgroup CFS quota; needs root; 0: none)")

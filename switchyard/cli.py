@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 USAGE = """usage: switchyard <command> [args]
@@ -58,7 +59,15 @@ COMMANDS: dict[tuple[str, ...], str] = {
 }
 
 
+# gRPC's own I/O for channels and listeners (its "legacy" iomgr, polled by grpc.aio's completion-queue thread)
+# instead of the EventEngine's thread pool, whose extra thread hop per completion cost ~15% of a router's CPU per
+# request on loopback (README, "gRPC's I/O threads"). Read once, when grpc is first imported, so it is set here,
+# before any command imports it; an operator's own GRPC_EXPERIMENTS (an empty one: gRPC's defaults) wins.
+GRPC_EXPERIMENTS = "-event_engine_client,-event_engine_listener"
+
+
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
     args = list(sys.argv[1:] if argv is None else argv)
     for words, module in COMMANDS.items():
         if tuple(args[: len(words)]) == words:
