@@ -25,7 +25,7 @@ import grpc
 
 from switchyard.router.registry import CHANNEL_OPTIONS
 from switchyard.router.server import SERVER_OPTIONS
-from switchyard.router.worker_session import WorkerSession
+from switchyard.router.worker_session import SessionCall, WorkerSession
 from switchyard.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
@@ -35,7 +35,9 @@ class Relay(router_pb2_grpc.RouterServicer):
         self._stubs = stubs
         self._sessions: list[WorkerSession | None] = [None] * len(stubs) if session else []
 
-    def _send(self, i: int, request: worker_pb2.WorkerGenerateRequest, timeout: float | None):  # type: ignore[no-untyped-def]
+    def _send(
+        self, i: int, request: worker_pb2.WorkerGenerateRequest, timeout: float | None
+    ) -> grpc.aio.UnaryStreamCall | SessionCall:
         if not self._sessions:
             return self._stubs[i].Generate(request, timeout=timeout)
         session = self._sessions[i]
