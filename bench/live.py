@@ -63,9 +63,8 @@ MODEL = "mistral-7b-sim"
 @dataclass(frozen=True, slots=True)
 class Variant:
     """Two settings of one thing, old → new: the default router and the bare relay get the old one, a second router
-    the new one (router arguments and environment each)."""
+    the new one (router arguments and environment each). Keyed in `VARIANTS` by its flag's dest."""
 
-    key: str  # its flag's dest and its results' key in each step
     old_args: tuple[str, ...]
     new_args: tuple[str, ...]
     old_env: tuple[tuple[str, str], ...]
@@ -75,13 +74,13 @@ class Variant:
 
 VARIANTS = {
     "worker_session": Variant(
-        "worker_session", ("--set", "workers.session=false"), ("--set", "workers.session=true"), (), ("--calls",),
+        ("--set", "workers.session=false"), ("--set", "workers.session=true"), (), ("--calls",),
         "Worker sessions: the default router with one Generate call per request (`workers.session = false`) against "
         "a second router on the same workers with one Session stream per worker (`workers.session = true`), each "
         "rate's load right after the default router's pass. Calls → session:",
     ),
     "grpc_io": Variant(
-        "grpc_io", (), (), (("GRPC_EXPERIMENTS", ""),), (),
+        (), (), (("GRPC_EXPERIMENTS", ""),), (),
         "gRPC's I/O: the default router and the bare relay on gRPC's EventEngine I/O threads (`GRPC_EXPERIMENTS` "
         "empty: gRPC's defaults) against a second router on the same workers with its polled I/O (the console "
         "script's `-event_engine_client,-event_engine_listener`), each rate's load right after the default router's "
@@ -295,10 +294,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                    "--log-level", "WARNING"]
     for w in workers:
         router_args += ["--worker", w.address]
-    chosen = [v for key, v in VARIANTS.items() if getattr(args, key)]
+    chosen = [key for key in VARIANTS if getattr(args, key)]
     if len(chosen) > 1:
         raise SystemExit("bench live: --worker-session and --grpc-io compare one thing at a time")
-    variant = chosen[0] if chosen else None
+    variant_key = chosen[0] if chosen else None
+    variant = VARIANTS[variant_key] if variant_key else None
     old_env = dict(variant.old_env) if variant else {}
     if variant:  # every router (the adaptive one too) on the old setting but the variant one
         router_args += variant.old_args
@@ -315,7 +315,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                               "duration_s": args.duration, "prompt_len": args.prompt_len,
                               "output_len": args.output_len, "stream_interval": args.stream_interval,
                               "adaptive_interval": args.adaptive_interval,
-                              "variant": variant.key if variant else None, "steps": []}
+                              "variant": variant_key, "steps": []}
     rng = np.random.default_rng(args.seed)
     routers = [p for p in (router, relay, adaptive, second) if p is not None]
     limits = contextlib.ExitStack()
