@@ -23,8 +23,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from switchyard.router.registry import CHANNEL_OPTIONS
-from switchyard.router.server import SERVER_OPTIONS
+from switchyard.grpc_options import CHANNEL_OPTIONS, SERVER_OPTIONS
 from switchyard.router.worker_session import SessionCall, WorkerSession
 from switchyard.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 

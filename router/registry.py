@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from switchyard.grpc_options import CHANNEL_OPTIONS
 from switchyard.router import api
 from switchyard.router.admission import ApiError, ModelSpec
 from switchyard.router.clock import Clock
@@ -32,15 +33,6 @@ from switchyard.v1 import router_pb2, worker_pb2, worker_pb2_grpc
 from switchyard.workers.tokenizer import Tokenizer, same_tokenizer
 
 log = logging.getLogger(__name__)
-
-# NOTE: grpc's default reconnect backoff grows to 120 s; a restarted worker must be seen within about a second.
-CHANNEL_OPTIONS = (
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-)
 
 # an Info call that got no answer: no process, no route, or a TLS handshake that cannot succeed
 NO_CONNECTION = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)

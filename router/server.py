@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from switchyard.auth import ApiKeyInterceptor, ApiKeys, AuthError, KeyLimits
+from switchyard.grpc_options import SERVER_OPTIONS
 from switchyard.router.api import AdminService, RouterService
 from switchyard.router.clock import RealClock
 from switchyard.router.config import ConfigError, RouterConfig, load_config, parse_assignments, to_toml
@@ -53,9 +54,6 @@ EXIT_BIND = 3
 EXIT_FORCED = 130
 
 # NOTE: grpc enables SO_REUSEPORT by default, so a second router on a taken port would start and share it.
-SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
-
-
 class StartupError(Exception):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
