@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from switchyard.grpc_options import CHANNEL_OPTIONS, SERVER_OPTIONS
-from switchyard.router.worker_session import SessionCall, WorkerSession
+from switchyard.router.worker_session import FRAME_BYTES, SessionCall, WorkerSession
 from switchyard.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
@@ -37,12 +37,13 @@ class Relay(router_pb2_grpc.RouterServicer):
     def _send(
         self, i: int, request: worker_pb2.WorkerGenerateRequest, timeout: float | None
     ) -> grpc.aio.UnaryStreamCall | SessionCall:
-        if not self._sessions:
+        size = request.ByteSize() if self._sessions else 0
+        if not self._sessions or size > FRAME_BYTES:  # as the daemon: one request over a session message's budget
             return self._stubs[i].Generate(request, timeout=timeout)
         session = self._sessions[i]
         if session is None or not session.usable:
             session = self._sessions[i] = WorkerSession(self._stubs[i], f"worker {i}")
-        return session.start(request, timeout, request.ByteSize())
+        return session.start(request, timeout, size)
 
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
