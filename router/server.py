@@ -53,7 +53,6 @@ EXIT_CONFIG = 2
 EXIT_BIND = 3
 EXIT_FORCED = 130
 
-# NOTE: grpc enables SO_REUSEPORT by default, so a second router on a taken port would start and share it.
 class StartupError(Exception):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)

@@ -28,7 +28,7 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
 )
 
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.so_reuseport", 0),  # a second process on the same port is a bind error, not a silent share
+    ("grpc.so_reuseport", 0),  # gRPC sets SO_REUSEPORT: a second router or worker on a taken port would share it
     ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
     ("grpc.keepalive_permit_without_calls", 1),  # a client's pings between calls count by the same interval
 )

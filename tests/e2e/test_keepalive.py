@@ -1,8 +1,8 @@
 """Keepalive pings against the servers we run (real worker and router processes on loopback): a client pinging
-every 5 s (twice the least interval `SERVER_OPTIONS` takes; the router pings every 10 s), with the router's
-channel options otherwise, keeps an idle stream open past its fourth ping, where gRPC's default ping policy (one ping per 5 minutes from a peer it sent no data
-since, two strikes) closes the connection with GOAWAY "too_many_pings": with that policy (`SERVER_OPTIONS` without
-its ping interval) both checks below fail, each on its own.
+every 5 s (twice the least interval `SERVER_OPTIONS` takes; the router pings every 10 s), with the router's channel
+options otherwise, keeps an idle stream open past its fourth ping, where gRPC's default ping policy (one ping per
+5 minutes from a peer it sent no data since, two strikes) closes the connection with GOAWAY "too_many_pings": with
+that policy (`SERVER_OPTIONS` without its ping interval) both checks below fail, each on its own.
 
 The test waits for that time to pass with the streams idle: the idle time is what is under test (a ping can only
 be early by the clock), so it is a wait, not a synchronisation.
@@ -49,13 +49,14 @@ async def test_idle_streams_outlive_pings_at_the_servers_interval() -> None:
         async with (grpc.aio.insecure_channel(worker.address, options=PINGING) as to_worker,
                     grpc.aio.insecure_channel(router.address, options=PINGING) as to_router):
             session = WorkerSession(worker_pb2_grpc.WorkerStub(to_worker), "worker")
-            assert await finish_reason(session, "before") == common_pb2.FINISH_REASON_LENGTH  # the stream is open, and now idle
+            # the session's stream is open, and idle from here on; so is the Watch after its first answer
+            assert await finish_reason(session, "before") == common_pb2.FINISH_REASON_LENGTH
             watch = health_pb2_grpc.HealthStub(to_router).Watch(health_pb2.HealthCheckRequest())
-            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING  # idle from here on
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
 
             await asyncio.sleep(IDLE_S)
 
             assert session.usable, f"the worker closed the idle session: {session.end_code}"
             assert not watch.done(), f"the router closed the idle Watch: {await watch.code()}"
-            assert await finish_reason(session, "after") == common_pb2.FINISH_REASON_LENGTH  # the same stream still serves
+            assert await finish_reason(session, "after") == common_pb2.FINISH_REASON_LENGTH  # the same stream serves
             watch.cancel()
