@@ -1,15 +1,15 @@
 """gRPC options shared by every Switchyard channel and server: the router's channels to its workers and every
 server a router or a worker runs (the bench relay's too), so that one side's keepalive is what the other accepts.
 
-The router pings each worker every `KEEPALIVE_TIME_MS` while a call is open, including a stream that waits for
-output, to find a dead worker within seconds. A gRPC server's default ping policy takes at most one ping per
-5 minutes from a peer it sent no data since, and answers the third early one with GOAWAY "too_many_pings", which
-closes the connection and every call on it. Measured with the router's channel options before this module: a
-request sent on a worker Session stream that had been idle for 2 minutes failed with UNAVAILABLE (its ping was the
-third strike). The daemon's own Stats polls spared its connections (each answer is data, which clears the
-strikes); the bench relay and any client of the router holding an idle stream (a Health Watch, a request queued
-long) were not. So every server here takes pings down to a quarter of the router's interval: a ping counts as
-early by the server's clock, and one sent on time may arrive a little early.
+The router pings each worker every `KEEPALIVE_TIME_MS` while a call is open (gRPC sends at most two pings without
+sending data in between; the router's Stats polls are that data), to find a dead worker within seconds. A gRPC
+server's default ping policy takes at most one ping per 5 minutes from a peer it sent no data since, and answers the
+third early one with GOAWAY "too_many_pings", which closes the connection and every call on it. Measured with the
+router's channel options before this module: a request sent on a worker Session stream that had been idle for 2
+minutes failed with UNAVAILABLE (its ping was the third strike). The daemon's own Stats polls spared its connections
+(each answer is data, which clears the strikes); the bench relay and any client of the router holding an idle stream
+(a Health Watch, a request queued long) were not. So every server here takes pings down to a quarter of the router's
+interval: a ping counts as early by the server's clock, and one sent on time may arrive a little early.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.http2.max_pings_without_data", 0),  # keep pinging a stream that waits for output (gRPC stops at 2)
 )
 
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (

@@ -1,8 +1,9 @@
 """Keepalive pings against the servers we run (real worker and router processes on loopback): a client pinging
-every 5 s (twice the least interval `SERVER_OPTIONS` takes; the router pings every 10 s), with the router's channel
-options otherwise, keeps an idle stream open past its fourth ping, where gRPC's default ping policy (one ping per
-5 minutes from a peer it sent no data since, two strikes) closes the connection with GOAWAY "too_many_pings": with
-that policy (`SERVER_OPTIONS` without its ping interval) both checks below fail, each on its own.
+every 5 s without a pause (twice the least interval `SERVER_OPTIONS` takes; the router pings every 10 s), with
+the router's channel options otherwise, keeps an idle stream open past its fourth ping, where gRPC's default ping
+policy (one ping per 5 minutes from a peer it sent no data since, two strikes) closes the connection with GOAWAY
+"too_many_pings": with that policy (`SERVER_OPTIONS` without its ping interval) both checks below fail, each on
+its own.
 
 The test waits for that time to pass with the streams idle: the idle time is what is under test (a ping can only
 be early by the clock), so it is a wait, not a synchronisation.
@@ -26,7 +27,10 @@ pytestmark = pytest.mark.e2e
 # the default policy's GOAWAY comes with the 4th ping (the 3rd early one); half an interval more for the timers
 PING_MS = 2 * MIN_PING_INTERVAL_MS
 IDLE_S = 4.5 * PING_MS / 1000
-PINGING = [(k, PING_MS if k == "grpc.keepalive_time_ms" else v) for k, v in CHANNEL_OPTIONS]
+# a steady ping however long the client sends nothing, as the router's Stats polls make its pings (gRPC's client
+# stops after two pings without data of its own, which would leave the strikes to a race with the next request)
+PINGING = [*((k, PING_MS if k == "grpc.keepalive_time_ms" else v) for k, v in CHANNEL_OPTIONS),
+           ("grpc.http2.max_pings_without_data", 0)]
 
 
 def request(rid: str) -> worker_pb2.WorkerGenerateRequest:
