@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from switchyard.grpc_options import CHANNEL_OPTIONS, SERVER_OPTIONS
+from switchyard.grpc_options import CHANNEL_OPTIONS, server_options
 from switchyard.router.worker_session import FRAME_BYTES, SessionCall, WorkerSession
 from switchyard.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -72,7 +72,7 @@ class Relay(router_pb2_grpc.RouterServicer):
 
 async def serve(workers: list[str], host: str, port: int, session: bool) -> None:
     channels = [grpc.aio.insecure_channel(w, options=CHANNEL_OPTIONS) for w in workers]
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=server_options())
     router_pb2_grpc.add_RouterServicer_to_server(Relay([worker_pb2_grpc.WorkerStub(c) for c in channels], session), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await asyncio.gather(*(c.channel_ready() for c in channels))

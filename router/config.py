@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from switchyard.grpc_options import SERVER_KEEPALIVE_TIME_S, SERVER_KEEPALIVE_TIMEOUT_S
 from switchyard.router.policies.registry import DEFAULT_POLICY
 from switchyard.tls import ClientTls, ServerTls
 
@@ -42,6 +43,10 @@ class ServerConfig(_Section):
     metrics_port: int = Field(default=9464, ge=0, le=65535)
     metrics_enabled: bool = True
     grace_s: float = Field(default=30.0, ge=0)  # SIGTERM: how long in-flight requests may take to finish
+    # ping a client silent this long, and close its connection (cancelling its requests) if the ping gets no answer
+    # within keepalive_timeout_s: a client host gone without a word frees what it held; 0 = gRPC's 2 hours
+    keepalive_time_s: float = Field(default=SERVER_KEEPALIVE_TIME_S, ge=0)
+    keepalive_timeout_s: float = Field(default=SERVER_KEEPALIVE_TIMEOUT_S, gt=0)
     log_level: str = "INFO"
     gc_freeze_at_start: bool = True  # freeze what startup loaded out of later garbage collections (gc_watch.py)
     gc_warn_ms: float = Field(default=50.0, ge=0)  # log a collector pause this long or longer; 0 = never

@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from switchyard.auth import ApiKeyInterceptor, ApiKeys, AuthError, KeyLimits
-from switchyard.grpc_options import SERVER_OPTIONS
+from switchyard.grpc_options import server_options
 from switchyard.router.api import AdminService, RouterService
 from switchyard.router.clock import RealClock
 from switchyard.router.config import ConfigError, RouterConfig, load_config, parse_assignments, to_toml
@@ -237,7 +237,8 @@ class RouterDaemon:
                 self.key_limits, router_keys.named, lambda name, n: gauge.labels(name).set(n)
             )
 
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=keys)
+        options = server_options(cfg.keepalive_time_s, cfg.keepalive_timeout_s)
+        self.server = grpc.aio.server(options=options, interceptors=keys)
         router_pb2_grpc.add_RouterServicer_to_server(
             RouterService(self.registry, self.dispatcher, self.tokenizer_for, self.config.limits.max_tokens,
                           self.clock, self.metrics, self.predictor, self.key_limits, router_events,
@@ -253,7 +254,7 @@ class RouterDaemon:
         reflection.enable_server_reflection(names, self.server)
         port = self._bind(self.server, cfg.host, cfg.port, server_tls)
 
-        self.admin_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=admin_keys)
+        self.admin_server = grpc.aio.server(options=options, interceptors=admin_keys)
         router_pb2_grpc.add_AdminServicer_to_server(AdminService(self.registry), self.admin_server)
         admin_port = self._bind(self.admin_server, cfg.admin_host, cfg.admin_port, server_tls)
 

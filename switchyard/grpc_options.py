@@ -10,11 +10,18 @@ minutes failed with UNAVAILABLE (its ping was the third strike). The daemon's ow
 (each answer is data, which clears the strikes); the bench relay and any client of the router holding an idle stream
 (a Health Watch, a request queued long) were not. So every server here takes pings down to a quarter of the router's
 interval: a ping counts as early by the server's clock, and one sent on time may arrive a little early.
+
+Servers ping their own clients too (`server_options`): a client or router host that vanishes without a FIN (a
+partition, a power cut) would otherwise keep its requests running, or queued, until TCP gives up on it. A router
+whose worker vanishes finds out by its own pings (`CHANNEL_OPTIONS`).
 """
 
 from __future__ import annotations
 
+import argparse
+
 KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
 MIN_PING_INTERVAL_MS = KEEPALIVE_TIME_MS // 4  # the most often a server here takes a client's pings
 
 # NOTE: grpc's default reconnect backoff grows to 120 s; a restarted worker must be seen within about a second.
@@ -23,11 +30,46 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    # NOTE: what closes a connection whose ping goes unanswered (grpcio 1.85); keepalive_timeout_ms alone does not,
+    # and its default is a minute
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
 )
+
+SERVER_KEEPALIVE_TIME_S = 20.0  # a server pings a client it has heard nothing from for this long
+SERVER_KEEPALIVE_TIMEOUT_S = 10.0  # and closes the connection (cancelling its calls) if no answer comes in this long
 
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.so_reuseport", 0),  # gRPC sets SO_REUSEPORT: a second router or worker on a taken port would share it
     ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
     ("grpc.keepalive_permit_without_calls", 1),  # a client's pings between calls count by the same interval
 )
+
+
+def server_options(
+    keepalive_time_s: float = SERVER_KEEPALIVE_TIME_S, keepalive_timeout_s: float = SERVER_KEEPALIVE_TIMEOUT_S
+) -> tuple[tuple[str, int], ...]:
+    """`SERVER_OPTIONS` and the server's own pings; `keepalive_time_s` 0 leaves gRPC's (every 2 hours)."""
+    if keepalive_time_s <= 0:
+        return SERVER_OPTIONS
+    timeout_ms = max(1, round(keepalive_timeout_s * 1000))
+    return (
+        *SERVER_OPTIONS,
+        ("grpc.keepalive_time_ms", max(1, round(keepalive_time_s * 1000))),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        ("grpc.http2.ping_timeout_ms", timeout_ms),  # what closes the connection (see CHANNEL_OPTIONS)
+    )
+
+
+def add_keepalive_args(p: argparse.ArgumentParser) -> None:
+    """A worker's flags for `server_options` (the router's are config keys: server.keepalive_*)."""
+    p.add_argument("--keepalive-time-s", type=float, default=SERVER_KEEPALIVE_TIME_S,
+                   help="ping a client (the router) silent this long; 0 = gRPC's 2 hours")
+    p.add_argument("--keepalive-timeout-s", type=float, default=SERVER_KEEPALIVE_TIMEOUT_S,
+                   help="close its connection, cancelling its requests, if a ping gets no answer in this long")
+
+
+def server_options_from_args(args: argparse.Namespace) -> tuple[tuple[str, int], ...]:
+    if args.keepalive_time_s < 0 or args.keepalive_timeout_s <= 0:
+        raise ValueError("--keepalive-time-s must be >= 0 and --keepalive-timeout-s > 0")
+    return server_options(args.keepalive_time_s, args.keepalive_timeout_s)

@@ -26,7 +26,7 @@ import grpc
 import xxhash
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from switchyard.grpc_options import SERVER_OPTIONS
+from switchyard.grpc_options import add_keepalive_args, server_options_from_args
 from switchyard.sd_notify import ServiceNotifier
 from switchyard.tls import TlsError, add_port, add_server_args, server_tls_from_args
 from switchyard.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -1006,6 +1006,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO")
     add_stream_interval_arg(p)
     add_server_args(p)
+    add_keepalive_args(p)
     return p
 
 
@@ -1052,7 +1053,11 @@ class _Lifecycle:
 def bind_server(args: argparse.Namespace, logger: logging.Logger = log) -> tuple[grpc.aio.Server, int] | int:
     """A worker's gRPC server bound to --host/--port (TLS with --tls-cert) and its port, or the exit code
     (logged to `logger`, the worker's own) when it cannot be: the sim and the vLLM worker's."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    try:
+        server = grpc.aio.server(options=server_options_from_args(args))
+    except ValueError as e:
+        logger.error("bad keepalive configuration: %s", e)
+        return EXIT_USAGE
     try:
         port = add_port(server, f"{args.host}:{args.port}", server_tls_from_args(args))
     except TlsError as e:

@@ -36,6 +36,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from switchyard.ext.blockhash import block_digests, event_hashes
+from switchyard.grpc_options import add_keepalive_args
 from switchyard.sd_notify import ServiceNotifier
 from switchyard.tls import add_server_args
 from switchyard.v1 import worker_pb2, worker_pb2_grpc
@@ -530,6 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO")
     sim_worker.add_stream_interval_arg(p)
     add_server_args(p)
+    add_keepalive_args(p)
     return p
 
 

@@ -87,6 +87,7 @@ def test_unrelated_switchyard_env_vars_are_ignored() -> None:
         ("[server]\nstream_interval_tokens = 4\nstream_interval_max_tokens = 2\n",
          r"server\.stream_interval_max_tokens must be 0 \(off\) or >= server\.stream_interval_tokens"),
         ("[server]\nstream_lag_target_ms = 0\n", r"server\.stream_lag_target_ms"),
+        ("[server]\nkeepalive_timeout_s = 0\n", r"server\.keepalive_timeout_s: Input should be greater than 0"),
         ("[server\n", r"config file .*router\.toml"),
     ],
 )

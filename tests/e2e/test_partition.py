@@ -1,0 +1,82 @@
+"""Peers that go silent mid-request (a network partition, a host gone: no FIN, no RST, no answer), on loopback
+through `BlackholeProxy`.
+
+- A silent worker loses its requests to the router's keepalive within its ping interval and timeout, and a
+  request that had no token yet is retried on another worker. gRPC closes a connection whose ping goes unanswered
+  only after `grpc.http2.ping_timeout_ms` (a minute by default, whatever `grpc.keepalive_timeout_ms` says):
+  without it in `CHANNEL_OPTIONS` the request waits out its deadline here.
+- A silent client (of the router, or a router as a worker's client) loses its requests to the server's own pings
+  (`server_options`), so the worker stops running them; without them, it runs them to their end (a minute here).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from blackhole import BlackholeProxy
+from polling import until
+from test_router_e2e import FAST, MODEL, client_for, is_idle, metric, start_router, start_worker, worker_stats
+
+from switchyard.bench import procs
+from switchyard.grpc_options import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
+from switchyard.router.client import RouterClient
+from switchyard.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+pytestmark = pytest.mark.e2e
+
+# the silence is found within a ping interval and its timeout; the deadline leaves room for that, not for the
+# minute gRPC waits on an unanswered ping by default
+DEADLINE_S = (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1000 + 20
+# the servers under test ping every second and wait a second for the answer
+PINGING = ["--keepalive-time-s", "1", "--keepalive-timeout-s", "1"]
+LONG = 4000  # tokens: over a minute at ~18 ms a step (time scale 2), unless the request is cancelled
+
+
+def test_a_request_on_a_silent_worker_is_retried_elsewhere() -> None:
+    # its prompt takes several steps of 16 tokens, each seconds long at 1000x: no token yet when the worker goes silent
+    silent = start_worker("silent", "--time-scale", "1000", "--max-num-batched-tokens", "16")
+    spare = start_worker("spare", *FAST)
+    with procs.running([silent, spare]), BlackholeProxy(silent.address) as proxy:
+        router = start_router([], "--worker", proxy.address)
+        with procs.running([router]), client_for(router) as c, ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(c.complete, MODEL, prompt="partitioned " * 40, max_tokens=4, timeout=DEADLINE_S)
+            until(lambda: worker_stats(silent).num_running + worker_stats(silent).num_waiting, what="the request on it")
+            c.register_worker(spare.address, timeout=10)
+            proxy.hole()
+            started = time.monotonic()
+            resp = pending.result()
+            waited = time.monotonic() - started
+            assert (resp.timings.worker_id, resp.timings.attempts) == ("spare", 2)
+            assert metric(router, "switchyard_retries_total") == 1
+        silent.stop(signal.SIGKILL)  # its drain would wait for the request it still runs, at 1000x
+    print(f"retried after {waited:.1f} s of silence")
+
+
+def test_a_silent_router_s_requests_stop_on_the_worker() -> None:
+    worker = start_worker("pinging", "--time-scale", "2", *PINGING)
+    with procs.running([worker]), BlackholeProxy(worker.address) as proxy, grpc.insecure_channel(proxy.address) as ch:
+        call = worker_pb2_grpc.WorkerStub(ch).Generate(worker_pb2.WorkerGenerateRequest(
+            request_id="orphan", prompt_token_ids=list(range(1, 65)),
+            sampling=common_pb2.SamplingParams(max_tokens=LONG, ignore_eos=True),
+        ))
+        next(call)  # running
+        proxy.hole()
+        until(lambda: is_idle(worker), timeout_s=15, what="the worker to abort the silent client's request")
+        call.cancel()
+
+
+def test_a_silent_client_s_request_stops_on_the_worker() -> None:
+    worker = start_worker("busy", "--time-scale", "2")
+    with procs.running([worker]):
+        router = start_router([worker], "--set", "server.keepalive_time_s=1", "--set", "server.keepalive_timeout_s=1")
+        with procs.running([router]), BlackholeProxy(router.address) as proxy, RouterClient(proxy.address) as c:
+            call = c.generate(MODEL, prompt="gone", max_tokens=LONG, ignore_eos=True)
+            next(call)
+            proxy.hole()
+            until(lambda: is_idle(worker), timeout_s=15, what="the router to cancel the silent client's request")
+            assert metric(router, "switchyard_cancelled_total") == 1
+            call.cancel()

@@ -1,0 +1,43 @@
+"""The servers' keepalive options: what each setting turns into, and the flags' checks (the pings themselves are
+tested end to end in tests/e2e/test_partition.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from switchyard.grpc_options import (
+    SERVER_OPTIONS,
+    add_keepalive_args,
+    server_options,
+    server_options_from_args,
+)
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_keepalive_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_the_servers_pings_and_the_timeout_that_closes_the_connection() -> None:
+    options = dict(server_options(1.5, 0.25))
+    assert options.items() >= dict(SERVER_OPTIONS).items()
+    assert (options["grpc.keepalive_time_ms"], options["grpc.keepalive_timeout_ms"]) == (1500, 250)
+    assert options["grpc.http2.ping_timeout_ms"] == 250  # gRPC's own is a minute, whatever keepalive_timeout_ms says
+
+
+def test_zero_leaves_grpc_s_pings() -> None:
+    assert server_options(0, 10) == SERVER_OPTIONS
+    assert server_options_from_args(parse("--keepalive-time-s", "0")) == SERVER_OPTIONS
+
+
+def test_the_flags_defaults_are_the_router_s() -> None:
+    assert server_options_from_args(parse()) == server_options()
+
+
+@pytest.mark.parametrize("argv", [["--keepalive-time-s", "-1"], ["--keepalive-timeout-s", "0"]])
+def test_bad_flags_are_refused(argv: list[str]) -> None:
+    with pytest.raises(ValueError, match="--keepalive-time-s must be >= 0 and --keepalive-timeout-s > 0"):
+        server_options_from_args(parse(*argv))
