@@ -13,6 +13,7 @@ from switchyard.grpc_options import (
     server_options,
     server_options_from_args,
 )
+from switchyard.router.config import RouterConfig
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -33,8 +34,9 @@ def test_zero_leaves_grpc_s_pings() -> None:
     assert server_options_from_args(parse("--keepalive-time-s", "0")) == SERVER_OPTIONS
 
 
-def test_the_flags_defaults_are_the_router_s() -> None:
-    assert server_options_from_args(parse()) == server_options()
+def test_the_workers_flags_default_to_the_router_s_settings() -> None:
+    router = RouterConfig().server
+    assert server_options_from_args(parse()) == server_options(router.keepalive_time_s, router.keepalive_timeout_s)
 
 
 @pytest.mark.parametrize("argv", [["--keepalive-time-s", "-1"], ["--keepalive-timeout-s", "0"]])

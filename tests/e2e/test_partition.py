@@ -6,7 +6,8 @@ through `BlackholeProxy`.
   only after `grpc.http2.ping_timeout_ms` (a minute by default, whatever `grpc.keepalive_timeout_ms` says):
   without it in `CHANNEL_OPTIONS` the request waits out its deadline here.
 - A silent client (of the router, or a router as a worker's client) loses its requests to the server's own pings
-  (`server_options`), so the worker stops running them; without them, it runs them to their end (a minute here).
+  (`server_options`), so the worker stops running them; without them, it runs them to their end (over a minute
+  here).
 """
 
 from __future__ import annotations
@@ -15,16 +16,14 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import pytest
 from blackhole import BlackholeProxy
 from polling import until
-from test_router_e2e import FAST, MODEL, client_for, is_idle, metric, start_router, start_worker, worker_stats
+from test_router_e2e import FAST, MODEL, client_for, is_idle, metric, start_router, start_worker
 
 from switchyard.bench import procs
 from switchyard.grpc_options import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 from switchyard.router.client import RouterClient
-from switchyard.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 
@@ -44,7 +43,7 @@ def test_a_request_on_a_silent_worker_is_retried_elsewhere() -> None:
         router = start_router([], "--worker", proxy.address)
         with procs.running([router]), client_for(router) as c, ThreadPoolExecutor(1) as pool:
             pending = pool.submit(c.complete, MODEL, prompt="partitioned " * 40, max_tokens=4, timeout=DEADLINE_S)
-            until(lambda: worker_stats(silent).num_running + worker_stats(silent).num_waiting, what="the request on it")
+            until(lambda: not is_idle(silent), what="the request on it")
             c.register_worker(spare.address, timeout=10)
             proxy.hole()
             started = time.monotonic()
@@ -58,15 +57,14 @@ def test_a_request_on_a_silent_worker_is_retried_elsewhere() -> None:
 
 def test_a_silent_router_s_requests_stop_on_the_worker() -> None:
     worker = start_worker("pinging", "--time-scale", "2", *PINGING)
-    with procs.running([worker]), BlackholeProxy(worker.address) as proxy, grpc.insecure_channel(proxy.address) as ch:
-        call = worker_pb2_grpc.WorkerStub(ch).Generate(worker_pb2.WorkerGenerateRequest(
-            request_id="orphan", prompt_token_ids=list(range(1, 65)),
-            sampling=common_pb2.SamplingParams(max_tokens=LONG, ignore_eos=True),
-        ))
-        next(call)  # running
-        proxy.hole()
-        until(lambda: is_idle(worker), timeout_s=15, what="the worker to abort the silent client's request")
-        call.cancel()
+    with procs.running([worker]), BlackholeProxy(worker.address) as proxy:
+        router = start_router([], "--worker", proxy.address)  # over its Session stream, the default
+        with procs.running([router]), client_for(router) as c:
+            call = c.generate(MODEL, prompt="orphan", max_tokens=LONG, ignore_eos=True)
+            next(call)  # running
+            proxy.hole()  # the router cannot reach the worker to abort it: only the worker's own pings can
+            until(lambda: is_idle(worker), timeout_s=15, what="the worker to abort the silent router's request")
+            call.cancel()
 
 
 def test_a_silent_client_s_request_stops_on_the_worker() -> None:
