@@ -18,7 +18,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from switchyard.grpc_options import SERVER_KEEPALIVE_TIME_S, SERVER_KEEPALIVE_TIMEOUT_S
+from switchyard.grpc_options import (
+    KEEPALIVE_TIME_S,
+    KEEPALIVE_TIMEOUT_S,
+    MIN_KEEPALIVE_TIME_S,
+    SERVER_KEEPALIVE_TIME_S,
+    SERVER_KEEPALIVE_TIMEOUT_S,
+    channel_options,
+)
 from switchyard.router.policies.registry import DEFAULT_POLICY
 from switchyard.tls import ClientTls, ServerTls
 
@@ -101,6 +108,11 @@ class WorkersConfig(_Section):
     # a Generate stream with no chunk for this long has stalled (a hung engine whose server still answers):
     # the attempt fails, and is retried elsewhere if no token was sent yet; 0 = wait forever
     stream_idle_timeout_s: float = Field(default=120.0, ge=0)
+    # ping each worker this often, and drop its connection if a ping gets no answer within keepalive_timeout_s:
+    # the requests of a worker gone silent (a partition, a frozen host) fail, and those with no token yet are
+    # retried elsewhere; 0 = no pings (they wait for their deadline or stream_idle_timeout_s)
+    keepalive_time_s: float = Field(default=KEEPALIVE_TIME_S, ge=0)
+    keepalive_timeout_s: float = Field(default=KEEPALIVE_TIMEOUT_S, gt=0)
     # send requests to each worker that serves it over one Session stream (worker.proto), not one Generate call
     # each: the worker sends every chunk ready at once, of all its requests, in one message
     session: bool = True
@@ -119,7 +131,13 @@ class WorkersConfig(_Section):
             raise ValueError("workers.tls_* is set but workers.tls is false: set workers.tls = true")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("workers.tls_cert and workers.tls_key go together: give both or neither")
+        if 0 < self.keepalive_time_s < MIN_KEEPALIVE_TIME_S:
+            raise ValueError(f"workers.keepalive_time_s must be 0 (off) or >= {MIN_KEEPALIVE_TIME_S:g}: workers "
+                             "answer pings more frequent than that with GOAWAY too_many_pings")
         return self
+
+    def channel_options(self) -> tuple[tuple[str, int], ...]:
+        return channel_options(self.keepalive_time_s, self.keepalive_timeout_s)
 
     def client_tls(self) -> ClientTls | None:
         return ClientTls(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name) if self.tls else None

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from switchyard.grpc_options import CHANNEL_OPTIONS
 from switchyard.router import api
 from switchyard.router.admission import ApiError, ModelSpec
 from switchyard.router.clock import Clock
@@ -192,7 +191,7 @@ class WorkerRegistry:
                 await asyncio.gather(*(c.first_attempt.wait() for c in conns))
 
     def _add(self, address: str) -> WorkerConn:
-        channel = aio_channel(address, self.tls, CHANNEL_OPTIONS)
+        channel = aio_channel(address, self.tls, self._cfg.channel_options())
         conn = WorkerConn(address=address, channel=channel, stub=worker_pb2_grpc.WorkerStub(channel),
                           tls_generation=self.tls.generation if self.tls is not None else 0)
         self._conns[address] = conn
@@ -330,7 +329,7 @@ class WorkerRegistry:
         if tls is None or (not tls.reload() and conn.tls_generation == tls.generation):
             return
         old = conn.channel
-        conn.channel = aio_channel(conn.address, tls, CHANNEL_OPTIONS)
+        conn.channel = aio_channel(conn.address, tls, self._cfg.channel_options())
         conn.stub = worker_pb2_grpc.WorkerStub(conn.channel)
         conn.session = None  # the open one runs on the old channel until it closes
         conn.tls_generation = tls.generation

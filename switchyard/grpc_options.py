@@ -1,7 +1,7 @@
 """gRPC options shared by every Switchyard channel and server: the router's channels to its workers and every
 server a router or a worker runs (the bench relay's too), so that one side's keepalive is what the other accepts.
 
-The router pings each worker every `KEEPALIVE_TIME_MS` while a call is open (gRPC sends at most two pings without
+The router pings each worker every `KEEPALIVE_TIME_S` while a call is open (gRPC sends at most two pings without
 sending data in between; the router's Stats polls are that data), to find a dead worker within seconds. A gRPC
 server's default ping policy takes at most one ping per 5 minutes from a peer it sent no data since, and answers the
 third early one with GOAWAY "too_many_pings", which closes the connection and every call on it. Measured with the
@@ -20,21 +20,45 @@ from __future__ import annotations
 
 import argparse
 
-KEEPALIVE_TIME_MS = 10_000
-KEEPALIVE_TIMEOUT_MS = 5_000
-MIN_PING_INTERVAL_MS = KEEPALIVE_TIME_MS // 4  # the most often a server here takes a client's pings
+KEEPALIVE_TIME_S = 10.0  # the router's pings to a worker (workers.keepalive_time_s) ...
+KEEPALIVE_TIMEOUT_S = 5.0  # ... and how long one may go unanswered (workers.keepalive_timeout_s)
+# the most often a server here takes a client's pings: a quarter of the router's default interval
+MIN_PING_INTERVAL_MS = round(KEEPALIVE_TIME_S * 1000) // 4
+# the shortest interval the router's config takes: twice that, as a ping sent on time may arrive a little early
+MIN_KEEPALIVE_TIME_S = 2 * MIN_PING_INTERVAL_MS / 1000
 
 # NOTE: grpc's default reconnect backoff grows to 120 s; a restarted worker must be seen within about a second.
-CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+_RECONNECT_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-    # NOTE: what closes a connection whose ping goes unanswered (grpcio 1.85); keepalive_timeout_ms alone does not,
-    # and its default is a minute
-    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
 )
+
+
+def _ping_options(keepalive_time_s: float, keepalive_timeout_s: float) -> tuple[tuple[str, int], ...]:
+    """Ping the peer every `keepalive_time_s` and close the connection (failing its calls) when a ping goes
+    unanswered for `keepalive_timeout_s`; 0 s: no options, gRPC's defaults."""
+    if keepalive_time_s <= 0:
+        return ()
+    timeout_ms = max(1, round(keepalive_timeout_s * 1000))
+    return (
+        ("grpc.keepalive_time_ms", max(1, round(keepalive_time_s * 1000))),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        # NOTE: what closes a connection whose ping goes unanswered (grpcio 1.85); keepalive_timeout_ms alone does
+        # not, and this one's default is a minute
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+    )
+
+
+def channel_options(
+    keepalive_time_s: float = KEEPALIVE_TIME_S, keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S
+) -> tuple[tuple[str, int], ...]:
+    """A router's channel to a worker (config: workers.keepalive_*); `keepalive_time_s` 0: no pings, so a silent
+    worker's requests wait for their deadline or the stream idle timeout."""
+    return (*_RECONNECT_OPTIONS, *_ping_options(keepalive_time_s, keepalive_timeout_s))
+
+
+CHANNEL_OPTIONS = channel_options()
 
 SERVER_KEEPALIVE_TIME_S = 20.0  # a server pings a client it has heard nothing from for this long
 SERVER_KEEPALIVE_TIMEOUT_S = 10.0  # and closes the connection (cancelling its calls) if no answer comes in this long
@@ -50,15 +74,7 @@ def server_options(
     keepalive_time_s: float = SERVER_KEEPALIVE_TIME_S, keepalive_timeout_s: float = SERVER_KEEPALIVE_TIMEOUT_S
 ) -> tuple[tuple[str, int], ...]:
     """`SERVER_OPTIONS` and the server's own pings; `keepalive_time_s` 0 leaves gRPC's (every 2 hours)."""
-    if keepalive_time_s <= 0:
-        return SERVER_OPTIONS
-    timeout_ms = max(1, round(keepalive_timeout_s * 1000))
-    return (
-        *SERVER_OPTIONS,
-        ("grpc.keepalive_time_ms", max(1, round(keepalive_time_s * 1000))),
-        ("grpc.keepalive_timeout_ms", timeout_ms),
-        ("grpc.http2.ping_timeout_ms", timeout_ms),  # what closes the connection (see CHANNEL_OPTIONS)
-    )
+    return (*SERVER_OPTIONS, *_ping_options(keepalive_time_s, keepalive_timeout_s))
 
 
 def add_keepalive_args(p: argparse.ArgumentParser) -> None:

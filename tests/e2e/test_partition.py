@@ -1,10 +1,10 @@
 """Peers that go silent mid-request (a network partition, a host gone: no FIN, no RST, no answer), on loopback
 through `BlackholeProxy`.
 
-- A silent worker loses its requests to the router's keepalive within its ping interval and timeout, and a
-  request that had no token yet is retried on another worker. gRPC closes a connection whose ping goes unanswered
+- A silent worker loses its requests to the router's keepalive (`workers.keepalive_*`) within its ping interval
+  and timeout, and a request that had no token yet is retried on another worker. gRPC closes a connection whose ping goes unanswered
   only after `grpc.http2.ping_timeout_ms` (a minute by default, whatever `grpc.keepalive_timeout_ms` says):
-  without it in `CHANNEL_OPTIONS` the request waits out its deadline here.
+  without it in `channel_options` the request waits out its deadline here.
 - A silent client (of the router, or a router as a worker's client) loses its requests to the server's own pings
   (`server_options`), so the worker stops running them; without them, it runs them to their end (over a minute
   here).
@@ -22,14 +22,16 @@ from polling import until
 from test_router_e2e import FAST, MODEL, client_for, is_idle, metric, start_router, start_worker
 
 from switchyard.bench import procs
-from switchyard.grpc_options import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
+from switchyard.grpc_options import KEEPALIVE_TIMEOUT_S, MIN_KEEPALIVE_TIME_S
 from switchyard.router.client import RouterClient
 
 pytestmark = pytest.mark.e2e
 
+# the router pings its worker as often as its config takes, and waits a second for the answer (the default is 5)
+ROUTER_PINGING = ["--set", f"workers.keepalive_time_s={MIN_KEEPALIVE_TIME_S}", "--set", "workers.keepalive_timeout_s=1"]
 # the silence is found within a ping interval and its timeout; the deadline leaves room for that, not for the
 # minute gRPC waits on an unanswered ping by default
-DEADLINE_S = (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1000 + 20
+DEADLINE_S = MIN_KEEPALIVE_TIME_S + 1 + 20
 # the servers under test ping every second and wait a second for the answer
 PINGING = ["--keepalive-time-s", "1", "--keepalive-timeout-s", "1"]
 LONG = 4000  # tokens: over a minute at ~18 ms a step (time scale 2), unless the request is cancelled
@@ -40,7 +42,7 @@ def test_a_request_on_a_silent_worker_is_retried_elsewhere() -> None:
     silent = start_worker("silent", "--time-scale", "1000", "--max-num-batched-tokens", "16")
     spare = start_worker("spare", *FAST)
     with procs.running([silent, spare]), BlackholeProxy(silent.address) as proxy:
-        router = start_router([], "--worker", proxy.address)
+        router = start_router([], "--worker", proxy.address, *ROUTER_PINGING)
         with procs.running([router]), client_for(router) as c, ThreadPoolExecutor(1) as pool:
             pending = pool.submit(c.complete, MODEL, prompt="partitioned " * 40, max_tokens=4, timeout=DEADLINE_S)
             until(lambda: not is_idle(silent), what="the request on it")
@@ -51,6 +53,7 @@ def test_a_request_on_a_silent_worker_is_retried_elsewhere() -> None:
             waited = time.monotonic() - started
             assert (resp.timings.worker_id, resp.timings.attempts) == ("spare", 2)
             assert metric(router, "switchyard_retries_total") == 1
+            assert waited < KEEPALIVE_TIMEOUT_S  # the configured timeout, not the default one
         silent.stop(signal.SIGKILL)  # its drain would wait for the request it still runs, at 1000x
     print(f"retried after {waited:.1f} s of silence")
 

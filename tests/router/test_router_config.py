@@ -88,6 +88,10 @@ def test_unrelated_switchyard_env_vars_are_ignored() -> None:
          r"server\.stream_interval_max_tokens must be 0 \(off\) or >= server\.stream_interval_tokens"),
         ("[server]\nstream_lag_target_ms = 0\n", r"server\.stream_lag_target_ms"),
         ("[server]\nkeepalive_timeout_s = 0\n", r"server\.keepalive_timeout_s: Input should be greater than 0"),
+        ("[workers]\nkeepalive_time_s = 1\n",
+         r"workers\.keepalive_time_s must be 0 \(off\) or >= 5: workers answer pings more frequent than that with "
+         "GOAWAY too_many_pings"),
+        ("[workers]\nkeepalive_timeout_s = 0\n", r"workers\.keepalive_timeout_s: Input should be greater than 0"),
         ("[server\n", r"config file .*router\.toml"),
     ],
 )
