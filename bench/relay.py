@@ -24,34 +24,20 @@ from collections.abc import AsyncIterator
 import grpc
 
 from switchyard.grpc_options import CHANNEL_OPTIONS, server_options
-from switchyard.router.worker_session import FRAME_BYTES, SessionCall, WorkerSession
+from switchyard.router.worker_session import WorkerSender
 from switchyard.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
 class Relay(router_pb2_grpc.RouterServicer):
     def __init__(self, stubs: list[worker_pb2_grpc.WorkerStub], session: bool) -> None:
-        self._next = itertools.cycle(range(len(stubs)))
-        self._stubs = stubs
-        self._sessions: list[WorkerSession | None] = [None] * len(stubs) if session else []
-
-    def _send(
-        self, i: int, request: worker_pb2.WorkerGenerateRequest, timeout: float | None
-    ) -> grpc.aio.UnaryStreamCall | SessionCall:
-        size = request.ByteSize() if self._sessions else 0
-        if not self._sessions or size > FRAME_BYTES:  # as the daemon: one request over a session message's budget
-            return self._stubs[i].Generate(request, timeout=timeout)
-        session = self._sessions[i]
-        if session is None or not session.usable:
-            session = self._sessions[i] = WorkerSession(self._stubs[i], f"worker {i}")
-        return session.start(request, timeout, size)
+        self._next = itertools.cycle([WorkerSender(stub, f"worker {i}", session) for i, stub in enumerate(stubs)])
 
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateChunk]:
         if request.WhichOneof("input") != "tokens" or not request.tokens.ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the relay takes token-id prompts only")
-        call = self._send(
-            next(self._next),
+        call = next(self._next).send(
             worker_pb2.WorkerGenerateRequest(
                 request_id=request.request_id, prompt_token_ids=request.tokens.ids, sampling=request.sampling,
                 stream_interval_tokens=request.stream_interval_tokens,

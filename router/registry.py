@@ -26,7 +26,7 @@ from switchyard.router.fleet import Fleet, WorkerInfo, WorkerState
 from switchyard.router.metrics import RouterMetrics
 from switchyard.router.peer_mirror import PeerMirror
 from switchyard.router.policies.base import Policy, WorkerId
-from switchyard.router.worker_session import FRAME_BYTES, SessionCall, WorkerSession
+from switchyard.router.worker_session import SessionCall, WorkerSender
 from switchyard.tls import aio_channel
 from switchyard.v1 import router_pb2, worker_pb2, worker_pb2_grpc
 from switchyard.workers.tokenizer import Tokenizer, same_tokenizer
@@ -58,8 +58,7 @@ class WorkerConn:
     first_attempt: asyncio.Event = field(default_factory=asyncio.Event)  # set after the first connect attempt
     kv_ready: asyncio.Event = field(default_factory=asyncio.Event)  # set while the KV stream may run
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    serves_session: bool = False  # its last Info advertised Session
-    session: WorkerSession | None = None  # the open one (`WorkerRegistry.generate`)
+    sender: WorkerSender = field(init=False)  # `WorkerRegistry.generate`'s (`_new_sender`)
 
     @property
     def worker_id(self) -> WorkerId | None:
@@ -130,24 +129,10 @@ class WorkerRegistry:
     def generate(
         self, worker_id: WorkerId, request: worker_pb2.WorkerGenerateRequest, timeout: float | None
     ) -> grpc.aio.UnaryStreamCall | SessionCall | None:
-        """Send one request to the worker: over its Session stream where `workers.session` is on and the worker
-        serves it (a new stream when the last one ended), else, or when the request alone is over a session
-        message's budget, as its own Generate call. None: not connected."""
+        """Send one request to the worker (`WorkerSender`: over its Session stream where `workers.session` is on
+        and the worker serves it). None: not connected."""
         conn = self._conn_of(worker_id)
-        if conn is None:
-            return None
-        use_session = self._cfg.session and conn.serves_session
-        size = request.ByteSize() if use_session else 0
-        if use_session and size <= FRAME_BYTES:
-            session = conn.session
-            if session is None or not session.usable:
-                if session is not None and session.end_code is grpc.StatusCode.UNIMPLEMENTED:
-                    conn.serves_session = False  # advertised, not served: Generate calls from now on
-                    return conn.stub.Generate(request, timeout=timeout)
-                session = conn.session = WorkerSession(conn.stub, f"worker {worker_id} ({conn.address})")
-                self._metrics.worker_sessions.labels(worker_id).inc()
-            return session.start(request, timeout, size)
-        return conn.stub.Generate(request, timeout=timeout)
+        return None if conn is None else conn.sender.send(request, timeout)
 
     def find(self, ref: str) -> WorkerConn:
         """By worker id, else by address; NOT_FOUND otherwise."""
@@ -194,6 +179,7 @@ class WorkerRegistry:
         channel = aio_channel(address, self.tls, self._cfg.channel_options())
         conn = WorkerConn(address=address, channel=channel, stub=worker_pb2_grpc.WorkerStub(channel),
                           tls_generation=self.tls.generation if self.tls is not None else 0)
+        self._new_sender(conn)
         self._conns[address] = conn
         conn.tasks.append(asyncio.create_task(self._run(conn), name=f"worker-loop {address}"))
         conn.tasks.append(asyncio.create_task(self._kv_loop(conn), name=f"kv-events {address}"))
@@ -320,6 +306,11 @@ class WorkerRegistry:
                 f"registered; serve the rest from another router, or use a policy without that limit"
             )
 
+    def _new_sender(self, conn: WorkerConn) -> None:
+        """On the connection's stub; sessions wait for the worker's Info to say it serves them."""
+        conn.sender = WorkerSender(conn.stub, f"worker at {conn.address}", sessions=False,
+                                   on_open=lambda: self._metrics.worker_sessions.labels(conn.worker_id).inc())
+
     def _renew_channel(self, conn: WorkerConn) -> None:
         """Before a worker is dialled again: when the router's client TLS files were rotated since its channel was
         built, a new channel with the new certificate replaces it (the old one closes after the grace period, as
@@ -331,7 +322,7 @@ class WorkerRegistry:
         old = conn.channel
         conn.channel = aio_channel(conn.address, tls, self._cfg.channel_options())
         conn.stub = worker_pb2_grpc.WorkerStub(conn.channel)
-        conn.session = None  # the open one runs on the old channel until it closes
+        self._new_sender(conn)  # the open session runs on the old channel until it closes
         conn.tls_generation = tls.generation
         self._spawn(old.close(grace=self._close_grace_s))
         log.info("worker at %s: new channel with the rotated client TLS files", conn.address)
@@ -367,7 +358,8 @@ class WorkerRegistry:
             self._fleet.set_healthy(info.worker_id, True)
             self._fleet.set_state(info.worker_id, state_of(raw.state, conn.drained))
         conn.info, conn.connected, conn.num_failures, conn.last_error, conn.rejected = info, True, 0, "", False
-        conn.serves_session = raw.session
+        conn.sender.sessions = self._cfg.session and raw.session
+        conn.sender.name = f"worker {info.worker_id} ({conn.address})"
         conn.kv_ready.set()
         log.info(
             "worker %s at %s joined: model=%s max_model_len=%d block_size=%d hash=%s max_num_seqs=%d",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -187,3 +187,34 @@ class WorkerSession:
                 call._push(_error(grpc.StatusCode.UNAVAILABLE, why))
             if calls:
                 log.warning("%s: %s; %d requests on it fail over", self._name, why, len(calls))
+
+
+class WorkerSender:
+    """How a router sends one worker its requests: over one Session stream, a new one when the last ended, or as one
+    Generate call each where `sessions` is off, and for a request alone over a session message's budget
+    (`FRAME_BYTES`). The daemon (`WorkerRegistry.generate`) and the bench relay send the same way."""
+
+    def __init__(
+        self, stub: worker_pb2_grpc.WorkerStub, name: str, sessions: bool, on_open: Callable[[], None] | None = None
+    ) -> None:
+        self.stub = stub
+        self.name = name  # the sessions' name in logs
+        self.sessions = sessions  # the router's setting and the worker's Info both say Session
+        self.session: WorkerSession | None = None  # the open one
+        self._on_open = on_open  # called as each session opens
+
+    def send(
+        self, request: worker_pb2.WorkerGenerateRequest, timeout: float | None
+    ) -> grpc.aio.UnaryStreamCall | SessionCall:
+        size = request.ByteSize() if self.sessions else 0
+        if not self.sessions or size > FRAME_BYTES:
+            return self.stub.Generate(request, timeout=timeout)
+        session = self.session
+        if session is None or not session.usable:
+            if session is not None and session.end_code is grpc.StatusCode.UNIMPLEMENTED:
+                self.sessions = False  # advertised, not served: Generate calls until its Info says otherwise
+                return self.stub.Generate(request, timeout=timeout)
+            session = self.session = WorkerSession(self.stub, self.name)
+            if self._on_open is not None:
+                self._on_open()
+        return session.start(request, timeout, size)

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from test_sim_worker import WorkerProc, collect, gen_request, prompt_of, start_worker, wait_until_idle
 
-from switchyard.router.worker_session import WorkerSession
+from switchyard.router.worker_session import FRAME_BYTES, SessionCall, WorkerSender, WorkerSession
 from switchyard.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from switchyard.workers.sim_worker import SESSION_REPLY_EVENTS, _Session
 
@@ -119,6 +119,40 @@ async def test_the_routers_session_call_iterates_as_a_generate_call(worker: Work
 
 async def _chunks(call) -> list:  # type: ignore[no-untyped-def]
     return [chunk async for chunk in call]
+
+
+async def test_the_sender_shares_a_session_until_it_ends_and_sends_the_rest_as_calls(worker: WorkerProc) -> None:
+    """`WorkerSender`, how the daemon and the bench relay send: requests share one session, a new one opens once it
+    ended, and a request over a session message's budget, or any where sessions are off, is a Generate call."""
+    opened: list[WorkerSession | None] = []
+    async with grpc.aio.insecure_channel(worker.address) as ch:
+        sender = WorkerSender(worker_pb2_grpc.WorkerStub(ch), "test", sessions=True,
+                              on_open=lambda: opened.append(sender.session))
+        calls = [sender.send(gen_request(f"s{i}", prompt_of("a shared stream"), 3), 10.0) for i in range(2)]
+        assert all(isinstance(c, SessionCall) for c in calls) and len(opened) == 1
+        assert [await _tokens(c) for c in calls] == [3, 3]
+        first = opened[0]
+        assert first is not None and first._call is not None and first._reader is not None
+        first._call.cancel()  # the stream ends (as when its channel breaks)
+        await first._reader
+        assert not first.usable
+        again = sender.send(gen_request("s2", prompt_of("a new stream"), 3), 10.0)
+        assert len(opened) == 2 and opened[1] is not first and await _tokens(again) == 3
+
+        big = gen_request("big", [7] * (FRAME_BYTES + 1), 1)  # over the budget: its own call, which the worker refuses
+        call = sender.send(big, 10.0)
+        assert not isinstance(call, SessionCall) and len(opened) == 2
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _chunks(call)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+        sender.sessions = False
+        call = sender.send(gen_request("c", prompt_of("a call"), 3), 10.0)
+        assert not isinstance(call, SessionCall) and await _tokens(call) == 3 and len(opened) == 2
+
+
+async def _tokens(call) -> int:  # type: ignore[no-untyped-def]
+    return sum(len(chunk.token_ids) for chunk in await _chunks(call))
 
 
 async def test_a_failed_or_aborted_request_ends_alone(worker: WorkerProc) -> None:
