@@ -9,11 +9,11 @@ router's channel options before this module: a request sent on a worker Session 
 minutes failed with UNAVAILABLE (its ping was the third strike). The daemon's own Stats polls spared its connections
 (each answer is data, which clears the strikes); the bench relay and any client of the router holding an idle stream
 (a Health Watch, a request queued long) were not. So every server here takes pings down to a quarter of the router's
-interval: a ping counts as early by the server's clock, and one sent on time may arrive a little early.
+default interval: a ping counts as early by the server's clock, and one sent on time may arrive a little early.
 
 Servers ping their own clients too (`server_options`): a client or router host that vanishes without a FIN (a
 partition, a power cut) would otherwise keep its requests running, or queued, until TCP gives up on it. A router
-whose worker vanishes finds out by its own pings (`CHANNEL_OPTIONS`).
+whose worker vanishes finds out by its own pings (`channel_options`, config workers.keepalive_*).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from switchyard.bench import procs
-from switchyard.grpc_options import CHANNEL_OPTIONS, MIN_PING_INTERVAL_MS
+from switchyard.grpc_options import MIN_PING_INTERVAL_MS, channel_options
 from switchyard.router.worker_session import WorkerSession
 from switchyard.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -29,8 +29,7 @@ PING_MS = 2 * MIN_PING_INTERVAL_MS
 IDLE_S = 4.5 * PING_MS / 1000
 # a steady ping however long the client sends nothing, as the router's Stats polls make its pings (gRPC's client
 # stops after two pings without data of its own, which would leave the strikes to a race with the next request)
-PINGING = [*((k, PING_MS if k == "grpc.keepalive_time_ms" else v) for k, v in CHANNEL_OPTIONS),
-           ("grpc.http2.max_pings_without_data", 0)]
+PINGING = [*channel_options(PING_MS / 1000), ("grpc.http2.max_pings_without_data", 0)]
 
 
 def request(rid: str) -> worker_pb2.WorkerGenerateRequest:
