@@ -9,7 +9,7 @@ the branch and bound without a tuple per candidate. R is priced in C for a cost 
 formula, written out below in its order of operations: the same floats; the module is compiled with
 -ffp-contract=off, so no fused multiply-add rounds differently), and M's early exits (`m_is_zero`) are read in C.
 The Python-level calls left are `prefill_s` of other cost models, the view's `kv_usage_frac` property, `load_s` on a
-memo miss, and M per priced worker whose LRU simulation cannot be skipped.
+memo miss, and M's `price` in the worker's eviction order, per priced worker whose M the early exits cannot settle.
 """
 
 from functools import partial
@@ -87,7 +87,7 @@ cdef class BoundsEnv:
 cdef class SelectEnv:
     """As `e2_select_py.SelectEnv`: the tables a select reads, and the configuration, taken from the policy once,
     by reference (its `BoundsEnv`'s rule: the tables stay current, the configuration is fixed at construction).
-    The tree and the policy's methods (called off the default path and for M) are looked up per use, so a
+    The tree and the policy's methods (called off the default path) are looked up per use, so a
     wrapped tree or a patched method is the one called."""
 
     cdef readonly object policy, decision, node_stats, debug_on
@@ -97,10 +97,19 @@ cdef class SelectEnv:
     cdef readonly bint study, overflow, pd_on, pd_argmax, decode_tokens
     cdef readonly double imbalance
     cdef readonly str pd_suffix
+    # M (`_evict_s`): the policy's instance dict (an `_evict_s` patched there is called), its `recent_needs` and
+    # W; `m_pricing`'s parts; how many Ms were read from an eviction order here
+    cdef readonly object policy_dict, recent_needs, evict_s_fn, eviction_cost_fn, order_fn, profile_cost, m_term
+    cdef readonly double node_window_s
+    cdef readonly Py_ssize_t fused_ms
 
-    def __init__(self, policy, *, decision, node_stats, frozenset fixed_reasons, logger):
+    def __init__(self, policy, *, decision, node_stats, frozenset fixed_reasons, logger, tuple m_pricing):
         cfg = policy.cfg
         self.policy, self.decision, self.node_stats, self.fixed_reasons = policy, decision, node_stats, fixed_reasons
+        self.policy_dict = getattr(policy, "__dict__", None)
+        self.recent_needs, self.node_window_s = policy.recent_needs, cfg.node_window_s
+        self.evict_s_fn, self.eviction_cost_fn, self.order_fn, self.profile_cost, self.m_term = m_pricing
+        self.fused_ms = 0
         self.debug_on = logger.isEnabledFor
         self.bounds = policy._bounds_env
         self.evicted, self.outstanding = policy.evicted, policy.outstanding
@@ -286,7 +295,7 @@ cdef tuple _cheapest(BoundsEnv env, object ws, dict cached, Py_ssize_t n, double
     cdef double mm, total, best_total = 0.0
     cdef Py_ssize_t best_rot = 0
     cdef list priced = []
-    cdef object protected = None
+    cdef object protected = None, lru
     cdef Bound* b
     cdef Py_ssize_t* order
     if m == 0:
@@ -309,13 +318,15 @@ cdef tuple _cheapest(BoundsEnv env, object ws, dict cached, Py_ssize_t n, double
             if best >= 0 and (b[i].lb > best_total or (b[i].lb == best_total and b[i].rot > best_rot)):
                 break  # this bound and every later one exceed the best total
             mm = 0.0
-            if b[i].evict > 0 and not _m_is_zero(env.lru[ws[i].worker_id], path, b[i].evict):
-                if senv is None:
-                    mm = PyFloat_AsDouble(price_m(i, b[i].evict))
-                else:
-                    if protected is None:
-                        protected = senv.policy._protected(path)
-                    mm = PyFloat_AsDouble(senv.policy._evict_s(ws[i], b[i].evict, now, protected))
+            if b[i].evict > 0:
+                lru = env.lru[ws[i].worker_id]
+                if not _m_is_zero(lru, path, b[i].evict):
+                    if senv is None:
+                        mm = PyFloat_AsDouble(price_m(i, b[i].evict))
+                    else:
+                        if protected is None:
+                            protected = senv.policy._protected(path)
+                        mm = _evict_s(senv, ws[i], lru, b[i].evict, now, protected)
             priced.append((i, b[i].load, mm, b[i].r, b[i].q))
             total = b[i].load + mm + b[i].r + b[i].q
             if best < 0 or total < best_total or (total == best_total and b[i].rot < best_rot):
@@ -323,6 +334,28 @@ cdef tuple _cheapest(BoundsEnv env, object ws, dict cached, Py_ssize_t n, double
     finally:
         PyMem_Free(b)
     return best, priced
+
+
+cdef double _evict_s(SelectEnv senv, object w, object lru, Py_ssize_t evict, double now, object protected) except? -1.0:
+    """M: `PrebleE2._evict_s`, and in it `LruPricing.eviction_cost` past the early exits `_m_is_zero` took, as
+    one C call into the worker's eviction order (`price`): the same float without their two Python frames, while
+    the policy's class, the index's class and the policy instance have `m_pricing`'s methods; else (a subclass, a
+    patch) the policy's `_evict_s`."""
+    cdef object wid, cost, order, lru_type = type(lru)
+    if ((senv.policy_dict is not None and PyDict_GetItem(senv.policy_dict, "_evict_s") is not NULL)
+            or getattr(type(senv.policy), "_evict_s", None) is not senv.evict_s_fn
+            or getattr(lru_type, "eviction_cost", None) is not senv.eviction_cost_fn
+            or getattr(lru_type, "order", None) is not senv.order_fn):
+        return PyFloat_AsDouble(senv.policy._evict_s(w, evict, now, protected))
+    senv.recent_needs.append(evict)
+    wid = w.worker_id
+    cost = _cost_of(senv.bounds.cost_memo, senv.bounds.cost_model, wid)
+    order = lru._order
+    if order is None:
+        order = lru.order(wid)
+    senv.fused_ms += 1
+    return PyFloat_AsDouble(order.price(evict, protected, now - senv.node_window_s, w.block_size, cost,
+                                        isinstance(cost, senv.profile_cost), senv.m_term))
 
 
 cdef object _decide(SelectEnv env, object ctx, object w, str why, object cached_len, object missed_len, object ws,
@@ -358,7 +391,7 @@ cdef double _decode_fraction(object o) except? -1.0:
 def select_e2(SelectEnv env, ctx, fleet, double now):
     """As `e2_select_py.select_e2`: `PrebleE2.select_steps` in C, step for step, the policy's step methods
     called only off the default path (excluded workers, a new pool, exploit overflow, hit-ratio DECODERATIO, the
-    DEBUG line) and for M."""
+    DEBUG line); M by `_evict_s` below."""
     cdef object policy = env.policy, tree = policy.tree, pool, memo, hashes, path, got, key, st, pick, w
     cdef object model = ctx.model
     cdef dict zero, by_id, cached

@@ -167,16 +167,19 @@ def cheapest(
 class SelectEnv:
     """What `select_e2` reads: the policy (its tables, configuration and step methods); for the Cython build also
     the `Decision` and `NodeStats` classes, the reasons whose `Decision`s are memoised per (worker, reason) and the
-    policy's logger, whose DEBUG line the policy's `_decide` writes (nothing here imports from `router/`). This
-    reference reads only the policy."""
+    policy's logger, whose DEBUG line the policy's `_decide` writes, and `m_pricing` = (`LruPricing.eviction_cost`
+    and `.order` as the policy's module imported them, the cost class whose victim terms an eviction order keeps,
+    the victim term of the configured mode): M is read from a worker's eviction order in C while an index's class
+    has those very methods (nothing here imports from `router/`). This reference reads only the policy."""
 
-    __slots__ = ("policy", "decision", "node_stats", "fixed_reasons", "logger")
+    __slots__ = ("policy", "decision", "node_stats", "fixed_reasons", "logger", "m_pricing")
 
     def __init__(
-        self, policy: Any, *, decision: type, node_stats: type, fixed_reasons: frozenset[str], logger: Any
+        self, policy: Any, *, decision: type, node_stats: type, fixed_reasons: frozenset[str], logger: Any,
+        m_pricing: tuple[Any, ...],
     ) -> None:
         self.policy, self.decision, self.node_stats, self.fixed_reasons = policy, decision, node_stats, fixed_reasons
-        self.logger = logger
+        self.logger, self.m_pricing = logger, m_pricing
 
 
 def select_e2(env: SelectEnv, ctx: Any, fleet: Any, now: float) -> Any:

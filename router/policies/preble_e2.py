@@ -116,6 +116,7 @@ from switchyard.router.policies.preble_load import (
     HistoryEntry,
     HitRatioWindow,
     LruIndex,
+    LruPricing,
     MovedLoad,
     NodeStats,
     Outstanding,
@@ -229,6 +230,10 @@ class Cost(NamedTuple):
         return self.queue_s + self.evict_s + self.prefill_s
 
 
+# M's methods as imported (and `_OWN_EVICT_S`, below the class), which the fused select's M replicates in C: where
+# a class or a patch has others, they are called
+_LRU_PRICING = (LruPricing.eviction_cost, LruPricing.order)
+
 # the methods of `select_steps` that `select_e2` runs in C, or calls only off its default path
 _FUSED_STEPS = ("pool", "_remember", "_pool_index", "prefix", "_key_end", "_exploit_set", "_cheapest", "_costs",
                 "_ratios", "_overflow", "_decide")
@@ -305,7 +310,8 @@ class PrebleE2(Policy):
         self._keep_hit_ratio = cfg.enable_pd_balancing and cfg.decode_ratio == "hit_ratio"  # DECODERATIO's window
         # what the fused select reads (`select`): the tables and flags above, by reference
         self._select_env = SelectEnv(
-            self, decision=Decision, node_stats=NodeStats, fixed_reasons=_FIXED_REASONS, logger=log
+            self, decision=Decision, node_stats=NodeStats, fixed_reasons=_FIXED_REASONS, logger=log,
+            m_pricing=(_OWN_EVICT_S, *_LRU_PRICING, ProfileCost, LruPricing.term_for(cfg.eviction_cost)),
         )
 
     def _skew_rules_steer(self) -> bool:
@@ -1072,6 +1078,9 @@ class PrebleE2(Policy):
         removed = self.tree.gc(now, self.cfg.node_window_s, budget_blocks, evicted=self.evicted)
         self._tree_gen += 1
         return removed
+
+
+_OWN_EVICT_S = PrebleE2._evict_s  # (`_LRU_PRICING`)
 
 
 class PrebleE2Base(PrebleE2):

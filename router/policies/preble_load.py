@@ -514,7 +514,12 @@ class LruPricing:
         # (`OnlineFit`) changes in place, so its terms are priced afresh. The order prices "text" terms itself (in
         # C in its Cython build).
         return order.price(need_blocks, protected, now - window_s, block_size, cost, isinstance(cost, ProfileCost),
-                           _alg2_term if mode == "alg2" else None)
+                           self.term_for(mode))
+
+    @staticmethod
+    def term_for(mode: str) -> Callable[..., tuple[float | None, float, float, CostModel]] | None:
+        """The victim term `EvictionOrder.price` calls for `mode` (E2's `eviction_cost`), None for its own ("text")."""
+        return _alg2_term if mode == "alg2" else None
 
     def warm(
         self, worker: Any, need_blocks: int, now: float, window_s: float, block_size: int, cost: CostModel,

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import math
 import random
+import re
 from collections import deque
 from typing import Any
 
@@ -54,23 +55,35 @@ class CheckedE2(PrebleE2):
     def __init__(self, config: E2Config | None = None) -> None:
         super().__init__(config)
         self.checks = {"select": 0, "fused": 0, "off_path": 0, "match": 0, "exploit_set": 0, "argmin": 0,
-                       "loadcosts": 0, "pruned": 0}
+                       "loadcosts": 0, "pruned": 0, "m": 0}
+        self.costed: list[int] = []  # the blocks `LruPricing.eviction_cost` was asked to evict, as patched below
 
     def select(self, ctx: RoutingContext, fleet: FleetView, now: float) -> Decision | None:
         """The build's select (the Cython build's fused `select_e2`) equals the steps below, each checked against
-        the plain code; every 10th select also with a worker excluded and the DEBUG line on (the fused select's
-        calls back into the policy), where the lines logged must be the same too."""
+        the plain code, and asks its Ms (`_evict_s`, fused in C) for the same blocks in the same order; every 10th
+        select also with a worker excluded and the DEBUG line on (the fused select's calls back into the policy),
+        where the lines logged must be the same too."""
         self.checks["select"] += 1
+        needs = self.recent_needs  # what each M was asked to evict (the fused select prices M in C)
+        before = list(needs)
+        needs.clear()
+        self.costed.clear()
         got = super().select(ctx, fleet, now)
-        if preble_e2.select_e2 is e2_select_py.select_e2:  # the reference: the steps themselves
-            return got
-        assert got == self.select_steps(ctx, fleet, now)
-        self.checks["fused"] += 1
-        if self.checks["fused"] % 10 == 0:
-            alt = dataclasses.replace(ctx, excluded_workers=frozenset({fleet.routable(ctx.model)[0].worker_id}))
-            assert _logged(lambda: super(CheckedE2, self).select(alt, fleet, now)) == _logged(
-                lambda: self.select_steps(alt, fleet, now))
-            self.checks["off_path"] += 1
+        fused = list(needs)
+        assert self.costed == fused  # each M went through the test's `eviction_cost`, the fused select's too
+        if preble_e2.select_e2 is not e2_select_py.select_e2:  # the reference is the steps themselves
+            needs.clear()
+            assert got == self.select_steps(ctx, fleet, now)
+            assert list(needs) == fused  # the same Ms, in the same order
+            self.checks["fused"] += 1
+            self.checks["m"] += len(fused)
+            if self.checks["fused"] % 10 == 0:
+                alt = dataclasses.replace(ctx, excluded_workers=frozenset({fleet.routable(ctx.model)[0].worker_id}))
+                assert _logged(lambda: super(CheckedE2, self).select(alt, fleet, now)) == _logged(
+                    lambda: self.select_steps(alt, fleet, now))
+                self.checks["off_path"] += 1
+        needs.clear()
+        needs.extend(before + fused)  # as the select alone leaves them
         return got
 
     def prefix(self, ctx: RoutingContext, pool: list[WorkerView]) -> tuple[dict[WorkerId, int], int, list[Any]]:
@@ -107,8 +120,12 @@ class CheckedE2(PrebleE2):
         self, ws: list[WorkerView], ctx: RoutingContext, cached: dict[WorkerId, int], path: list[Any], now: float
     ) -> tuple[WorkerView, list[Priced]]:
         got, raw = super()._cheapest(ws, ctx, cached, path, now)
+        asked, costed = list(self.recent_needs), len(self.costed)
         priced = self._costs(ws, raw)
         full = self.loadcosts(ws, ctx, cached, path, now)  # every worker priced, M included (checked below)
+        self.recent_needs.clear()
+        self.recent_needs.extend(asked)  # the select's Ms, not this check's (`select` compares them)
+        del self.costed[costed:]
         n = len(ws)
         plain = min(
             ((w, i) for i, w in enumerate(ws)),
@@ -239,6 +256,7 @@ def test_select_shortcuts_equal_plain_code(
 
     def checked_cost(idx: LruIndex, worker: Any, need_blocks: int, protected: set[int], *args: Any) -> float:
         nonlocal num_victims
+        made[0].costed.append(need_blocks)
         before = dict(idx._order.memo) if idx._order is not None else {}
         got = fast_cost(idx, worker, need_blocks, protected, *args)
         if idx._order is not None:
@@ -264,6 +282,7 @@ def test_select_shortcuts_equal_plain_code(
     assert policy.checks["select"] == 300
     if impl == "c":  # the fused select, against the steps; and off its default path
         assert (policy.checks["fused"], policy.checks["off_path"]) == (300, 30)
+        assert policy.checks["m"] > 0  # the fused select priced M
         assert policy.checks["match"] == 300 + 30  # the steps (the fused select walks the prompt in C)
     else:
         assert policy.checks["match"] == 300
@@ -377,6 +396,66 @@ def _check_profile_cost(cost: ProfileCost) -> None:
     assert cost == ProfileCost(cost.profile) and hash(cost) == hash(
         ProfileCost(cost.profile)
     )  # the constants are not compared
+
+
+@pytest.mark.c_extension
+def test_the_fused_select_prices_m_as_the_steps() -> None:
+    """The Cython select reads M from the worker's eviction order itself (`_e2_select_c._evict_s`): on a fleet that
+    evicts, every select's DEBUG line (each priced worker's L, M, R) and the blocks each M was asked to evict
+    equal those of `select_steps`, which prices M through `_evict_s` and `LruPricing.eviction_cost`."""
+    if e2_select.IMPLEMENTATION != "c":
+        pytest.fail("the Cython build of ext/e2_select did not load")
+    spec = WorkloadSpec(rate=40.0, num_requests=200, prompt_len="lognormal:512:0.4", output_len="lognormal:32:0.5",
+                        prefix_groups=24, prefix_len=256)
+    lines: list[str] = []
+
+    class Both(PrebleE2):
+        def select(self, ctx: RoutingContext, fleet: FleetView, now: float) -> Decision | None:
+            needs = self.recent_needs
+            before = list(needs)
+            needs.clear()
+            got, fused = _logged(lambda: super(Both, self).select(ctx, fleet, now))
+            asked = list(needs)
+            needs.clear()
+            assert _logged(lambda: self.select_steps(ctx, fleet, now)) == (got, fused)
+            assert list(needs) == asked
+            needs.clear()
+            needs.extend(before + asked)
+            lines.extend(fused)
+            return got
+
+    pol = Both(E2Config(node_window_s=2.0))  # a window shorter than the run: M's terms count its requests
+    cfg = SimConfig(policy="e2", num_workers=3, engine_overrides={"num_kv_blocks": 300})
+    Simulator(make_workload(spec, seed=2), cfg, policy=pol).run()
+    assert pol._select_env.fused_ms > 0  # M was read from the orders in C
+    assert any(re.search(r"M=(?!0\.000 )", ln) for ln in lines)  # and some M was not 0
+
+
+def test_the_fused_select_calls_an_evict_s_patched_on_the_policy() -> None:
+    """The Cython select prices M from the worker's eviction order itself, but an `_evict_s` patched on the policy
+    instance (a wrapper, a stub) is the one asked: with every M it answers made dear, the decisions follow it."""
+    spec = WorkloadSpec(rate=40.0, num_requests=200, prompt_len="lognormal:512:0.4", output_len="lognormal:32:0.5",
+                        prefix_groups=24, prefix_len=256)
+
+    def simulate(patch: bool) -> tuple[int, list[tuple[str, str]]]:
+        pol = PrebleE2()
+        asked = 0
+        own = pol._evict_s
+
+        def dear(w: WorkerView, evict: int, now: float, protected: set[int]) -> float:
+            nonlocal asked
+            asked += 1
+            return own(w, evict, now, protected) + (1e3 if w.worker_id == "w1" else 0.0)
+
+        if patch:
+            pol._evict_s = dear  # type: ignore[method-assign]
+        cfg = SimConfig(policy="e2", num_workers=3, engine_overrides={"num_kv_blocks": 300})
+        res = Simulator(make_workload(spec, seed=2), cfg, policy=pol).run()
+        return asked, sorted((r.request_id, r.worker_id) for r in res.records)
+
+    asked, picks = simulate(True)
+    assert asked > 0
+    assert picks != simulate(False)[1]  # w1 made dear wherever it would evict
 
 
 def test_decisions_do_not_depend_on_memory_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
