@@ -167,10 +167,11 @@ def cheapest(
 class SelectEnv:
     """What `select_e2` reads: the policy (its tables, configuration and step methods); for the Cython build also
     the `Decision` and `NodeStats` classes, the reasons whose `Decision`s are memoised per (worker, reason) and the
-    policy's logger, whose DEBUG line the policy's `_decide` writes, and `m_pricing` = (`LruPricing.eviction_cost`
-    and `.order` as the policy's module imported them, the cost class whose victim terms an eviction order keeps,
-    the victim term of the configured mode): M is read from a worker's eviction order in C while an index's class
-    has those very methods (nothing here imports from `router/`). This reference reads only the policy."""
+    policy's logger, whose DEBUG line the policy's `_decide` writes, and `m_pricing` = (`PrebleE2._evict_s`,
+    `LruPricing.eviction_cost` and `.order` as the policy's module defined them, the cost class whose victim terms
+    an eviction order keeps, the victim term of the configured mode): the build reads M from a worker's eviction
+    order in C while the policy and its indexes have those very methods (nothing here imports from `router/`).
+    This reference reads only the policy."""
 
     __slots__ = ("policy", "decision", "node_stats", "fixed_reasons", "logger", "m_pricing")
 
