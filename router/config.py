@@ -137,6 +137,7 @@ class WorkersConfig(_Section):
         return self
 
     def channel_options(self) -> tuple[tuple[str, int], ...]:
+        """The gRPC options of the router's channel to each worker: fast reconnects, and these keepalive pings."""
         return channel_options(self.keepalive_time_s, self.keepalive_timeout_s)
 
     def client_tls(self) -> ClientTls | None:
