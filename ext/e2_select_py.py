@@ -166,20 +166,20 @@ def cheapest(
 
 class SelectEnv:
     """What `select_e2` reads: the policy (its tables, configuration and step methods); for the Cython build also
-    the `Decision` and `NodeStats` classes, the reasons whose `Decision`s are memoised per (worker, reason) and the
-    policy's logger, whose DEBUG line the policy's `_decide` writes, and `m_pricing` = (`PrebleE2._evict_s`,
+    the `Decision` and `NodeStats` classes, how many `Decision`s the policy's memo of them per (worker, reason)
+    holds before it starts over, the policy's logger, whose DEBUG line the policy's `_decide` writes, and `m_pricing` = (`PrebleE2._evict_s`,
     `LruPricing.eviction_cost` and `.order` as the policy's module defined them, the cost class whose victim terms
     an eviction order keeps, the victim term of the configured mode): the build reads M from a worker's eviction
     order in C while the policy and its indexes have those very methods (nothing here imports from `router/`).
     This reference reads only the policy."""
 
-    __slots__ = ("policy", "decision", "node_stats", "fixed_reasons", "logger", "m_pricing")
+    __slots__ = ("policy", "decision", "node_stats", "decisions_cap", "logger", "m_pricing")
 
     def __init__(
-        self, policy: Any, *, decision: type, node_stats: type, fixed_reasons: frozenset[str], logger: Any,
+        self, policy: Any, *, decision: type, node_stats: type, decisions_cap: int, logger: Any,
         m_pricing: tuple[Any, ...],
     ) -> None:
-        self.policy, self.decision, self.node_stats, self.fixed_reasons = policy, decision, node_stats, fixed_reasons
+        self.policy, self.decision, self.node_stats, self.decisions_cap = policy, decision, node_stats, decisions_cap
         self.logger, self.m_pricing = logger, m_pricing
 
 

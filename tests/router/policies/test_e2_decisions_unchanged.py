@@ -491,3 +491,86 @@ def test_decisions_do_not_depend_on_memory_addresses(monkeypatch: pytest.MonkeyP
         return [priced, sorted((r.request_id, r.worker_id) for r in res.records)]
 
     assert simulate(False) == simulate(True)
+
+
+@pytest.mark.parametrize("fused", [pytest.param(True, marks=pytest.mark.c_extension), False])
+def test_decisions_are_kept_per_worker_and_reason_up_to_a_cap(fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Decision is immutable, so `_decide` (and the fused select's) keeps one per (worker, reason), P/D's reasons
+    with their ratio too: each pair is one object all run long. At `DECISIONS_CAP` entries the memo starts over,
+    so ratios cannot grow it without bound; the decisions stay the same."""
+    if fused and e2_select.IMPLEMENTATION != "c":
+        pytest.fail("the Cython build of ext/e2_select did not load")
+    spec = WorkloadSpec(rate=40.0, num_requests=200, prompt_len="lognormal:512:0.4", output_len="lognormal:32:0.5",
+                        prefix_groups=24, prefix_len=256)
+
+    def simulate() -> tuple[list[Decision], int]:
+        most = 0
+
+        class Kept(PrebleE2):
+            def select(self, ctx: RoutingContext, fleet: FleetView, now: float) -> Decision | None:
+                nonlocal most
+                got = super().select(ctx, fleet, now) if fused else self.select_steps(ctx, fleet, now)
+                most = max(most, len(self._decisions))
+                made.append(got)
+                return got
+
+        made: list[Decision] = []
+        cfg = SimConfig(policy="e2", num_workers=3, engine_overrides={"num_kv_blocks": 300})
+        Simulator(make_workload(spec, seed=2), cfg, policy=Kept()).run()
+        return made, most
+
+    made, most = simulate()
+    by_pair: dict[tuple[str, str], set[int]] = {}
+    for d in made:
+        by_pair.setdefault((d.worker_id, d.reason), set()).add(id(d))
+    assert any(why.startswith("explore P/D ratio=") for _, why in by_pair)
+    assert all(len(ids) == 1 for ids in by_pair.values())  # one object per (worker, reason)
+    assert most == len(by_pair) > 3
+    monkeypatch.setattr(preble_e2, "DECISIONS_CAP", 3)
+    capped, most = simulate()
+    assert most == 3
+    assert capped == made  # equal Decisions: the memo only saves building them
+
+
+@pytest.mark.c_extension
+def test_the_fused_select_follows_the_loggers_level_as_it_changes() -> None:
+    """The fused select reads whether DEBUG is on from the logger's own memo of `isEnabledFor` (a False there is the
+    answer; else the logger is asked): a level set between selects, or a logger disabled while its memo says DEBUG,
+    is followed at the very next select."""
+    if e2_select.IMPLEMENTATION != "c":
+        pytest.fail("the Cython build of ext/e2_select did not load")
+    spec = WorkloadSpec(rate=40.0, num_requests=120, prompt_len="lognormal:512:0.4", output_len="lognormal:32:0.5",
+                        prefix_groups=24, prefix_len=256)
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger, handler = preble_e2.log, Keep(logging.DEBUG)
+    level = logger.level
+    logged = []
+
+    class Toggled(PrebleE2):
+        def select(self, ctx: RoutingContext, fleet: FleetView, now: float) -> Decision | None:
+            step = len(logged) % 5  # WARNING twice (the memo holds False), DEBUG twice (then True), disabled
+            if step == 0:
+                logger.setLevel(logging.WARNING)
+            elif step == 2:
+                logger.setLevel(logging.DEBUG)
+            logger.disabled = step == 4
+            before = len(lines)
+            got = super().select(ctx, fleet, now)
+            logged.append(len(lines) - before)
+            assert logged[-1] == (1 if step in (2, 3) else 0), step
+            return got
+
+    logger.addHandler(handler)
+    try:
+        cfg = SimConfig(policy="e2", num_workers=3, engine_overrides={"num_kv_blocks": 300})
+        Simulator(make_workload(spec, seed=2), cfg, policy=Toggled()).run()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.disabled = False
+    assert len(logged) == 120
