@@ -62,7 +62,7 @@ cdef inline bint _before(double la, long long seq, Py_ssize_t pos,
 cdef class EvictionOrder:
     cdef readonly object idx, worker, stats_type
     cdef readonly list steps, cum, hot, array, extra
-    cdef readonly dict unlocked, local_held, pos, memo
+    cdef readonly dict unlocked, local_held, pos, memo, facts
     cdef readonly set done
     cdef dict _keyed, _entries, _held
     cdef double* _f_la
@@ -103,6 +103,7 @@ cdef class EvictionOrder:
         self.cum = []
         self.hot = []
         self.memo = {}
+        self.facts = {}
         self.extra = []
         self.unlocked = {}
         self.local_held = {}
@@ -217,6 +218,7 @@ cdef class EvictionOrder:
         if blocks:
             for key in [key for key in self.memo if (<tuple>key)[0] == k]:  # its terms change with its blocks
                 del self.memo[key]
+            self.facts.pop(k, None)
             steps[0] = (first[0], blocks, k)
             self.cum_base += d0 - blocks
             return True
@@ -397,26 +399,27 @@ cdef class EvictionOrder:
 
     def price(self, long long need_blocks, set protected, double cutoff, long long block_size, object cost,
               bint keep=True, object term=None):
-        """As the reference's: the loop, the memo and the default term in C (`_victim_term`); the cost model is
-        asked for PREFILLTIME (one call per term priced afresh); a given `term` is called."""
+        """As the reference's: the loop, the memo and the default term in C (`_term`); the cost model is asked
+        for PREFILLTIME (one call per term priced afresh); a given `term` is called."""
         cdef list victims = self.hot_victims(need_blocks, protected)
         cdef dict memo = self.memo
         cdef double m = 0.0
         cdef tuple v, got
-        cdef object key = None
+        cdef object k, key = None
         cdef PyObject* p
         for item in victims:
             v = <tuple>item
+            k = PyLong_FromVoidPtr(<void*>v[0])
             got = None
             if keep:
-                key = (PyLong_FromVoidPtr(<void*>v[0]), v[1])
+                key = (k, v[1])
                 p = PyDict_GetItem(memo, key)
                 if p != NULL:
                     got = <tuple>p
             if (got is None or not (<double>got[1] <= cutoff <= <double>got[2])
                     or <object>PyTuple_GET_ITEM(got, 3) is not cost):
                 if term is None:
-                    got = self._victim_term(v[0], <long long>v[1], cutoff, block_size, cost)
+                    got = self._term(v[0], k, <long long>v[1], cutoff, block_size, cost)
                 else:
                     got = <tuple?>term(v[0], v[1], self.worker, cutoff, block_size, cost)
                 if keep:
@@ -427,26 +430,34 @@ cdef class EvictionOrder:
                 m = m + <double>got[0]
         return m
 
-    cdef tuple _victim_term(self, object node, long long nblocks, double cutoff, long long block_size, object cost):
-        """`lru_order_py.victim_term` (`Samples.since`: in C over the Cython build's samples)."""
-        cdef object st = node.stats
-        cdef object dq = None
-        cdef Py_ssize_t count
-        cdef double hi = INFINITY
-        cdef long long keep
-        cdef double term
-        if isinstance(st, self.stats_type):
-            dq = st.hits.get(self.worker)
-        if not dq:
-            return (None, cutoff, INFINITY, cost)
-        got = dq.since(cutoff)
-        count = <Py_ssize_t>(<tuple>got)[0]
-        hi = <double>(<tuple>got)[1]
+    cdef tuple _term(self, object node, object k, long long nblocks, double cutoff, long long block_size,
+                     object cost):
+        """`term_from` the reference's `_facts_of(node, cutoff)` (node's id k): its facts from `facts` while they
+        hold, else read from the node (`victim_facts`; `Samples.since`: in C over the Cython build's samples)."""
+        cdef PyObject* p = PyDict_GetItem(self.facts, k)
+        cdef tuple f
+        cdef object st, dq = None, count
+        if p != NULL and <double>(<tuple>p)[1] <= cutoff <= <double>(<tuple>p)[2]:
+            f = <tuple>p
+        else:
+            st = node.stats
+            if isinstance(st, self.stats_type):
+                dq = st.hits.get(self.worker)
+            f = None
+            if dq:
+                got = dq.since(cutoff)
+                if (<tuple>got)[0]:
+                    f = ((<tuple>got)[0], cutoff, (<tuple>got)[1], node.context_blocks + node.resident_on(self.worker))
+            if f is None:
+                f = (0, cutoff, INFINITY, 0)
+            if len(self.facts) >= MEMO_CAP:
+                self.facts.clear()
+            PyDict_SetItem(self.facts, k, f)
+        count = <object>PyTuple_GET_ITEM(f, 0)
         if not count:
-            return (None, cutoff, INFINITY, cost)
-        keep = <long long>node.resident_on(self.worker) - nblocks
-        term = _prefill_s(cost, nblocks * block_size, (<long long>node.context_blocks + keep) * block_size) * <double>count
-        return (term, cutoff, hi, cost)
+            return (None, f[1], f[2], cost)
+        return (_prefill_s(cost, nblocks * block_size, (<long long>f[3] - nblocks) * block_size) * <double>count,
+                f[1], f[2], cost)
 
     cdef long long _unprotected_upto(self, Py_ssize_t i, Py_ssize_t* at, long long* pcum, Py_ssize_t n_at) except? -1:
         """cum[i] less the blocks of the protected steps at or before i."""

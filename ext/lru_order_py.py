@@ -56,7 +56,7 @@ class EvictionOrder:
     """
 
     __slots__ = ("idx", "worker", "stats_type", "steps", "array", "frontier", "extra", "unlocked", "done",
-                 "local_held", "cum", "pos", "hot", "memo", "last_popped", "max_key", "stale", "retired", "base",
+                 "local_held", "cum", "pos", "hot", "memo", "facts", "last_popped", "max_key", "stale", "retired", "base",
                  "cum_base")
 
     def __init__(self, idx: Any, worker: Any, stats_type: type) -> None:
@@ -85,6 +85,9 @@ class EvictionOrder:
         # the caller's cache of values derived from these steps (E2 keeps its victims' M terms here, by node id):
         # it goes with the order, and a step whose node changes takes its entries with it
         self.memo: dict[Any, Any] = {}
+        # the default term's `victim_facts` per victim id, while the window's start stays in their [lo, hi]: a
+        # partial take (a new memo key at almost every M) is priced from them without reading the node again
+        self.facts: dict[int, tuple[int, float, float, int]] = {}
         self.last_popped: tuple[float, int, int] | None = None  # the frontier's last (key, seq, position)
         self.max_key: tuple[float, int] | None = None  # the largest (key, seq) of the steps
         self.stale = False  # the array moved under the frontier: rebuild it before the next step
@@ -158,6 +161,7 @@ class EvictionOrder:
         if blocks:
             for key in [key for key in self.memo if key[0] == k]:  # its terms change with its resident blocks
                 del self.memo[key]
+            self.facts.pop(k, None)
             steps[0] = (n, blocks, k)
             self.cum_base += d0 - blocks
             return True
@@ -247,17 +251,17 @@ class EvictionOrder:
     ) -> float:
         """M: Σ over `hot_victims`, in victim order, of each victim's term: `term(node, blocks taken, worker,
         cutoff, block_size, cost)`, by default `victim_term` (the "text" term, E2's default, specs/preble.md errata
-        E3). With `keep`, each term is kept in `memo` under (id, blocks taken) while the window's start stays
+        E3; from the victim's `facts`). With `keep`, each term is kept in `memo` under (id, blocks taken) while the window's start stays
         between the two times it holds for and the cost model is the same object (one whose answers never change:
         the caller's to choose; the memo is not keyed by the term, so one order is priced with one term). The
         same float as pricing every victim afresh."""
         m = 0.0
-        memo, worker, stats_type = self.memo, self.worker, self.stats_type
+        memo, worker = self.memo, self.worker
         for n, take in self.hot_victims(need_blocks, protected):
             got = memo.get((id(n), take)) if keep else None
             if got is None or not got[1] <= cutoff <= got[2] or got[3] is not cost:
                 if term is None:
-                    got = victim_term(n, take, worker, cutoff, block_size, cost, stats_type)
+                    got = term_from(self._facts_of(n, cutoff), take, block_size, cost)
                 else:
                     got = term(n, take, worker, cutoff, block_size, cost)
                 if keep:
@@ -267,6 +271,18 @@ class EvictionOrder:
             if got[0] is not None:
                 m = m + got[0]
         return m
+
+    def _facts_of(self, n: Any, cutoff: float) -> tuple[int, float, float, int]:
+        """Victim n's `victim_facts` at `cutoff`, from `facts` while they hold (they do not depend on the cost
+        model, so they are kept whatever `price`'s `keep`)."""
+        k = id(n)
+        got = self.facts.get(k)
+        if got is None or not got[1] <= cutoff <= got[2]:
+            got = victim_facts(n, self.worker, cutoff, self.stats_type)
+            if len(self.facts) >= MEMO_CAP:
+                self.facts.clear()
+            self.facts[k] = got
+        return got
 
     def _step(self) -> bool:
         idx, unlocked, done = self.idx, self.unlocked, self.done
@@ -318,27 +334,43 @@ class EvictionOrder:
             return True
 
 
-def victim_term(
-    node: Any, nblocks: int, worker: Any, cutoff: float, block_size: int, cost: Any, stats_type: type
-) -> tuple[float | None, float, float, Any]:
-    """(victim j's "text" term of M for `nblocks` of its blocks, or None when no request through j on `worker`
-    is in the window; the window starts [lo, hi] between which the term holds; the cost model it was priced with).
+def victim_facts(node: Any, worker: Any, cutoff: float, stats_type: type) -> tuple[int, float, float, int]:
+    """What victim j's "text" term reads of j: (its requests on `worker` since `cutoff`, the window starts [lo, hi]
+    between which that count holds, its context and resident blocks), or (0, cutoff, inf, 0) without a request.
 
-    PT_j × N_j: recompute the evicted tokens after j's context and kept blocks (`cost.prefill_s`), times the
-    requests through j on this worker since `cutoff` (`stats.hits[worker]`, `Samples`: (t, ...) in time order; the
-    head may hold expired ones). It holds while the window's start stays between `cutoff` and j's first request
-    in the window: later ones are counted either way, earlier ones neither.
-    """
+    The requests are `stats.hits[worker]` (`Samples`: (t, ...) in time order; the head may hold expired ones).
+    The count holds while the window's start stays between `cutoff` and j's first request in the window: later
+    ones are counted either way, earlier ones neither."""
     st = node.stats
     dq = st.hits.get(worker) if isinstance(st, stats_type) else None
     if not dq:
-        return None, cutoff, math.inf, cost
+        return 0, cutoff, math.inf, 0
     count, first = dq.since(cutoff)
     if not count:
-        return None, cutoff, math.inf, cost
-    keep = node.resident_on(worker) - nblocks
-    term = cost.prefill_s(nblocks * block_size, (node.context_blocks + keep) * block_size) * count
-    return term, cutoff, first, cost
+        return 0, cutoff, math.inf, 0
+    return count, cutoff, first, node.context_blocks + node.resident_on(worker)
+
+
+def term_from(
+    facts: tuple[int, float, float, int], nblocks: int, block_size: int, cost: Any
+) -> tuple[float | None, float, float, Any]:
+    """(victim j's "text" term of M for `nblocks` of its blocks, or None when no request through j is in the
+    window; the window starts [lo, hi] between which the term holds; the cost model it was priced with), from j's
+    `victim_facts`.
+
+    PT_j × N_j: recompute the evicted tokens after j's context and kept blocks (`cost.prefill_s`), times j's
+    requests in the window."""
+    count, lo, hi, blocks = facts
+    if not count:
+        return None, lo, hi, cost
+    return cost.prefill_s(nblocks * block_size, (blocks - nblocks) * block_size) * count, lo, hi, cost
+
+
+def victim_term(
+    node: Any, nblocks: int, worker: Any, cutoff: float, block_size: int, cost: Any, stats_type: type
+) -> tuple[float | None, float, float, Any]:
+    """Victim j's "text" term priced afresh (`term_from` its `victim_facts`)."""
+    return term_from(victim_facts(node, worker, cutoff, stats_type), nblocks, block_size, cost)
 
 
 def touch_holders(lru: dict[Any, Any], nodes: list[Any], moved: Any = None) -> None:

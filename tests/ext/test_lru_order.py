@@ -108,8 +108,8 @@ def test_cython_kept_order_updates_equal_reference(seed: int) -> None:
             assert [(k, d) for _, d, k in fast.steps] == [(k, d) for _, d, k in ref.steps]
             assert (fast.cum, fast.hot, fast.pos, fast.base, fast.cum_base) == (
                 ref.cum, ref.hot, ref.pos, ref.base, ref.cum_base)
-            assert (fast.max_key, fast.last_popped, fast.stale, fast.memo) == (
-                ref.max_key, ref.last_popped, ref.stale, ref.memo)
+            assert (fast.max_key, fast.last_popped, fast.stale, fast.memo, fast.facts) == (
+                ref.max_key, ref.last_popped, ref.stale, ref.memo, ref.facts)
             assert fast.hot_victims(need, set()) == ref.hot_victims(need, set())
     assert resized > 200
 
@@ -181,10 +181,11 @@ def _full(order: object) -> list[tuple[object, int, int]]:
 @pytest.mark.skipif(_lru_order_c is None, reason="Cython extension not built")
 @pytest.mark.parametrize("seed", range(4))
 def test_cython_price_equals_reference(seed: int) -> None:
-    """`price` (M, each victim's term kept in the order's memo unless told not to; the "text" term by default, a
-    caller's term when given): the builds give the same float and keep the same memo, call after call, as the
-    window's start moves across the victims' requests and the cost model changes; and the float is the terms
-    priced afresh (`victim_term`, or the given one), summed in victim order."""
+    """`price` (M, each victim's term kept in the order's memo unless told not to; the "text" term by default, from
+    the victim's facts kept per node, a caller's term when given): the builds give the same float and keep the
+    same memo and facts, call after call, as the window's start moves across the victims' requests and the cost
+    model changes; and the float is the terms priced afresh (`victim_term`, or the given one), summed in victim
+    order, also where a term not in the memo was priced from facts kept by an earlier call."""
     rng = random.Random(seed)
     policy = PrebleE2(E2Config.paper(node_window_s=5.0))
     prompts = random_prompts(rng, 50, labels=60)
@@ -192,7 +193,7 @@ def test_cython_price_equals_reference(seed: int) -> None:
     for x, y in ((100, 0.02), (900, 0.09), (3000, 0.31)):
         fitted.add_prefill(x, y)
     costs = [profile_cost(name) for name in sorted(PROFILES)[:2]] + [fitted]
-    nonzero = kept = 0
+    nonzero = kept = from_facts = 0
     for _ in drive(policy, rng, prompts, WORKERS, 250, tied_times=True):
         nodes = list(policy.tree.nodes())
         times = sorted({t for n in nodes if isinstance(n.stats, NodeStats) for dq in n.stats.hits.values() for t, _ in dq})
@@ -207,16 +208,20 @@ def test_cython_price_equals_reference(seed: int) -> None:
                 cutoff = rng.choice(times) + rng.choice([-1e-3, 0.0, 1e-3]) if times and rng.random() < 0.8 else -1.0
                 cost = rng.choice(costs)
                 keep = rng.random() < 0.8  # else priced afresh and left out of the memo (a cost fitted online)
-                before = dict(ref.memo)
+                before, facts = dict(ref.memo), dict(ref.facts)
                 got = fast.price(need, protected, cutoff, 16, cost, keep, term)
                 assert got == ref.price(need, protected, cutoff, 16, cost, keep, term)
-                assert fast.memo == ref.memo
+                assert (fast.memo, fast.facts) == (ref.memo, ref.facts)
                 if not keep:
                     assert ref.memo == before
                 want = 0.0
                 for n, take in ref.hot_victims(need, protected):
                     if term is None:
                         t = lru_order_py.victim_term(n, take, v, cutoff, 16, cost, NodeStats)[0]
+                        was = before.get((id(n), take)) if keep else None
+                        f = facts.get(id(n))
+                        from_facts += (t is not None and f is not None and f[1] <= cutoff <= f[2]
+                                       and (was is None or not was[1] <= cutoff <= was[2] or was[3] is not cost))
                     else:
                         t = term(n, take, v, cutoff, 16, cost)[0]
                     if t is not None:
@@ -225,6 +230,7 @@ def test_cython_price_equals_reference(seed: int) -> None:
                 nonzero += got > 0
                 kept += sum(before.get(k) is x for k, x in ref.memo.items())
     assert nonzero > 50 and kept > 50  # terms were priced, and some came from the memo
+    assert from_facts > 10  # and some, not in it, from the facts
 
 
 
