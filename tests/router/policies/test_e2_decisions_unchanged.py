@@ -176,15 +176,21 @@ class CheckedE2(PrebleE2):
         return got
 
 
+class _Lines(logging.Handler):
+    """Keeps the messages logged through it, DEBUG and up."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def _logged(call: Any) -> tuple[Any, list[str]]:
     """(call(), the lines E2 logged during it) with E2's logger at DEBUG."""
-    lines: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    logger, handler = preble_e2.log, Keep(logging.DEBUG)
+    logger, handler = preble_e2.log, _Lines()
+    lines = handler.lines
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
@@ -541,15 +547,10 @@ def test_the_fused_select_follows_the_loggers_level_as_it_changes() -> None:
         pytest.fail("the Cython build of ext/e2_select did not load")
     spec = WorkloadSpec(rate=40.0, num_requests=120, prompt_len="lognormal:512:0.4", output_len="lognormal:32:0.5",
                         prefix_groups=24, prefix_len=256)
-    lines: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    logger, handler = preble_e2.log, Keep(logging.DEBUG)
+    logger, handler = preble_e2.log, _Lines()
+    lines = handler.lines
     level = logger.level
-    logged = []
+    logged: list[int] = []
 
     class Toggled(PrebleE2):
         def select(self, ctx: RoutingContext, fleet: FleetView, now: float) -> Decision | None:
