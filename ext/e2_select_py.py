@@ -167,11 +167,11 @@ def cheapest(
 class SelectEnv:
     """What `select_e2` reads: the policy (its tables, configuration and step methods); for the Cython build also
     the `Decision` and `NodeStats` classes, how many `Decision`s the policy's memo of them per (worker, reason)
-    holds before it starts over, the policy's logger, whose DEBUG line the policy's `_decide` writes, and `m_pricing` = (`PrebleE2._evict_s`,
-    `LruPricing.eviction_cost` and `.order` as the policy's module defined them, the cost class whose victim terms
-    an eviction order keeps, the victim term of the configured mode): the build reads M from a worker's eviction
-    order in C while the policy and its indexes have those very methods (nothing here imports from `router/`).
-    This reference reads only the policy."""
+    holds before it starts over, the policy's logger, whose DEBUG line the policy's `_decide` writes, and
+    `m_pricing` = (`PrebleE2._evict_s`, `LruPricing.eviction_cost` and `.order` as the policy's module defined
+    them, the cost class whose victim terms an eviction order keeps, the victim term of the configured mode): the
+    build reads M from a worker's eviction order in C while the policy and its indexes have those very methods
+    (nothing here imports from `router/`). This reference reads only the policy."""
 
     __slots__ = ("policy", "decision", "node_stats", "decisions_cap", "logger", "m_pricing")
 

@@ -56,8 +56,8 @@ class EvictionOrder:
     """
 
     __slots__ = ("idx", "worker", "stats_type", "steps", "array", "frontier", "extra", "unlocked", "done",
-                 "local_held", "cum", "pos", "hot", "memo", "facts", "last_popped", "max_key", "stale", "retired", "base",
-                 "cum_base")
+                 "local_held", "cum", "pos", "hot", "memo", "facts", "last_popped", "max_key", "stale", "retired",
+                 "base", "cum_base")
 
     def __init__(self, idx: Any, worker: Any, stats_type: type) -> None:
         self.idx, self.worker, self.stats_type = idx, worker, stats_type
@@ -251,10 +251,10 @@ class EvictionOrder:
     ) -> float:
         """M: Σ over `hot_victims`, in victim order, of each victim's term: `term(node, blocks taken, worker,
         cutoff, block_size, cost)`, by default `victim_term` (the "text" term, E2's default, specs/preble.md errata
-        E3; from the victim's `facts`). With `keep`, each term is kept in `memo` under (id, blocks taken) while the window's start stays
-        between the two times it holds for and the cost model is the same object (one whose answers never change:
-        the caller's to choose; the memo is not keyed by the term, so one order is priced with one term). The
-        same float as pricing every victim afresh."""
+        E3; from the victim's `facts`). With `keep`, each term is kept in `memo` under (id, blocks taken) while
+        the window's start stays between the two times it holds for and the cost model is the same object (one
+        whose answers never change: the caller's to choose; the memo is not keyed by the term, so one order is
+        priced with one term). The same float as pricing every victim afresh."""
         m = 0.0
         memo, worker = self.memo, self.worker
         for n, take in self.hot_victims(need_blocks, protected):
