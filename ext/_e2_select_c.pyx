@@ -8,8 +8,9 @@ one or two distinct prefix lengths), L's memo is tested in C, and the bounds are
 the branch and bound without a tuple per candidate. R is priced in C for a cost model with `terms` (`ProfileCost`'s
 formula, written out below in its order of operations: the same floats; the module is compiled with
 -ffp-contract=off, so no fused multiply-add rounds differently), and M's early exits (`m_is_zero`) are read in C.
-The Python-level calls left are `prefill_s` of other cost models, the view's `kv_usage_frac` property, `load_s` on a
-memo miss, and M's `price` in the worker's eviction order, per priced worker whose M the early exits cannot settle.
+The Python-level calls left are `prefill_s` of other cost models, `kv_usage_frac` where a view has it as a property
+(the fleet's records keep it in a slot), `load_s` on a memo miss, and M's `price` in the worker's eviction order, per
+priced worker whose M the early exits cannot settle.
 """
 
 from functools import partial
