@@ -525,11 +525,15 @@ class SideBySide(RuleBasedStateMachine):
         evicted=st.dictionaries(WORKERS, st.sets(st.integers(min_value=0, max_value=6))),
         upto=st.integers(min_value=0, max_value=8),
         study=st.booleans(),
+        workers=st.one_of(st.just(["w2", "w0", "wx", "w1"]), st.lists(st.sampled_from(["w2", "w0", "wx", "w1"]))),
     )
-    def match_cached(self, tokens: list[int], evicted: dict[str, set[int]], upto: int, study: bool) -> None:
+    def match_cached(
+        self, tokens: list[int], evicted: dict[str, set[int]], upto: int, study: bool, workers: list[str]
+    ) -> None:
+        """Any workers in any order, repeats and ones left out included ("wx" never holds anything): a worker with
+        a run that was not asked is not answered."""
         hashes = self.chain(tokens)
         ev = {w: {hashes[i] for i in idx if i < len(hashes)} for w, idx in evicted.items()}
-        workers = ["w2", "w0", "wx", "w1"]  # any order; "wx" never holds anything
         results = [t.match_cached(hashes, workers, ev) for t in self.trees]
         for t in self.trees:  # each build's own set type (the C one's BlockSet is read in C), and a plain set
             own = {}
@@ -538,7 +542,8 @@ class SideBySide(RuleBasedStateMachine):
                 own[w].update(sorted(hs))
             assert t.match_cached(hashes, workers, own)[:2] == results[0][:2]
         self.same([(list(c.items()), best, blocks_of(p)) for c, best, p in results])
-        assert results[0][1] == max(results[0][0].values())
+        assert list(results[0][0]) == list(dict.fromkeys(workers))
+        assert results[0][1] == max(results[0][0].values(), default=0)
         m = self.trees[0].match(hashes)  # the definition, from match's runs
         for w in workers:
             r, a = m.resident_blocks.get(w, 0), m.assigned_blocks.get(w, 0)
