@@ -231,8 +231,8 @@ class Cost(NamedTuple):
         return self.queue_s + self.evict_s + self.prefill_s
 
 
-# M's methods as imported (and `_OWN_EVICT_S`, below the class), which the fused select's M replicates in C: where
-# a class or a patch has others, they are called
+# M's methods as imported (and `_OWN_EVICT_S`, `_OWN_PROTECTED`, below the class), which the fused select's M
+# replicates in C: where a class or a patch has others, they are called
 _LRU_PRICING = (LruPricing.eviction_cost, LruPricing.order)
 
 # the methods of `select_steps` that `select_e2` runs in C, or calls only off its default path
@@ -312,7 +312,8 @@ class PrebleE2(Policy):
         # what the fused select reads (`select`): the tables and flags above, by reference
         self._select_env = SelectEnv(
             self, decision=Decision, node_stats=NodeStats, decisions_cap=DECISIONS_CAP, logger=log,
-            m_pricing=(_OWN_EVICT_S, *_LRU_PRICING, ProfileCost, LruPricing.term_for(cfg.eviction_cost)),
+            m_pricing=(_OWN_EVICT_S, *_LRU_PRICING, ProfileCost, LruPricing.term_for(cfg.eviction_cost),
+                       _OWN_PROTECTED),
         )
 
     def _skew_rules_steer(self) -> bool:
@@ -1083,6 +1084,7 @@ class PrebleE2(Policy):
 
 
 _OWN_EVICT_S = PrebleE2._evict_s  # (`_LRU_PRICING`)
+_OWN_PROTECTED = PrebleE2._protected
 
 
 class PrebleE2Base(PrebleE2):

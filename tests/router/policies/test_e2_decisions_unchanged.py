@@ -464,6 +464,32 @@ def test_the_fused_select_calls_an_evict_s_patched_on_the_policy() -> None:
     assert picks != simulate(False)[1]  # w1 made dear wherever it would evict
 
 
+@pytest.mark.parametrize("how", ["instance", "subclass"])
+def test_the_fused_select_calls_a_protected_of_the_policys_own(how: str) -> None:
+    """The Cython select builds the ids M protects (the prompt's matched nodes) in C, but a `_protected` patched on
+    the policy or overridden by a subclass is the one asked, at every select that prices M."""
+    spec = WorkloadSpec(rate=40.0, num_requests=200, prompt_len="lognormal:512:0.4", output_len="lognormal:32:0.5",
+                        prefix_groups=24, prefix_len=256)
+    asked = 0
+
+    def counted(path: list[Any]) -> set[int]:
+        nonlocal asked
+        asked += 1
+        return PrebleE2._protected(path)
+
+    class Own(PrebleE2):
+        @staticmethod
+        def _protected(path: list[Any]) -> set[int]:
+            return counted(path)
+
+    pol = Own() if how == "subclass" else PrebleE2()
+    if how == "instance":
+        pol._protected = counted  # type: ignore[method-assign]
+    cfg = SimConfig(policy="e2", num_workers=3, engine_overrides={"num_kv_blocks": 300})
+    Simulator(make_workload(spec, seed=2), cfg, policy=pol).run()
+    assert asked > 0
+
+
 def test_decisions_do_not_depend_on_memory_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
     """Eviction-order ties (requests prefilled in one engine iteration store their blocks in KV events of one
     timestamp) break by the nodes' creation order, not by id(): a simulation in which every id() the policy and
@@ -481,6 +507,10 @@ def test_decisions_do_not_depend_on_memory_addresses(monkeypatch: pytest.MonkeyP
                 got = super()._evict_s(w, evict, now, protected)
                 priced.append((w.worker_id, evict, got))
                 return got
+
+            @staticmethod
+            def _protected(path: list[Any]) -> set[int]:  # the module's id(), flipped too (the fused select's own
+                return PrebleE2._protected(path)  # are pointers, built in C)
 
         with monkeypatch.context() as m:
             m.setitem(registry.POLICIES, "e2", Recording)
