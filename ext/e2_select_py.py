@@ -177,7 +177,8 @@ class SelectEnv:
     `m_pricing` = (`PrebleE2._evict_s`, `LruPricing.eviction_cost` and `.order` as the policy's module defined
     them, the cost class whose victim terms an eviction order keeps, the victim term of the configured mode,
     `PrebleE2._protected`): the build reads M from a worker's eviction order in C, and the ids M protects, while
-    the policy and its indexes have those very methods (nothing here imports from `router/`). This reference reads only the policy."""
+    the policy and its indexes have those very methods (nothing here imports from `router/`). This reference reads
+    only the policy."""
 
     __slots__ = ("policy", "decision", "node_stats", "decisions_cap", "logger", "m_pricing")
 
