@@ -57,7 +57,8 @@ cdef int _hundredths(double x) noexcept:
 
 
 def two_decimals(double x):
-    """As `e2_select_py.two_decimals`: `_hundredths`' text for 0 <= x <= 1, else `format`'s."""
+    """`format(x, ".2f")`, as P/D's reasons write it: `_hundredths`' text for 0 <= x <= 1, else `format`'s (the
+    reference, `select_steps`, formats)."""
     cdef int k = _hundredths(x)
     return _HUNDREDTHS[k] if k >= 0 else format(x, ".2f")
 

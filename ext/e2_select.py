@@ -27,7 +27,6 @@ from switchyard.ext.e2_select_py import (
     prefill,
     raw_bounds,
     select_e2,
-    two_decimals,
 )
 
 IMPLEMENTATION = "py"
@@ -50,7 +49,6 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
             prefill,
             raw_bounds,
             select_e2,
-            two_decimals,
         )
 
         IMPLEMENTATION = "c"
@@ -60,5 +58,5 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
 __all__ = [
     "IMPLEMENTATION", "ArgminEnv", "BoundsEnv", "HeadTerms", "Priced", "SelectEnv", "argmin_bounds", "argmin_order",
     "cheapest", "co_residency", "decode", "decode_marginal", "exploit_set", "head_terms", "m_is_zero", "prefill",
-    "raw_bounds", "select_e2", "two_decimals",
+    "raw_bounds", "select_e2",
 ]

@@ -164,12 +164,6 @@ def cheapest(
     return best, priced
 
 
-def two_decimals(x: float) -> str:
-    """`format(x, ".2f")`: P/D's reason shows its ratio so (the Cython build writes ratios in [0, 1] out of a table,
-    the same text)."""
-    return format(x, ".2f")
-
-
 class SelectEnv:
     """What `select_e2` reads: the policy (its tables, configuration and step methods); for the Cython build also
     the `Decision` and `NodeStats` classes, how many `Decision`s the policy's memo of them per (worker, reason)

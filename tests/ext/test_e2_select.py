@@ -325,14 +325,14 @@ def test_cheapest_ties_go_to_the_lower_rotated_index(mod: str) -> None:
     assert [p[0] for p in priced] == [0, 1] and best == 1  # turn 1: b's rotated index is 0
 
 
-@pytest.mark.parametrize("mod", ["py", "c"])
-def test_two_decimals_is_formats_text(mod: str) -> None:
-    """P/D's reason shows its ratio as `format(ratio, ".2f")`; the Cython build takes ratios in [0, 1] from a table,
-    rounded half to even in integers: the same text at each hundredth and each midpoint between two and the floats
-    around them, at decode fractions d / (d + q), at random floats, at the extremes, and past [0, 1]."""
-    impl = e2_select_py if mod == "py" else _e2_select_c
-    if impl is None:
-        pytest.skip("Cython extension not built")
+@pytest.mark.c_extension
+@pytest.mark.skipif(_e2_select_c is None, reason="Cython extension not built")
+def test_two_decimals_is_formats_text() -> None:
+    """P/D's reason shows its ratio as `format(ratio, ".2f")` (`select_steps`); the Cython build takes ratios in
+    [0, 1] from a table, rounded half to even in integers: the same text at each hundredth and each midpoint between
+    two and the floats around them, at decode fractions d / (d + q), at random floats, at the extremes, and past
+    [0, 1]."""
+    assert _e2_select_c is not None
     xs: list[float] = []
     for k in range(201):
         for toward in (-1.0, 2.0):
@@ -345,7 +345,7 @@ def test_two_decimals_is_formats_text(mod: str) -> None:
     xs += [rng.random() for _ in range(20_000)]
     xs += [0.0, -0.0, 5e-324, 1e-300, 0.005, 0.015, 0.125, 0.375, 0.995, 1.0, 1.5, -0.5, 2.675, 1e300]
     xs += [math.nan, math.inf, -math.inf]
-    assert [impl.two_decimals(x) for x in xs] == [format(x, ".2f") for x in xs]
+    assert [_e2_select_c.two_decimals(x) for x in xs] == [format(x, ".2f") for x in xs]
 
 
 # ---------------------------------------------------------------------------------------------- the default policy
