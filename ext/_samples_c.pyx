@@ -4,7 +4,7 @@ no Python object inside, so the collector never sees one (`Samples`: a ring of d
 of int64 and the same values sorted); and `NodeStats`, which holds them, untracked as well."""
 
 cimport cython
-from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.stdint cimport int64_t
 from libc.string cimport memmove
 from libc.math cimport INFINITY
@@ -157,17 +157,35 @@ cdef class RecentMedian:
     cdef int64_t* _ring  # arrival order, the oldest at _head
     cdef int64_t* _sorted
     cdef Py_ssize_t _cap, _head, _n
+    cdef Py_ssize_t _alloc  # slots allocated in each array: grown up to _cap by `_grow` (_head stays 0 until full)
     cdef object _median  # kept until the next add; None while unknown
 
     def __cinit__(self, Py_ssize_t capacity):
+        # NOTE: no slot is allocated until the first add. Every node a dispatch passes gets one of these (in its
+        # NodeStats), but only a request's key node receives output lengths, so most never hold a value: two
+        # arrays of `capacity` (64: 1 KiB) allocated upfront were a cold allocation per new node on the dispatch
+        # path and most of a node's stats' memory.
         if capacity <= 0:
             raise ValueError("capacity must be positive")
-        self._ring = <int64_t*>PyMem_Malloc(capacity * sizeof(int64_t))
-        self._sorted = <int64_t*>PyMem_Malloc(capacity * sizeof(int64_t))
-        if self._ring == NULL or self._sorted == NULL:
-            raise MemoryError()
         self._cap = capacity
         self._median = None
+
+    cdef int _grow(self) except -1:
+        """Double the arrays (4 at first, at most _cap); only while not full, when _head is 0 and both are linear."""
+        cdef Py_ssize_t alloc = 4 if self._alloc == 0 else 2 * self._alloc
+        cdef int64_t* p
+        if alloc > self._cap:
+            alloc = self._cap
+        p = <int64_t*>PyMem_Realloc(self._ring, alloc * sizeof(int64_t))
+        if p == NULL:
+            raise MemoryError()
+        self._ring = p
+        p = <int64_t*>PyMem_Realloc(self._sorted, alloc * sizeof(int64_t))
+        if p == NULL:
+            raise MemoryError()
+        self._sorted = p
+        self._alloc = alloc
+        return 0
 
     def __dealloc__(self):
         PyMem_Free(self._ring)
@@ -195,6 +213,8 @@ cdef class RecentMedian:
 
     def add(self, int64_t value):
         cdef Py_ssize_t i, tail
+        if self._n == self._alloc and self._alloc < self._cap:
+            self._grow()
         if self._n == self._cap:  # the oldest goes, from both orders
             i = self._left(self._ring[self._head])
             memmove(&self._sorted[i], &self._sorted[i + 1], (self._n - i - 1) * sizeof(int64_t))

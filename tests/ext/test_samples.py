@@ -122,6 +122,28 @@ def test_c_samples_are_invisible_to_the_collector() -> None:
     assert NodeStats is _samples_c.NodeStats and not gc.is_tracked(st)
 
 
+@pytest.mark.skipif(_samples_c is None, reason="the Cython build did not load (test_c_extension_loaded fails)")
+def test_c_recent_median_allocates_as_it_fills() -> None:
+    """Most nodes' stats never get an output length (only a request's key node does), so an empty `RecentMedian`
+    holds no array, and a few values take a few slots, not `cap`'s (tracemalloc counts `PyMem_Malloc`)."""
+    import tracemalloc
+
+    full = 2 * 64 * 8  # both arrays of a 64-slot median
+    tracemalloc.start()
+    try:
+        empty = [_samples_c.RecentMedian(64) for _ in range(1000)]
+        per_empty = tracemalloc.get_traced_memory()[0] / len(empty)
+        for rm in empty[:500]:
+            for v in (3, 1, 2):
+                rm.add(v)
+        per_three = (tracemalloc.get_traced_memory()[0] - per_empty * len(empty)) / 500
+    finally:
+        tracemalloc.stop()
+    assert per_empty < full / 4
+    assert per_three <= 2 * 4 * 8 + 16  # two arrays of 4 slots (an allocator's rounding aside)
+    assert [rm.median() for rm in empty[:2]] == [2, 2] and empty[-1].median() is None
+
+
 def test_node_stats_keep_the_window_and_the_median(impl) -> None:  # type: ignore[no-untyped-def]
     st = impl.NodeStats()
     assert st.median_decode() is None and st.hits == {} and st.ttft == {} and st.redirect == {} and st.replicas == {}
