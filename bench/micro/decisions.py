@@ -6,9 +6,10 @@ What the workers would send is modelled so the policies' state grows as it would
 the chosen worker's newly cached blocks arrive as a `BlockStored` batch (its LRU cache of `kv_capacity_blocks`
 evicts tail blocks first and sends `BlockRemoved`), `on_first_token` then, `on_finish` after a modelled decode
 (so in-flight state stays bounded), Stats every 0.2 s and `on_tick` every 0.1 s. Only `select` and `on_dispatch`
-are the decision; the hooks and the fleet's KV index are timed apart ("all hooks"). After the stream, each
-policy's state is dropped in turn to measure what it added to a full collection of the cyclic GC, which the daemon
-runs on its event loop (`gc_full_ms_state`; the stream itself runs with the collector off, as the simulator).
+are the decision; the hooks and the fleet's KV index are timed apart ("all hooks", and by kind: KV events, first
+token, finish). After the stream, each policy's state is dropped in turn to measure what it added to a full
+collection of the cyclic GC, which the daemon runs on its event loop (`gc_full_ms_state`; the stream itself runs
+with the collector off, as the simulator).
 
 Compares with Preble's global scheduler [specs/preble.md §8, §10 claim 12]: Toolbench, 50,000 requests, 200 and
 1500 tools: 634 and 245 decisions/s; VideoQA with 1500 videos: 2931 decisions/s (their `runtime_selector`, called
@@ -278,7 +279,9 @@ def run_side_by_side(
     n = len(prep.trace.requests)
     select_ns = np.zeros((k, n), dtype=np.int64)
     dispatch_ns = np.zeros((k, n), dtype=np.int64)
-    hooks_ns = [0] * k  # on_kv_events + fleet KV ingestion (charged to every policy) + on_first_token + on_finish
+    # the hooks by kind: KV events (the fleet's ingestion, charged to every policy, + on_kv_events), on_first_token,
+    # on_finish (+ the fleet's note_done); their sum is "all hooks"
+    kv_ns, first_ns, finish_ns = [0] * k, [0] * k, [0] * k
     tick_ns = [0] * k
     max_tick_ns = [0] * k
     pending: list[tuple[float, int, int, Any]] = []  # (t, kind 0=first token 1=finish, seq, payload)
@@ -314,8 +317,10 @@ def run_side_by_side(
                             t0 = clock()
                             if batch is not None:
                                 policy.on_kv_events(wid, batch)
+                            t1 = clock()
                             policy.on_first_token(c.request_id, wid, t)
-                            hooks_ns[j] += clock() - t0 + fleet_ns
+                            kv_ns[j] += t1 - t0 + fleet_ns
+                            first_ns[j] += clock() - t1
                         seq += 1
                         heapq.heappush(pending, (t_fin, 1, seq, (c.request_id, wid, outs)))
                     else:
@@ -329,7 +334,7 @@ def run_side_by_side(
                             policy = policies[j]
                             t0 = clock()
                             policy.on_finish(rid, wid, t, outs)
-                            hooks_ns[j] += clock() - t0 + fleet_ns
+                            finish_ns[j] += clock() - t0 + fleet_ns
                 elif t == next_stats:
                     for wid, wm in workers.items():
                         fleet.apply_stats(
@@ -384,6 +389,7 @@ def run_side_by_side(
     for j, (name, policy) in enumerate(zip(policy_names, policies, strict=True)):
         sel, dis = select_ns[j], dispatch_ns[j]
         decide_s = (sel.sum() + dis.sum()) / 1e9
+        hooks_ns = kv_ns[j] + first_ns[j] + finish_ns[j]
         state_kind, state = _state_size(policy, fleet)
         row = {
             "workload": wl.name,
@@ -392,14 +398,17 @@ def run_side_by_side(
             "requests": n,
             "decisions_per_s": n / decide_s if decide_s > 0 else float("inf"),
             "select_only_per_s": n / (sel.sum() / 1e9) if sel.sum() else float("inf"),
-            "with_hooks_per_s": n / (decide_s + hooks_ns[j] / 1e9),
+            "with_hooks_per_s": n / (decide_s + hooks_ns / 1e9),
             "select_p50_us": round(_pct_us(sel, 50), 1),
             "select_p99_us": round(_pct_us(sel, 99), 1),
             "select_mean_us": round(float(sel.mean()) / 1000, 1) if n else 0.0,
             "select_max_ms": round(float(sel.max()) / 1e6, 2) if n else 0.0,
             "dispatch_p50_us": round(_pct_us(dis, 50), 1),
             "dispatch_p99_us": round(_pct_us(dis, 99), 1),
-            "hooks_us_per_request": round(hooks_ns[j] / 1000 / n, 1),
+            "hooks_us_per_request": round(hooks_ns / 1000 / n, 1),
+            "kv_events_us_per_request": round(kv_ns[j] / 1000 / n, 1),
+            "first_token_us_per_request": round(first_ns[j] / 1000 / n, 1),
+            "finish_us_per_request": round(finish_ns[j] / 1000 / n, 1),
             "tick_total_ms": round(tick_ns[j] / 1e6, 1),
             "tick_max_ms": round(max_tick_ns[j] / 1e6, 2),
             "state_kind": state_kind,
@@ -471,9 +480,10 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def to_markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| workload | workers | policy | requests | decisions/s | Preble | ratio | select p50 / p99 / mean µs, max ms "
-        "| on_dispatch p50 / p99 µs | with hooks /s | state at start → end | full GC ms the state adds "
+        "| on_dispatch p50 / p99 µs | with hooks /s | hooks µs/request: KV events, first token, finish "
+        "| state at start → end | full GC ms the state adds "
         "| runs: select p50 µs (CPU stolen) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         paper = r["paper_decisions_per_s"]
@@ -483,6 +493,7 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
             f"| {paper:,.0f} | {ratio} | {r['select_p50_us']} / {r['select_p99_us']} / {r['select_mean_us']}, "
             f"{r['select_max_ms']} "
             f"| {r['dispatch_p50_us']} / {r['dispatch_p99_us']} | {r['with_hooks_per_s']:,.0f} "
+            f"| {r['kv_events_us_per_request']}, {r['first_token_us_per_request']}, {r['finish_us_per_request']} "
             f"| {r['state_size_at_start']:,} → {r['state_size']:,} {r['state_kind']} | {r.get('gc_full_ms_state', '-')} "
             f"| {_runs_cell(r)} |"
         )

@@ -22,6 +22,10 @@ def test_decisions_smoke(tmp_path: Path) -> None:
     assert all(r["requests"] == 60 and r["decisions_per_s"] > 0 and r["paper_decisions_per_s"] == 634 for r in rows)
     assert rows[0]["state_kind"] == "tree nodes" and rows[0]["state_size"] > 0
     assert rows[0]["state_size"] == rows[1]["state_size"]  # the Cython and Python trees grow alike
+    for r in rows:  # the hooks by kind add up to all of them (each rounded to 0.1 µs)
+        kinds = [r["kv_events_us_per_request"], r["first_token_us_per_request"], r["finish_us_per_request"]]
+        assert abs(sum(kinds) - r["hooks_us_per_request"]) <= 0.2
+    assert rows[0]["kv_events_us_per_request"] > 0 and rows[0]["first_token_us_per_request"] > 0  # e2's do work
     assert "| toolbench-200 | 2 | e2 |" in (tmp_path / "decisions.md").read_text()
 
 
