@@ -163,8 +163,7 @@ cdef class RecentMedian:
     def __cinit__(self, Py_ssize_t capacity):
         # NOTE: no slot is allocated until the first add. Every node a dispatch passes gets one of these (in its
         # NodeStats), but only a request's key node receives output lengths, so most never hold a value: two
-        # arrays of `capacity` (64: 1 KiB) allocated upfront were a cold allocation per new node on the dispatch
-        # path and most of a node's stats' memory.
+        # arrays of `capacity` (64: 1 KiB) allocated upfront were most of a node's stats' memory (ext/README).
         if capacity <= 0:
             raise ValueError("capacity must be positive")
         self._cap = capacity
