@@ -67,7 +67,7 @@ class WorkerRecord:
     `info` and `stats` are set through properties that also set what is derived from them, as plain slots: policies
     read `worker_id` and `kv_usage_frac` per worker per select (a property's call was ~170 ns of a cold select's
     ~450 ns per worker in E2's bound loop), and `block_size` once per select and once per M priced (the property
-    read `_info`, a second cold object: 0.7 µs p50 of E2's select on video QA)."""
+    read `_info`, a second cold object: ~0.55 µs p50 of E2's select on video QA)."""
 
     _info: WorkerInfo
     state: WorkerState = WorkerState.STARTING
