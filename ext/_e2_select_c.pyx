@@ -19,11 +19,30 @@ from cpython.dict cimport PyDict_GetItem, PyDict_Next
 from cpython.long cimport PyLong_FromVoidPtr
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.object cimport PyObject
+from cpython.pycapsule cimport PyCapsule_GetPointer
 from cpython.tuple cimport PyTuple_CheckExact, PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from libc.math cimport frexp, ldexp, signbit
 from libc.stdint cimport uint64_t
 
 include "_profile_cost.pxi"  # _prefill_s, PyFloat_AsDouble
+
+# `EvictionOrder.price` as a C call (`_lru_order_c.PRICE_C`; the typedef is that module's `PriceFn`), for the
+# Cython build's orders; another order type (the reference's, a test's) is called through Python
+ctypedef double (*PriceFn)(object, long long, set, double, long long, object, bint, object) except? -1.0
+cdef PriceFn _price_c = NULL
+cdef object _order_c = None
+try:
+    from switchyard.ext import _lru_order_c as _lru_c
+except ImportError:  # pragma: no cover - a build without it prices through Python
+    _lru_c = None
+if _lru_c is not None:
+    _price_c = <PriceFn>PyCapsule_GetPointer(_lru_c.PRICE_C, "switchyard.ext._lru_order_c.PriceFn")
+    _order_c = _lru_c.EvictionOrder
+
+
+def c_priced_order_type():
+    """The eviction order type whose M `_evict_s` prices with a C call (None: every order through Python)."""
+    return _order_c if _price_c != NULL else None
 
 cdef enum:
     _MEMO = 16
@@ -413,6 +432,9 @@ cdef double _evict_s(SelectEnv senv, object w, object lru, Py_ssize_t evict, dou
     if order is None:
         order = lru.order(wid)
     senv.fused_ms += 1
+    if type(order) is _order_c:
+        return _price_c(order, evict, protected, now - senv.node_window_s, w.block_size, cost,
+                        isinstance(cost, senv.profile_cost), senv.m_term)
     return PyFloat_AsDouble(order.price(evict, protected, now - senv.node_window_s, w.block_size, cost,
                                         isinstance(cost, senv.profile_cost), senv.m_term))
 

@@ -20,9 +20,9 @@ from switchyard.router.policies.preble_e2 import E2Config, PrebleE2
 from switchyard.workers.engine.profiles import PROFILES
 
 try:
-    from switchyard.ext import _e2_select_c
+    from switchyard.ext import _e2_select_c, _lru_order_c
 except ImportError:  # pragma: no cover - test_c_extension_loaded reports it
-    _e2_select_c = None
+    _e2_select_c = _lru_order_c = None
 
 WORKERS = [WorkerId(f"w{i}") for i in range(4)]
 
@@ -34,6 +34,8 @@ def test_c_extension_loaded() -> None:
     assert _e2_select_c is not None, "switchyard.ext._e2_select_c did not build or import"
     assert e2_select.IMPLEMENTATION == "c"
     assert e2_select.raw_bounds is _e2_select_c.raw_bounds
+    # M on the Cython build's eviction orders is a C call into it (`_lru_order_c.PRICE_C`), not `order.price`
+    assert _e2_select_c.c_priced_order_type() is _lru_order_c.EvictionOrder
 
 
 @dataclass

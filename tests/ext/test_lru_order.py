@@ -8,7 +8,7 @@ import random
 
 import pytest
 from ext_testlib import NO_EXTENSIONS
-from hook_fuzz import drive, random_prompts
+from hook_fuzz import chained, drive, random_prompts
 
 from switchyard.ext import lru_order, lru_order_py
 from switchyard.router.policies.base import WorkerId
@@ -123,23 +123,43 @@ def _path_ids(node: object) -> set[int]:
     return out
 
 
+def _prompts(rng: random.Random, deep: bool) -> list[tuple[int, ...]]:
+    """`random_prompts`; `deep`: also every prefix of one 60-block chain, whose dispatches cut it into a path of
+    many short nodes (a prefix after a longer one cuts nothing; a longer one after it adds a node)."""
+    prompts = random_prompts(rng, 50, labels=60)
+    if deep:
+        chain = chained([rng.randrange(1_000) for _ in range(60)])
+        prompts += [chain[:k] for k in range(1, 61)]
+    return prompts
+
+
+def _protected(rng: random.Random, nodes: list[object], p: float, deep: bool) -> set[int]:
+    """A random node's path ids with probability p; `deep`: half of those the deepest node's, so a protected
+    path outgrows the Cython build's stack arrays (16 ids)."""
+    if not nodes or rng.random() >= p:
+        return set()
+    if deep and rng.random() < 0.5:
+        return max((_path_ids(n) for n in nodes), key=len)
+    return _path_ids(rng.choice(nodes))
+
+
 @pytest.mark.c_extension
 @pytest.mark.skipif(_lru_order_c is None, reason="Cython extension not built")
-@pytest.mark.parametrize("seed", range(6))
-def test_cython_hot_victims_equal_reference(seed: int) -> None:
+@pytest.mark.parametrize(("seed", "deep"), [(s, False) for s in range(6)] + [(s, True) for s in range(2)])
+def test_cython_hot_victims_equal_reference(seed: int, deep: bool) -> None:
     """`hot_victims` (M's priced victims, protected path skipped, partial last take) agrees between the builds,
     and with its definition over the reference's full order: the hot steps among the unprotected victims that
     first reach the need."""
     rng = random.Random(seed)
     policy = PrebleE2(E2Config.paper(node_window_s=5.0))
-    prompts = random_prompts(rng, 50, labels=60)
-    partial = protected_seen = priced = 0
+    prompts = _prompts(rng, deep)
+    partial = protected_seen = priced = long_paths = 0
     for _ in drive(policy, rng, prompts, WORKERS, 250, tied_times=True):
         nodes = list(policy.tree.nodes())
         for v, idx in policy.lru.items():
             ref = lru_order_py.EvictionOrder(idx, v, NodeStats)
             fast = _lru_order_c.EvictionOrder(idx, v, NodeStats)
-            protected = _path_ids(rng.choice(nodes)) if nodes and rng.random() < 0.7 else set()
+            protected = _protected(rng, nodes, 0.7, deep)
             probe = lru_order_py.EvictionOrder(idx, v, NodeStats)  # a separate order: the two read lazily
             full = _full(probe)
             # a need that ends inside a random hot step (a partial take), at a random count, or past every block
@@ -148,6 +168,7 @@ def test_cython_hot_victims_equal_reference(seed: int) -> None:
             cut = rng.choice(hot) if hot else 0
             inside = sum(d for d, _ in free[:cut]) + rng.randint(1, free[cut][0]) if free else 1
             need = rng.choice([inside, inside, rng.randint(1, 80), 10_000])
+            long_paths += len(protected) > 16
             got = fast.hot_victims(need, protected)
             assert got == ref.hot_victims(need, protected)
             # the definition, from the whole order: victims in order, protected skipped, until need is met
@@ -165,8 +186,9 @@ def test_cython_hot_victims_equal_reference(seed: int) -> None:
                     partial += take < d
             assert got == want
             priced += len(want)
-    print(priced, partial, protected_seen)
+    print(priced, partial, protected_seen, long_paths)
     assert priced > 200 and partial >= 3 and protected_seen > 10  # the cases were exercised
+    assert long_paths > 10 if deep else long_paths == 0
 
 
 def _full(order: object) -> list[tuple[object, int, int]]:
@@ -179,8 +201,8 @@ def _full(order: object) -> list[tuple[object, int, int]]:
 
 @pytest.mark.c_extension
 @pytest.mark.skipif(_lru_order_c is None, reason="Cython extension not built")
-@pytest.mark.parametrize("seed", range(4))
-def test_cython_price_equals_reference(seed: int) -> None:
+@pytest.mark.parametrize(("seed", "deep"), [(s, False) for s in range(4)] + [(s, True) for s in range(2)])
+def test_cython_price_equals_reference(seed: int, deep: bool) -> None:
     """`price` (M, each victim's term kept in the order's memo unless told not to; the "text" term by default, from
     the victim's facts kept per node, a caller's term when given): the builds give the same float and keep the
     same memo and facts, call after call, as the window's start moves across the victims' requests and the cost
@@ -188,19 +210,19 @@ def test_cython_price_equals_reference(seed: int) -> None:
     order, also where a term not in the memo was priced from facts kept by an earlier call."""
     rng = random.Random(seed)
     policy = PrebleE2(E2Config.paper(node_window_s=5.0))
-    prompts = random_prompts(rng, 50, labels=60)
+    prompts = _prompts(rng, deep)
     fitted = OnlineFit(profile_cost(DEFAULT_PROFILE), min_samples=2)  # no `terms`: its own prefill_s is asked
     for x, y in ((100, 0.02), (900, 0.09), (3000, 0.31)):
         fitted.add_prefill(x, y)
     costs = [profile_cost(name) for name in sorted(PROFILES)[:2]] + [fitted]
-    nonzero = kept = from_facts = 0
+    nonzero = kept = from_facts = long_paths = 0
     for _ in drive(policy, rng, prompts, WORKERS, 250, tied_times=True):
         nodes = list(policy.tree.nodes())
         times = sorted({t for n in nodes if isinstance(n.stats, NodeStats) for dq in n.stats.hits.values() for t, _ in dq})
         for v, idx in policy.lru.items():
             ref = lru_order_py.EvictionOrder(idx, v, NodeStats)
             fast = _lru_order_c.EvictionOrder(idx, v, NodeStats)
-            protected = _path_ids(rng.choice(nodes)) if nodes and rng.random() < 0.5 else set()
+            protected = _protected(rng, nodes, 0.5, deep)
             need = rng.choice([4, 20, 80, 10_000])
             term = _alg2_term if rng.random() < 0.25 else None  # a caller's term (one per order, as E2's mode)
             for _ in range(3):
@@ -209,6 +231,7 @@ def test_cython_price_equals_reference(seed: int) -> None:
                 cost = rng.choice(costs)
                 keep = rng.random() < 0.8  # else priced afresh and left out of the memo (a cost fitted online)
                 before, facts = dict(ref.memo), dict(ref.facts)
+                long_paths += len(protected) > 16
                 got = fast.price(need, protected, cutoff, 16, cost, keep, term)
                 assert got == ref.price(need, protected, cutoff, 16, cost, keep, term)
                 assert (fast.memo, fast.facts) == (ref.memo, ref.facts)
@@ -231,6 +254,7 @@ def test_cython_price_equals_reference(seed: int) -> None:
                 kept += sum(before.get(k) is x for k, x in ref.memo.items())
     assert nonzero > 50 and kept > 50  # terms were priced, and some came from the memo
     assert from_facts > 10  # and some, not in it, from the facts
+    assert long_paths > 10 if deep else long_paths == 0
 
 
 
