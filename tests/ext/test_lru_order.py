@@ -201,27 +201,35 @@ def _full(order: object) -> list[tuple[object, int, int]]:
 
 @pytest.mark.c_extension
 @pytest.mark.skipif(_lru_order_c is None, reason="Cython extension not built")
-@pytest.mark.parametrize(("seed", "deep"), [(s, False) for s in range(4)] + [(s, True) for s in range(2)])
-def test_cython_price_equals_reference(seed: int, deep: bool) -> None:
+@pytest.mark.parametrize(
+    ("seed", "deep", "capped"),
+    [(s, False, False) for s in range(4)] + [(s, True, False) for s in range(2)] + [(s, False, True) for s in range(2)],
+)
+def test_cython_price_equals_reference(seed: int, deep: bool, capped: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """`price` (M, each victim's term kept in the order's memo unless told not to; the "text" term by default, from
     the victim's facts kept per node, a caller's term when given): the builds give the same float and keep the
     same memo and facts, call after call, as the window's start moves across the victims' requests and the cost
     model changes; and the float is the terms priced afresh (`victim_term`, or the given one), summed in victim
-    order, also where a term not in the memo was priced from facts kept by an earlier call."""
+    order, also where a term not in the memo was priced from facts kept by an earlier call. `capped`: the memo
+    and the facts start over at 3 entries (MEMO_CAP), in both builds."""
     rng = random.Random(seed)
+    if capped:
+        monkeypatch.setattr(lru_order_py, "MEMO_CAP", 3)
     policy = PrebleE2(E2Config.paper(node_window_s=5.0))
     prompts = _prompts(rng, deep)
     fitted = OnlineFit(profile_cost(DEFAULT_PROFILE), min_samples=2)  # no `terms`: its own prefill_s is asked
     for x, y in ((100, 0.02), (900, 0.09), (3000, 0.31)):
         fitted.add_prefill(x, y)
     costs = [profile_cost(name) for name in sorted(PROFILES)[:2]] + [fitted]
-    nonzero = kept = from_facts = long_paths = 0
+    nonzero = kept = from_facts = long_paths = clears = 0
     for _ in drive(policy, rng, prompts, WORKERS, 250, tied_times=True):
         nodes = list(policy.tree.nodes())
         times = sorted({t for n in nodes if isinstance(n.stats, NodeStats) for dq in n.stats.hits.values() for t, _ in dq})
         for v, idx in policy.lru.items():
             ref = lru_order_py.EvictionOrder(idx, v, NodeStats)
             fast = _lru_order_c.EvictionOrder(idx, v, NodeStats)
+            if capped:
+                fast.memo_cap = 3
             protected = _protected(rng, nodes, 0.5, deep)
             need = rng.choice([4, 20, 80, 10_000])
             term = _alg2_term if rng.random() < 0.25 else None  # a caller's term (one per order, as E2's mode)
@@ -235,6 +243,7 @@ def test_cython_price_equals_reference(seed: int, deep: bool) -> None:
                 got = fast.price(need, protected, cutoff, 16, cost, keep, term)
                 assert got == ref.price(need, protected, cutoff, 16, cost, keep, term)
                 assert (fast.memo, fast.facts) == (ref.memo, ref.facts)
+                clears += len(ref.memo) < len(before)
                 if not keep:
                     assert ref.memo == before
                 want = 0.0
@@ -255,6 +264,7 @@ def test_cython_price_equals_reference(seed: int, deep: bool) -> None:
     assert nonzero > 50 and kept > 50  # terms were priced, and some came from the memo
     assert from_facts > 10  # and some, not in it, from the facts
     assert long_paths > 10 if deep else long_paths == 0
+    assert clears > 10 if capped else clears == 0
 
 
 
