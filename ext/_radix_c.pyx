@@ -464,6 +464,9 @@ cdef inline object _fast_seq(object seq):
 
 
 cdef size_t _BLOCKSET_SHRINK_FROM = 1024  # slots: smaller tables never shrink (9 KiB)
+# slots from which `update` and `difference_update` prefetch ahead (288 KiB, past a core's L2): a smaller table is
+# mostly cached, and E2's evicted sets, small and asked mostly for absent hashes, lost ~3% of on_dispatch to it
+cdef size_t _BLOCKSET_PREFETCH_FROM = 1 << 15
 
 
 cdef class BlockSet:
@@ -555,6 +558,15 @@ cdef class BlockSet:
         self._n += 1
         return 0
 
+    cdef inline void _prefetch_home(self, object h) noexcept:
+        """Prefetch both arrays' lines where h's probe starts (nothing for anything but a uint64)."""
+        cdef uint64_t k
+        cdef size_t i
+        if _as_u64(h, &k):
+            i = _home(k, self._cap - 1)
+            _prefetch(&self._used[i])
+            _prefetch(&self._keys[i])
+
     cdef void _remove(self, uint64_t key) noexcept:
         """As the block index's `_del`: shift back the entries of the probe run (no tombstones)."""
         cdef size_t mask = self._cap - 1
@@ -604,16 +616,25 @@ cdef class BlockSet:
             self._remove(k)
 
     def update(self, iterable):
+        """`set.update`; each member's slots prefetched `_PREFETCH_AHEAD` members ahead (a KV event's run of
+        ~600 random hashes in a table past the caches: the misses overlap instead of queueing)."""
         cdef object seq = _fast_seq(iterable)
         cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i
         cdef PyObject** items = PySequence_Fast_ITEMS(seq)
         cdef uint64_t k
+        cdef bint ahead = self._cap >= _BLOCKSET_PREFETCH_FROM
+        if ahead:
+            for i in range(n if n < _PREFETCH_AHEAD else _PREFETCH_AHEAD):
+                self._prefetch_home(<object>items[i])
         for i in range(n):
+            if ahead and i + _PREFETCH_AHEAD < n:
+                self._prefetch_home(<object>items[i + _PREFETCH_AHEAD])
             if not _as_u64(<object>items[i], &k):
                 raise ValueError(f"block hash {<object>items[i]!r} is not a uint64")
             self._add(k)
 
     def difference_update(self, iterable):
+        """`set.difference_update`, prefetching as `update`."""
         cdef object seq
         cdef Py_ssize_t n, i
         cdef PyObject** items
@@ -623,7 +644,13 @@ cdef class BlockSet:
         seq = _fast_seq(iterable)
         n = PySequence_Fast_GET_SIZE(seq)
         items = PySequence_Fast_ITEMS(seq)
+        cdef bint ahead = self._cap >= _BLOCKSET_PREFETCH_FROM
+        if ahead:
+            for i in range(n if n < _PREFETCH_AHEAD else _PREFETCH_AHEAD):
+                self._prefetch_home(<object>items[i])
         for i in range(n):
+            if ahead and i + _PREFETCH_AHEAD < n:
+                self._prefetch_home(<object>items[i + _PREFETCH_AHEAD])
             if _as_u64(<object>items[i], &k):
                 self._remove(k)
 
