@@ -26,18 +26,20 @@ from libc.stdint cimport uint64_t
 
 include "_profile_cost.pxi"  # _prefill_s, PyFloat_AsDouble
 
-# `EvictionOrder.price` as a C call (`_lru_order_c.PRICE_C`; the typedef is that module's `PriceFn`), for the
-# Cython build's orders; another order type (the reference's, a test's) is called through Python
+# `EvictionOrder.price` as a C call (`_lru_order_c.PRICE_C`; the typedef is that module's `PriceFn`, and the
+# capsule's name changes with it), for the Cython build's orders; another order type (the reference's, a test's)
+# is called through Python. NOTE: the module is imported by its full name, which `bench decisions`' NAME@REV
+# rewrites to the revision's own build where its source differs from today's.
 ctypedef double (*PriceFn)(object, long long, set, double, long long, object, bint, object) except? -1.0
 cdef PriceFn _price_c = NULL
 cdef object _order_c = None
 try:
-    from switchyard.ext import _lru_order_c as _lru_c
+    from switchyard.ext._lru_order_c import PRICE_C as _PRICE_C, EvictionOrder as _EvictionOrder
 except ImportError:  # pragma: no cover - a build without it prices through Python
-    _lru_c = None
-if _lru_c is not None:
-    _price_c = <PriceFn>PyCapsule_GetPointer(_lru_c.PRICE_C, "switchyard.ext._lru_order_c.PriceFn")
-    _order_c = _lru_c.EvictionOrder
+    _PRICE_C = None
+if _PRICE_C is not None:
+    _price_c = <PriceFn>PyCapsule_GetPointer(_PRICE_C, "switchyard.ext._lru_order_c.PriceFn")
+    _order_c = _EvictionOrder
 
 
 def c_priced_order_type():
