@@ -442,7 +442,7 @@ cdef class EvictionOrder:
         16 workers, rdtsc around the selects' `order.price` calls: mean 3.54 → 2.81 µs, alternating builds).
         A whole take's term is read from `_whole[i]` without the key or the lookup: it is the object `memo` holds
         under (id, blocks) (set where that key is stored; dropped with the memo's clear and with the node's keys
-        in `first_resized`), so the memo changes exactly as the reference's (select ×0.956-0.969 paired).
+        in `first_resized`), so the memo changes exactly as the reference's (select ×0.959-0.972 paired).
         Nothing else may change `memo` while an order lives."""
         cdef Py_ssize_t at_buf[_STACK_PROTECTED]
         cdef long long pcum_buf[_STACK_PROTECTED]
