@@ -30,21 +30,34 @@ include "_profile_cost.pxi"  # _prefill_s, PyFloat_AsDouble
 # capsule's name changes with it), for the Cython build's orders; another order type (the reference's, a test's)
 # is called through Python. NOTE: the module is imported by its full name, which `bench decisions`' NAME@REV
 # rewrites to the revision's own build where its source differs from today's.
+# Likewise `_m_is_zero` on the Cython build's LRU indexes (`COLD_COVERS_C`, typedef `ColdCoversFn`).
 ctypedef double (*PriceFn)(object, long long, set, double, long long, object, bint, object) except? -1.0
+ctypedef int (*ColdCoversFn)(object, object, Py_ssize_t) except -1
 cdef PriceFn _price_c = NULL
-cdef object _order_c = None
+cdef ColdCoversFn _cold_covers_c = NULL
+cdef object _order_c = None, _index_c = None
 try:
-    from switchyard.ext._lru_order_c import PRICE_C as _PRICE_C, EvictionOrder as _EvictionOrder
+    from switchyard.ext._lru_order_c import (
+        COLD_COVERS_C as _COLD_COVERS_C, PRICE_C as _PRICE_C, EvictionOrder as _EvictionOrder,
+        LruIndexCore as _LruIndexCore,
+    )
 except ImportError:  # pragma: no cover - a build without it prices through Python
     _PRICE_C = None
 if _PRICE_C is not None:
     _price_c = <PriceFn>PyCapsule_GetPointer(_PRICE_C, "switchyard.ext._lru_order_c.PriceFn")
     _order_c = _EvictionOrder
+    _cold_covers_c = <ColdCoversFn>PyCapsule_GetPointer(_COLD_COVERS_C, "switchyard.ext._lru_order_c.ColdCoversFn")
+    _index_c = _LruIndexCore
 
 
 def c_priced_order_type():
     """The eviction order type whose M `_evict_s` prices with a C call (None: every order through Python)."""
     return _order_c if _price_c != NULL else None
+
+
+def c_read_index_type():
+    """The LRU index type (and its subclasses) whose early exit `_m_is_zero` reads with a C call (None: none)."""
+    return _index_c if _cold_covers_c != NULL else None
 
 cdef enum:
     _MEMO = 16
@@ -200,6 +213,8 @@ cdef bint _m_is_zero(object lru, object path, Py_ssize_t need) except -1:
     cdef dict cand
     cdef Py_ssize_t cold
     cdef PyObject* p
+    if _cold_covers_c != NULL and isinstance(lru, _index_c):
+        return _cold_covers_c(lru, path, need)
     if not lru.heap:
         return True
     fb = lru.floor_b

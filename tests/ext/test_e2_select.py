@@ -36,6 +36,7 @@ def test_c_extension_loaded() -> None:
     assert e2_select.raw_bounds is _e2_select_c.raw_bounds
     # M on the Cython build's eviction orders is a C call into it (`_lru_order_c.PRICE_C`), not `order.price`
     assert _e2_select_c.c_priced_order_type() is _lru_order_c.EvictionOrder
+    assert _e2_select_c.c_read_index_type() is _lru_order_c.LruIndexCore  # and M's early exit reads it in C
 
 
 @dataclass
