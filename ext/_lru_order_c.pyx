@@ -44,6 +44,9 @@ cdef inline list _untracked(list heap):
     return heap
 
 
+cdef tuple _NO_TERM = (None, 0.0, 0.0, None)  # a `price` term that adds nothing (`hot_victims`' walk)
+
+
 cdef enum:
     RETIRED_CAP = 1024  # as the reference's
     MEMO_CAP = 4096
@@ -341,7 +344,7 @@ cdef class EvictionOrder:
 
     cdef Py_ssize_t _span(self, long long need_blocks, set protected, Py_ssize_t* at, long long* pcum,
                           Py_ssize_t* n_out) except -2:
-        """`hot_victims`' positions: simulates as far as the need, writes the protected steps' positions (sorted)
+        """Where `_price`'s victims lie: simulates as far as the need, writes the protected steps' positions (sorted)
         into `at` and their running block counts into `pcum` (room for `len(protected)` each), their count into
         `n_out`; returns the step that completes the need, the last victim (-1: no step)."""
         cdef Py_ssize_t n_at = 0, prev_n, i, j, lo, hi, mid, n
@@ -390,41 +393,16 @@ cdef class EvictionOrder:
         return hi
 
     def hot_victims(self, long long need_blocks, set protected):
-        """The victims M prices, in victim order (the reference's docstring): the protected steps' positions and
-        block counts in small C arrays (`_span`), the bisection over `cum` in C."""
-        cdef Py_ssize_t at_buf[_STACK_PROTECTED]
-        cdef long long pcum_buf[_STACK_PROTECTED]
-        cdef Py_ssize_t* at = at_buf
-        cdef long long* pcum = pcum_buf
-        cdef Py_ssize_t n_at = 0, i, last
-        cdef long long take, d
+        """The victims M prices, in victim order (the reference's docstring): those `_price` walks, collected
+        through its `term` with the memo left alone (one walk for both: the tests hold it to the reference's)."""
         cdef list out = []
-        cdef list steps = self.steps
-        cdef tuple step
-        if len(protected) > _STACK_PROTECTED:
-            at, pcum = _protected_arrays(len(protected))
-        try:
-            last = self._span(need_blocks, protected, at, pcum, &n_at)
-            for k in self.hot:
-                i = <Py_ssize_t>k - self.base
-                if i > last:
-                    break
-                step = <tuple>steps[i]
-                if PySet_Contains(protected, step[2]):
-                    continue
-                d = <long long>step[1]
-                if i < last:
-                    take = d
-                else:
-                    take = need_blocks - (self._unprotected_upto(i - 1, at, pcum, n_at) if i else 0)
-                    if d < take:
-                        take = d
-                out.append((step[0], take))
-            return out
-        finally:
-            if at != at_buf:
-                PyMem_Free(at)
-                PyMem_Free(pcum)
+
+        def note(node, take, worker, cutoff, block_size, cost):
+            out.append((node, take))
+            return _NO_TERM
+
+        self._price(need_blocks, protected, 0.0, 0, None, False, note)
+        return out
 
     def price(self, long long need_blocks, set protected, double cutoff, long long block_size, object cost,
               bint keep=True, object term=None):
