@@ -265,7 +265,7 @@ cdef int _fill(BoundsEnv env, object ws, dict cached, Py_ssize_t n, double now, 
     cdef double r, load, q, cutoff = now - env.window_s
     cdef bint found
     cdef PyObject* p
-    cdef object wid, cost, f, o
+    cdef object wid, cost, f
     # R's memo: (cached blocks, block size, cost model) -> (missed tokens, R), up to _MEMO entries (candidates
     # hold one or two distinct prefix lengths; past that R is priced again, the same float); `held` keeps the
     # models alive, so their addresses stay unique for the call
@@ -329,9 +329,9 @@ cdef int _fill(BoundsEnv env, object ws, dict cached, Py_ssize_t n, double now, 
         if env.with_q:
             p = PyDict_GetItem(env.outstanding, wid)
             if p is not NULL:
-                o = (<object>p).queued_s
-                if o > 0:
-                    q = PyFloat_AsDouble(o)
+                q = PyFloat_AsDouble((<object>p).queued_s)
+                if not q > 0.0:  # max(0, queued_s), compared in C
+                    q = 0.0
         out[i].load, out[i].r, out[i].q, out[i].evict = load, r, q, evict
         out[i].lb = load + r + q
         out[i].rot = _pymod(i - turn, m)
