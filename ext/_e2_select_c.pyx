@@ -479,12 +479,13 @@ cdef object _decide(SelectEnv env, object ctx, object w, str why, object cached_
 
 cdef double _decode_fraction(object o) except? -1.0:
     """`Outstanding.decode_fraction()`: decoding / (decoding + queued tokens), 0 when idle (in C for int tokens:
-    both counts are exact doubles, so the quotient is Python's correctly rounded int division)."""
+    both counts are exact doubles, so the quotient is Python's correctly rounded int division; the decoding
+    count from `num_decoding`, on the record's own lines)."""
     cdef object qt = o.queued_tokens
     cdef long long d, total
     if type(qt) is not int:
         return PyFloat_AsDouble(o.decode_fraction())
-    d = len(o.decoding)
+    d = o.num_decoding
     total = d + <long long>qt
     return <double>d / <double>total if total > 0 else 0.0
 

@@ -404,10 +404,12 @@ class Outstanding:
     decoding: requests past their first token -> context tokens (prompt + predicted output / 2). Every engine
             iteration carries one decode token for each of them; `decode_tokens` / (decode tokens + queued
             prefill tokens) is the decode-token fraction of the work ahead (errata E9, the [inferred] option).
+    num_decoding: len(decoding), kept beside it so that E2's P/D pass, which reads every worker's fraction at each
+            explore, reads two ints of this record and not the dict too (a cache miss a worker).
     O(1) per hook; select only reads.
     """
 
-    __slots__ = ("queued", "decoding", "queued_s", "queued_tokens", "decoding_ctx")
+    __slots__ = ("queued", "decoding", "queued_s", "queued_tokens", "decoding_ctx", "num_decoding")
 
     def __init__(self) -> None:
         self.queued: dict[str, tuple[int, float]] = {}
@@ -415,6 +417,7 @@ class Outstanding:
         self.queued_s = 0.0
         self.queued_tokens = 0
         self.decoding_ctx = 0
+        self.num_decoding = 0
 
     def add(self, request_id: str, missed_tokens: int, prefill_s: float) -> None:
         self.drop(request_id)
@@ -427,8 +430,9 @@ class Outstanding:
         if q is None:
             return
         self._unqueue(q)
-        self.decoding[request_id] = context_tokens
+        self.decoding[request_id] = context_tokens  # (not there: `add` dropped it)
         self.decoding_ctx += context_tokens
+        self.num_decoding += 1
 
     def drop(self, request_id: str) -> None:
         q = self.queued.pop(request_id, None)
@@ -437,6 +441,7 @@ class Outstanding:
         c = self.decoding.pop(request_id, None)
         if c is not None:
             self.decoding_ctx -= c
+            self.num_decoding -= 1
 
     def _unqueue(self, q: tuple[int, float]) -> None:
         if not self.queued:  # NOTE: exact reset, so float drift never outlives an empty queue
@@ -448,7 +453,7 @@ class Outstanding:
     def decode_fraction(self) -> float:
         """Decode tokens / all tokens in the work ahead (1 token per decoding request, the queued prefill);
         0 when idle."""
-        d = len(self.decoding)
+        d = self.num_decoding
         total = d + self.queued_tokens
         return d / total if total > 0 else 0.0
 

@@ -839,6 +839,34 @@ def test_pd_balancing_takes_the_lightest_decode_heavy_worker() -> None:
     assert d.worker_id == "w1" and d.reason.startswith("explore P/D")
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_outstanding_counts_follow_their_dicts(seed: int) -> None:
+    """`Outstanding`'s running counts (`num_decoding`, `decoding_ctx`, `queued_tokens`) equal their dicts' after
+    every random add, first token and drop, and `decode_fraction` its definition over the dicts."""
+    import random
+
+    from switchyard.router.policies.preble_load import Outstanding
+
+    rng = random.Random(seed)
+    o = Outstanding()
+    decoding_seen = 0
+    for _ in range(2_000):
+        rid = f"r{rng.randrange(12)}"
+        op = rng.random()
+        if op < 0.4:
+            o.add(rid, rng.randint(1, 900), rng.random())
+        elif op < 0.75:
+            o.first_token(rid, rng.randint(1, 4_000))
+        else:
+            o.drop(rid)
+        assert o.num_decoding == len(o.decoding) and o.decoding_ctx == sum(o.decoding.values())
+        assert o.queued_tokens == sum(t for t, _ in o.queued.values())
+        d, total = len(o.decoding), len(o.decoding) + o.queued_tokens
+        assert o.decode_fraction() == (d / total if total else 0.0)
+        decoding_seen = max(decoding_seen, len(o.decoding))
+    assert decoding_seen >= 5  # requests were decoding side by side
+
+
 def test_outstanding_bookkeeping_is_exact() -> None:
     fleet, policy = make_fleet(2), PrebleE2()
     place(policy, fleet, req("a", shared=0), "w0", now=0.0)
