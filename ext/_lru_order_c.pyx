@@ -480,7 +480,7 @@ cdef class EvictionOrder:
                             memo.clear()
                             self._whole = [None] * len(steps)
                         PyDict_SetItem(memo, key, got)
-                if keep and whole:
+                if keep and whole and key is not None:  # (None: it came from `_whole`, valid)
                     self._whole[i] = got
                 if <object>PyTuple_GET_ITEM(got, 0) is not None:
                     m = m + <double>got[0]
