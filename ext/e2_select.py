@@ -13,6 +13,7 @@ from switchyard.ext.e2_select_py import (
     ArgminEnv,
     BoundsEnv,
     HeadTerms,
+    Outstanding,
     Priced,
     SelectEnv,
     argmin_bounds,
@@ -36,6 +37,7 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
         from switchyard.ext._e2_select_c import (  # type: ignore[no-redef]  # noqa: F811
             ArgminEnv,
             BoundsEnv,
+            Outstanding,
             SelectEnv,
             argmin_bounds,
             argmin_order,
@@ -56,7 +58,7 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
         pass
 
 __all__ = [
-    "IMPLEMENTATION", "ArgminEnv", "BoundsEnv", "HeadTerms", "Priced", "SelectEnv", "argmin_bounds", "argmin_order",
+    "IMPLEMENTATION", "ArgminEnv", "BoundsEnv", "HeadTerms", "Outstanding", "Priced", "SelectEnv", "argmin_bounds", "argmin_order",
     "cheapest", "co_residency", "decode", "decode_marginal", "exploit_set", "head_terms", "m_is_zero", "prefill",
     "raw_bounds", "select_e2",
 ]

@@ -3,6 +3,8 @@ lower bounds (LOADCOST without M) and the branch and bound over them.
 
 Reference build (obviously correct); `_e2_select_c.pyx` is the Cython build, `e2_select.py` the selector.
 
+- `Outstanding`: the work the policy has dispatched to one worker and not seen done, kept by its hooks; the
+  selects read `queued_s`, `queued_tokens` and `num_decoding`.
 - `exploit_set`: the workers holding a prompt's key portion, with a rebalancing redirect and replicas applied.
 - `raw_bounds`: each candidate's L (its history load), R (the request's own uncached prefill on it), Q (prefill
   queued ahead of it) and how many blocks the request would evict there. The policy's state is read through a
@@ -54,6 +56,70 @@ def exploit_set(
     if replicas:
         ks += [r for r, until in replicas.items() if until >= now and r in by_id]
     return [by_id[w] for w in dict.fromkeys(ks)]
+
+
+class Outstanding:
+    """The work this router has dispatched to one worker and not yet seen done (from its own hooks, no lag).
+
+    queued: requests dispatched without a first token yet -> (uncached prompt tokens, PT_r s). Their prefill is
+            still ahead of (or running with) any request dispatched now, so Σ PT_r over them is the prefill a new
+            request waits behind on an engine that admits in arrival order [inferred].
+    decoding: requests past their first token -> context tokens (prompt + predicted output / 2). Every engine
+            iteration carries one decode token for each of them; `decode_tokens` / (decode tokens + queued
+            prefill tokens) is the decode-token fraction of the work ahead (errata E9, the [inferred] option).
+    num_decoding: len(decoding), kept beside it so that E2's P/D pass, which reads every worker's fraction at each
+            explore, reads two ints of this record and not the dict too (a cache miss a worker).
+    O(1) per hook (`PrebleE2` keeps one per worker); the selects only read. The Cython build keeps `queued_s` and
+    the counts as C numbers, which its selects read in C.
+    """
+
+    __slots__ = ("queued", "decoding", "queued_s", "queued_tokens", "decoding_ctx", "num_decoding")
+
+    def __init__(self) -> None:
+        self.queued: dict[str, tuple[int, float]] = {}
+        self.decoding: dict[str, int] = {}
+        self.queued_s = 0.0
+        self.queued_tokens = 0
+        self.decoding_ctx = 0
+        self.num_decoding = 0
+
+    def add(self, request_id: str, missed_tokens: int, prefill_s: float) -> None:
+        self.drop(request_id)
+        self.queued[request_id] = (missed_tokens, prefill_s)
+        self.queued_s += prefill_s
+        self.queued_tokens += missed_tokens
+
+    def first_token(self, request_id: str, context_tokens: int) -> None:
+        q = self.queued.pop(request_id, None)
+        if q is None:
+            return
+        self._unqueue(q)
+        self.decoding[request_id] = context_tokens  # (not there: `add` dropped it)
+        self.decoding_ctx += context_tokens
+        self.num_decoding += 1
+
+    def drop(self, request_id: str) -> None:
+        q = self.queued.pop(request_id, None)
+        if q is not None:
+            self._unqueue(q)
+        c = self.decoding.pop(request_id, None)
+        if c is not None:
+            self.decoding_ctx -= c
+            self.num_decoding -= 1
+
+    def _unqueue(self, q: tuple[int, float]) -> None:
+        if not self.queued:  # NOTE: exact reset, so float drift never outlives an empty queue
+            self.queued_s, self.queued_tokens = 0.0, 0
+        else:
+            self.queued_tokens -= q[0]
+            self.queued_s -= q[1]
+
+    def decode_fraction(self) -> float:
+        """Decode tokens / all tokens in the work ahead (1 token per decoding request, the queued prefill);
+        0 when idle."""
+        d = self.num_decoding
+        total = d + self.queued_tokens
+        return d / total if total > 0 else 0.0
 
 
 class BoundsEnv:

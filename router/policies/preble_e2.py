@@ -91,6 +91,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from switchyard.ext.e2_select import (
     BoundsEnv,
+    Outstanding,
     Priced,
     SelectEnv,
     cheapest,
@@ -119,7 +120,6 @@ from switchyard.router.policies.preble_load import (
     LruPricing,
     MovedLoad,
     NodeStats,
-    Outstanding,
     WorkerHistory,
     merged_stats,
 )

@@ -14,6 +14,7 @@ from ext_testlib import NO_EXTENSIONS
 from hook_fuzz import drive, random_prompts
 
 from switchyard.ext import e2_select, e2_select_py
+from switchyard.router.policies import preble_e2
 from switchyard.router.policies.base import WorkerId
 from switchyard.router.policies.preble_cost import profile_cost
 from switchyard.router.policies.preble_e2 import E2Config, PrebleE2
@@ -37,6 +38,8 @@ def test_c_extension_loaded() -> None:
     # M on the Cython build's eviction orders is a C call into it (`_lru_order_c.PRICE_C`), not `order.price`
     assert _e2_select_c.c_priced_order_type() is _lru_order_c.EvictionOrder
     assert _e2_select_c.c_read_index_type() is _lru_order_c.LruIndexCore  # and M's early exit reads it in C
+    # the policy keeps the records whose fields the selects read in C
+    assert e2_select.Outstanding is _e2_select_c.Outstanding is preble_e2.Outstanding
 
 
 @dataclass
@@ -82,12 +85,24 @@ def _pricer(asked: list[tuple[int, int]]) -> Callable[[int, int], float]:
     return price
 
 
-def _envs(policy: PrebleE2, facts: dict, flags: dict) -> tuple[object, object]:  # type: ignore[type-arg]
-    """(reference env, Cython env) over the same policy dicts; cost models vary per worker (R's memo keys)."""
+def _as_record(o: object, rng: random.Random) -> object:
+    """An outstanding record with `o`'s queued work: `o` itself (the Cython build's record, whose fields the
+    selects read in C) or, half the time, the reference's (read through its attributes)."""
+    if rng.random() < 0.5:
+        return o
+    ref = e2_select_py.Outstanding()
+    ref.queued_s, ref.queued_tokens = o.queued_s, o.queued_tokens  # type: ignore[attr-defined]
+    return ref
+
+
+def _envs(policy: PrebleE2, facts: dict, flags: dict, rng: random.Random) -> tuple[object, object]:  # type: ignore[type-arg]
+    """(reference env, Cython env) over the same policy dicts (its outstanding records, each maybe as the
+    reference's: `_as_record`); cost models vary per worker (R's memo keys)."""
     models = [profile_cost(name) for name in PROFILES]
+    outstanding = {w: _as_record(o, rng) for w, o in policy.outstanding.items()}
     kw = dict(
         cost_memo={}, cost_model=lambda w: models[int(w[1:]) % len(models)], facts=facts, lru=policy.lru,
-        resident_count=policy.resident_count, outstanding=policy.outstanding, load_memo=policy._load_memo,
+        resident_count=policy.resident_count, outstanding=outstanding, load_memo=policy._load_memo,
         load_s=policy.load_s, window_s=policy.cfg.history_window_s, **flags,
     )
     return e2_select_py.BoundsEnv(**kw), _e2_select_c.BoundsEnv(**kw)  # type: ignore[union-attr]
@@ -103,7 +118,7 @@ def test_cython_bounds_equal_reference(seed: int) -> None:
     prompts = random_prompts(rng, 40, labels=50)
     clock = [0.0]
     seen = {"evict": 0, "queued": 0, "memo_miss": 0, "many_r": 0, "no_facts": 0, "pruned": 0, "m_asked": 0,
-            "m_cold": 0, "later_piece": 0}
+            "m_cold": 0, "later_piece": 0, "c_record": 0, "ref_record": 0}
     for step in drive(policy, rng, prompts, WORKERS, 300, clock=clock):
         if step % 3:
             continue
@@ -125,7 +140,7 @@ def test_cython_bounds_equal_reference(seed: int) -> None:
         turn = rng.randint(-50, 10**6)
         flags = dict(evict_on=rng.random() < 0.8, assume_full=rng.random() < 0.3, with_l=rng.random() < 0.8,
                      with_q=rng.random() < 0.8)
-        ref_env, c_env = _envs(policy, facts, flags)
+        ref_env, c_env = _envs(policy, facts, flags, rng)
         seen["memo_miss"] += sum(1 for v in ws if v.worker_id not in policy._load_memo)
         seen["later_piece"] += sum(1 for v in ws if (mm := policy._load_memo.get(v.worker_id)) and mm[0] <= now
                                    and now - policy.cfg.history_window_s > mm[1]
@@ -156,6 +171,10 @@ def test_cython_bounds_equal_reference(seed: int) -> None:
         seen["m_cold"] += sum(1 for v, z in zip(ws, zero, strict=True) if z and policy.lru[v.worker_id].heap)
         seen["evict"] += sum(1 for t in want if t[3] > 0)
         seen["queued"] += sum(1 for t in want if t[2] > 0)
+        for v, t in zip(ws, want, strict=True):
+            if t[2] > 0:  # Q read from a record of either build
+                o = c_env.outstanding[v.worker_id]  # type: ignore[attr-defined]
+                seen["ref_record" if type(o) is e2_select_py.Outstanding else "c_record"] += 1
         seen["many_r"] += len({(cached[v.worker_id], facts[v.worker_id].block_size if v.worker_id in facts
                                 else v.block_size, int(v.worker_id[1:]) % len(PROFILES)) for v in ws}) > 16
     assert all(seen.values()), seen  # every path was exercised
@@ -382,6 +401,15 @@ class Queued:
     queued_tokens: int
 
 
+def _queued(rng: random.Random, queued_s: float, queued_tokens: int) -> object:
+    """An outstanding record with these fields: a stand-in, or the Cython build's (read in C)."""
+    if rng.random() < 0.5:
+        return Queued(queued_s, queued_tokens)
+    o = _e2_select_c.Outstanding()  # type: ignore[union-attr]
+    o.queued_s, o.queued_tokens = queued_s, queued_tokens
+    return o
+
+
 def _argmin_envs(rng: random.Random, ids: list[int]) -> tuple[object, object, dict[WorkerId, int]]:
     """(reference env, Cython env, batched tokens per worker) over one random state: profile and fitted cost
     models, queued prefills (some over B, some not), queued request counts, both queue pricings and both
@@ -389,7 +417,7 @@ def _argmin_envs(rng: random.Random, ids: list[int]) -> tuple[object, object, di
     models: list[object] = [profile_cost(name) for name in PROFILES] + [FitCost(1.0), FitCost(3.0)]
     by_worker = {WorkerId(f"w{i}"): rng.choice(models) for i in ids}
     memo = {w: c for w, c in by_worker.items() if rng.random() < 0.6}  # the rest through cost_model
-    outstanding = {w: Queued(rng.choice([0.0, -1e-12, rng.random()]), rng.choice([0, 0, 16, 500, 3000, 9000]))
+    outstanding = {w: _queued(rng, rng.choice([0.0, -1e-12, rng.random()]), rng.choice([0, 0, 16, 500, 3000, 9000]))
                    for w in by_worker if rng.random() < 0.7}
     num_queued = {w: rng.randint(0, 6) for w in by_worker if rng.random() < 0.7}
     batched = {w: rng.choice([512, 2048, 8192]) for w in by_worker}
@@ -413,7 +441,8 @@ def test_cython_argmin_bounds_equal_reference(seed: int) -> None:
     states that take every branch (queued tokens that fit beside r in one iteration and that do not, "sum"
     queue pricing, fitted cost models priced through Python, ties in the bounds broken by the rotation)."""
     rng = random.Random(seed)
-    seen = {"joint": 0, "chunked": 0, "interference": 0, "fit": 0, "tie": 0, "by_sum": 0}
+    seen = {"joint": 0, "chunked": 0, "interference": 0, "fit": 0, "tie": 0, "by_sum": 0, "c_record": 0,
+            "stand_in": 0}
     for _ in range(300):
         ids = rng.sample(range(40), rng.randint(1, 20))
         ref_env, c_env, batched = _argmin_envs(rng, ids)
@@ -429,6 +458,8 @@ def test_cython_argmin_bounds_equal_reference(seed: int) -> None:
             ref_env, pool, cached, p, d, turn)
         for v in pool:
             o = ref_env.outstanding.get(v.worker_id)  # type: ignore[attr-defined]
+            if o is not None and (o.queued_s > 0 or o.queued_tokens > 0):  # read from a record of either kind
+                seen["c_record" if type(o) is _e2_select_c.Outstanding else "stand_in"] += 1  # type: ignore[union-attr]
             if o is not None and o.queued_tokens > 0 and not ref_env.queue_by_sum:  # type: ignore[attr-defined]
                 fits = o.queued_tokens + p <= batched[v.worker_id]
                 seen["joint" if fits and ref_env.joint_prefill else "chunked"] += 1  # type: ignore[attr-defined]

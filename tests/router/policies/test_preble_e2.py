@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from switchyard.bench.preble_workloads import PrebleSpec, make_toolbench
 from switchyard.bench.sim import SimConfig, Simulator
 from switchyard.bench.workloads import WorkloadSpec, make_workload
-from switchyard.ext import lru_order, lru_order_py, radix, radix_py
+from switchyard.ext import e2_select, e2_select_py, lru_order, lru_order_py, radix, radix_py
 from switchyard.router.fleet import Fleet
 from switchyard.router.policies import preble_e2, preble_load
 from switchyard.router.policies.base import Decision, RoutingContext, WorkerId
@@ -840,25 +840,31 @@ def test_pd_balancing_takes_the_lightest_decode_heavy_worker() -> None:
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_outstanding_counts_follow_their_dicts(seed: int) -> None:
+@pytest.mark.parametrize("build", ["py", pytest.param("c", marks=pytest.mark.c_extension)]
+                         if e2_select.IMPLEMENTATION == "c" else ["py"])
+def test_outstanding_counts_follow_their_dicts(seed: int, build: str) -> None:
     """`Outstanding`'s running counts (`num_decoding`, `decoding_ctx`, `queued_tokens`) equal their dicts' after
-    every random add, first token and drop, and `decode_fraction` its definition over the dicts."""
-    import random
-
-    from switchyard.router.policies.preble_load import Outstanding
-
+    every random add, first token and drop, and `decode_fraction` its definition over the dicts; `queued_s` is
+    the reference's float after the same operations (the Cython build's C double, added in the same order)."""
     rng = random.Random(seed)
-    o = Outstanding()
+    o = (e2_select_py if build == "py" else e2_select).Outstanding()
+    ref = e2_select_py.Outstanding()
     decoding_seen = 0
     for _ in range(2_000):
         rid = f"r{rng.randrange(12)}"
         op = rng.random()
         if op < 0.4:
-            o.add(rid, rng.randint(1, 900), rng.random())
+            missed, prefill_s = rng.randint(1, 900), rng.random()
+            o.add(rid, missed, prefill_s)
+            ref.add(rid, missed, prefill_s)
         elif op < 0.75:
-            o.first_token(rid, rng.randint(1, 4_000))
+            tokens = rng.randint(1, 4_000)
+            o.first_token(rid, tokens)
+            ref.first_token(rid, tokens)
         else:
             o.drop(rid)
+            ref.drop(rid)
+        assert o.queued_s == ref.queued_s and (o.queued, o.decoding) == (ref.queued, ref.decoding)
         assert o.num_decoding == len(o.decoding) and o.decoding_ctx == sum(o.decoding.values())
         assert o.queued_tokens == sum(t for t, _ in o.queued.values())
         d, total = len(o.decoding), len(o.decoding) + o.queued_tokens
