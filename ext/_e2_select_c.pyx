@@ -255,8 +255,9 @@ cdef inline object _cost_of(dict cost_memo, object cost_model, object wid):
 
 cdef class Outstanding:
     """As `e2_select_py.Outstanding`, with `queued_s` and the counts as C numbers: the selects read them in C (a
-    field each, where the reference's are attribute reads of boxed numbers). Select p50 ×0.90-0.96 on full video
-    QA, 16 workers (README "Decision cost")."""
+    field each, where the reference's are attribute reads of boxed numbers). Paired on full video QA, 16 workers:
+    select ×0.92-0.97, on_dispatch ×1.00-1.01 (README "Decision cost"). `add` and `drop` take ints and floats
+    (the tokens as C integers); the tuples in `queued` hold the objects given."""
 
     cdef public dict queued, decoding
     cdef public double queued_s
