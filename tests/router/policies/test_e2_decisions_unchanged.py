@@ -464,6 +464,46 @@ def test_the_fused_select_calls_an_evict_s_patched_on_the_policy() -> None:
     assert picks != simulate(False)[1]  # w1 made dear wherever it would evict
 
 
+def test_the_fused_select_asks_an_index_class_of_its_own_beside_fused_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One worker's LRU index is a subclass that overrides `eviction_cost` (M made dear), the others' are the
+    class M is read from in C. A select that prices both asks the subclass for its M even after a fused one (the
+    select checks each index class it meets, not only the first): the decisions equal a run with every M asked
+    through the policy's `_evict_s`."""
+    spec = WorkloadSpec(rate=40.0, num_requests=200, prompt_len="lognormal:512:0.4", output_len="lognormal:32:0.5",
+                        prefix_groups=24, prefix_len=256)
+    asked = 0
+
+    class Dear(preble_load.LruIndex):
+        __slots__ = ()
+
+        def eviction_cost(self, *args: Any) -> float:
+            nonlocal asked
+            asked += 1
+            return super().eviction_cost(*args) + 1e3
+
+    def simulate(through_python: bool) -> tuple[int, list[tuple[str, str]]]:
+        made: list[object] = []
+
+        def index() -> object:  # the second worker to store blocks gets the dear index
+            made.append((Dear if len(made) == 1 else preble_load.LruIndex)())
+            return made[-1]
+
+        monkeypatch.setattr(preble_e2, "LruIndex", index)
+        pol = PrebleE2()
+        if through_python:
+            pol._evict_s = pol._evict_s  # type: ignore[method-assign]  # on the instance: no M is read in C
+        cfg = SimConfig(policy="e2", num_workers=3, engine_overrides={"num_kv_blocks": 300})
+        res = Simulator(make_workload(spec, seed=2), cfg, policy=pol).run()
+        assert any(type(i) is Dear for i in pol.lru.values())
+        return pol._select_env.fused_ms, sorted((r.request_id, r.worker_id) for r in res.records)
+
+    fused_ms, picks = simulate(False)
+    assert fused_ms > 0 and asked > 0  # Ms read in C, and the dear index asked, in one run
+    asked_fused, asked = asked, 0
+    assert simulate(True) == (0, picks)
+    assert asked == asked_fused  # the dear index was asked for every M it was asked for through Python
+
+
 @pytest.mark.parametrize("how", ["instance", "subclass"])
 def test_the_fused_select_calls_a_protected_of_the_policys_own(how: str) -> None:
     """The Cython select builds the ids M protects (the prompt's matched nodes) in C, but a `_protected` patched on
