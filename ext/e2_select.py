@@ -58,7 +58,7 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
         pass
 
 __all__ = [
-    "IMPLEMENTATION", "ArgminEnv", "BoundsEnv", "HeadTerms", "Outstanding", "Priced", "SelectEnv", "argmin_bounds", "argmin_order",
-    "cheapest", "co_residency", "decode", "decode_marginal", "exploit_set", "head_terms", "m_is_zero", "prefill",
-    "raw_bounds", "select_e2",
+    "IMPLEMENTATION", "ArgminEnv", "BoundsEnv", "HeadTerms", "Outstanding", "Priced", "SelectEnv", "argmin_bounds",
+    "argmin_order", "cheapest", "co_residency", "decode", "decode_marginal", "exploit_set", "head_terms", "m_is_zero",
+    "prefill", "raw_bounds", "select_e2",
 ]

@@ -23,7 +23,8 @@ Reference build (obviously correct); `_e2_select_c.pyx` is the Cython build, `e2
 Duck-typed (nothing here imports from `router/`): a worker view has `worker_id`, `kv_usage_frac`, `block_size`
 and `kv_capacity_blocks`; a cost model `prefill_s(missed, cached)` (the Cython build computes it in C from
 `terms` where a model has them: `ProfileCost`); facts `block_size` and `kv_capacity_blocks`; an outstanding record
-`queued_s`; an LRU index `heap`, `floor_b`, `below`, `cand` and `cold_blocks` (`LruIndex`).
+`queued_s`, `queued_tokens` and `num_decoding` (`Outstanding` here; the Cython build reads its own build's in C,
+any other through its attributes); an LRU index `heap`, `floor_b`, `below`, `cand` and `cold_blocks` (`LruIndex`).
 """
 
 from __future__ import annotations

@@ -95,7 +95,9 @@ def _as_record(o: object, rng: random.Random) -> object:
     return ref
 
 
-def _envs(policy: PrebleE2, facts: dict, flags: dict, rng: random.Random) -> tuple[object, object]:  # type: ignore[type-arg]
+def _envs(
+    policy: PrebleE2, facts: dict, flags: dict, rng: random.Random  # type: ignore[type-arg]
+) -> tuple[object, object]:
     """(reference env, Cython env) over the same policy dicts (its outstanding records, each maybe as the
     reference's: `_as_record`); cost models vary per worker (R's memo keys)."""
     models = [profile_cost(name) for name in PROFILES]
