@@ -86,13 +86,11 @@ def _pricer(asked: list[tuple[int, int]]) -> Callable[[int, int], float]:
 
 
 def _as_record(o: object, rng: random.Random) -> object:
-    """An outstanding record with `o`'s queued work: `o` itself (the Cython build's record, whose fields the
-    selects read in C) or, half the time, the reference's (read through its attributes)."""
-    if rng.random() < 0.5:
-        return o
-    ref = e2_select_py.Outstanding()
-    ref.queued_s, ref.queued_tokens = o.queued_s, o.queued_tokens  # type: ignore[attr-defined]
-    return ref
+    """An outstanding record with `o`'s queued work, of either build at random: the Cython build's (its fields
+    read in C by the selects) or the reference's (read through its attributes)."""
+    rec = (_e2_select_c.Outstanding if rng.random() < 0.5 else e2_select_py.Outstanding)()  # type: ignore[union-attr]
+    rec.queued_s, rec.queued_tokens = o.queued_s, o.queued_tokens  # type: ignore[attr-defined]
+    return rec
 
 
 def _envs(

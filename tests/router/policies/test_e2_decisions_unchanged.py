@@ -464,11 +464,14 @@ def test_the_fused_select_calls_an_evict_s_patched_on_the_policy() -> None:
     assert picks != simulate(False)[1]  # w1 made dear wherever it would evict
 
 
+@pytest.mark.c_extension
 def test_the_fused_select_asks_an_index_class_of_its_own_beside_fused_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     """One worker's LRU index is a subclass that overrides `eviction_cost` (M made dear), the others' are the
     class M is read from in C. A select that prices both asks the subclass for its M even after a fused one (the
     select checks each index class it meets, not only the first): the decisions equal a run with every M asked
     through the policy's `_evict_s`."""
+    if e2_select.IMPLEMENTATION != "c":
+        pytest.fail("the Cython build of ext/e2_select did not load")
     spec = WorkloadSpec(rate=40.0, num_requests=200, prompt_len="lognormal:512:0.4", output_len="lognormal:32:0.5",
                         prefix_groups=24, prefix_len=256)
     asked = 0
