@@ -103,6 +103,7 @@ def test_recent_median_is_the_median_of_the_last_values(impl, capacity: int) -> 
         assert len(rm) == len(ref) and list(rm) == list(ref)
 
 
+@pytest.mark.c_extension
 @pytest.mark.skipif(_samples_c is None, reason="the Cython build did not load (test_c_extension_loaded fails)")
 def test_c_samples_are_invisible_to_the_collector() -> None:
     """The point of the build: a node's stats add nothing to a full collection: the stats, their windows and recent
