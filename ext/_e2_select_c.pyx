@@ -728,7 +728,7 @@ cdef int _argmin_fill(ArgminEnv env, object pool, dict cached, Py_ssize_t p, Py_
                       ArgminBound* out, Py_ssize_t m) except -1:
     """Each pool worker's bound into out[0..m) (`e2_select_py.argmin_bounds`, the same floats in the same order).
     R and D_self are priced once per (cost model, cached tokens), up to _MEMO pairs (the same floats again)."""
-    cdef Py_ssize_t i = 0, tok, missed, k, nq, nmemo = 0, j
+    cdef Py_ssize_t i = 0, tok, missed, k, nq, nmemo = 0, j, t
     cdef Py_ssize_t last = p - 1 if p > 1 else 0
     cdef double r, d_self, q, interference, ctx = <double>p + <double>(d - 1) / 2.0
     cdef double qw = env.queue_weight, pw = env.prefix_weight, dw = env.decode_weight, iw = env.interference_weight
@@ -767,8 +767,10 @@ cdef int _argmin_fill(ArgminEnv env, object pool, dict cached, Py_ssize_t p, Py_
         if env.queue_by_sum:
             if o is not None:
                 q = _queued_s(o)
-        elif o is not None and _queued_tokens(o) > 0:
-            q = _queued_prefill(env, w, cost, _queued_tokens(o), missed, &k)
+        elif o is not None:
+            t = _queued_tokens(o)
+            if t > 0:
+                q = _queued_prefill(env, w, cost, t, missed, &k)
         got = PyDict_GetItem(env.num_queued, wid)
         nq = <Py_ssize_t>(<object>got) if got is not NULL else 0
         interference = 0.0

@@ -85,21 +85,21 @@ def _pricer(asked: list[tuple[int, int]]) -> Callable[[int, int], float]:
     return price
 
 
-def _as_record(o: object, rng: random.Random) -> object:
-    """An outstanding record with `o`'s queued work, of either build at random: the Cython build's (its fields
+def _record(rng: random.Random, queued_s: float, queued_tokens: int) -> object:
+    """An outstanding record with this queued work, of either build at random: the Cython build's (its fields
     read in C by the selects) or the reference's (read through its attributes)."""
     rec = (_e2_select_c.Outstanding if rng.random() < 0.5 else e2_select_py.Outstanding)()  # type: ignore[union-attr]
-    rec.queued_s, rec.queued_tokens = o.queued_s, o.queued_tokens  # type: ignore[attr-defined]
+    rec.queued_s, rec.queued_tokens = queued_s, queued_tokens
     return rec
 
 
 def _envs(
     policy: PrebleE2, facts: dict, flags: dict, rng: random.Random  # type: ignore[type-arg]
 ) -> tuple[object, object]:
-    """(reference env, Cython env) over the same policy dicts (its outstanding records, each maybe as the
-    reference's: `_as_record`); cost models vary per worker (R's memo keys)."""
+    """(reference env, Cython env) over the same policy dicts (its outstanding records copied, each of either
+    build: `_record`); cost models vary per worker (R's memo keys)."""
     models = [profile_cost(name) for name in PROFILES]
-    outstanding = {w: _as_record(o, rng) for w, o in policy.outstanding.items()}
+    outstanding = {w: _record(rng, o.queued_s, o.queued_tokens) for w, o in policy.outstanding.items()}
     kw = dict(
         cost_memo={}, cost_model=lambda w: models[int(w[1:]) % len(models)], facts=facts, lru=policy.lru,
         resident_count=policy.resident_count, outstanding=outstanding, load_memo=policy._load_memo,
@@ -401,15 +401,6 @@ class Queued:
     queued_tokens: int
 
 
-def _queued(rng: random.Random, queued_s: float, queued_tokens: int) -> object:
-    """An outstanding record with these fields: a stand-in, or the Cython build's (read in C)."""
-    if rng.random() < 0.5:
-        return Queued(queued_s, queued_tokens)
-    o = _e2_select_c.Outstanding()  # type: ignore[union-attr]
-    o.queued_s, o.queued_tokens = queued_s, queued_tokens
-    return o
-
-
 def _argmin_envs(rng: random.Random, ids: list[int]) -> tuple[object, object, dict[WorkerId, int]]:
     """(reference env, Cython env, batched tokens per worker) over one random state: profile and fitted cost
     models, queued prefills (some over B, some not), queued request counts, both queue pricings and both
@@ -417,7 +408,7 @@ def _argmin_envs(rng: random.Random, ids: list[int]) -> tuple[object, object, di
     models: list[object] = [profile_cost(name) for name in PROFILES] + [FitCost(1.0), FitCost(3.0)]
     by_worker = {WorkerId(f"w{i}"): rng.choice(models) for i in ids}
     memo = {w: c for w, c in by_worker.items() if rng.random() < 0.6}  # the rest through cost_model
-    outstanding = {w: _queued(rng, rng.choice([0.0, -1e-12, rng.random()]), rng.choice([0, 0, 16, 500, 3000, 9000]))
+    outstanding = {w: _record(rng, rng.choice([0.0, -1e-12, rng.random()]), rng.choice([0, 0, 16, 500, 3000, 9000]))
                    for w in by_worker if rng.random() < 0.7}
     num_queued = {w: rng.randint(0, 6) for w in by_worker if rng.random() < 0.7}
     batched = {w: rng.choice([512, 2048, 8192]) for w in by_worker}
@@ -442,7 +433,7 @@ def test_cython_argmin_bounds_equal_reference(seed: int) -> None:
     queue pricing, fitted cost models priced through Python, ties in the bounds broken by the rotation)."""
     rng = random.Random(seed)
     seen = {"joint": 0, "chunked": 0, "interference": 0, "fit": 0, "tie": 0, "by_sum": 0, "c_record": 0,
-            "stand_in": 0}
+            "ref_record": 0}
     for _ in range(300):
         ids = rng.sample(range(40), rng.randint(1, 20))
         ref_env, c_env, batched = _argmin_envs(rng, ids)
@@ -459,7 +450,7 @@ def test_cython_argmin_bounds_equal_reference(seed: int) -> None:
         for v in pool:
             o = ref_env.outstanding.get(v.worker_id)  # type: ignore[attr-defined]
             if o is not None and (o.queued_s > 0 or o.queued_tokens > 0):  # read from a record of either kind
-                seen["c_record" if type(o) is _e2_select_c.Outstanding else "stand_in"] += 1  # type: ignore[union-attr]
+                seen["c_record" if type(o) is _e2_select_c.Outstanding else "ref_record"] += 1  # type: ignore[union-attr]
             if o is not None and o.queued_tokens > 0 and not ref_env.queue_by_sum:  # type: ignore[attr-defined]
                 fits = o.queued_tokens + p <= batched[v.worker_id]
                 seen["joint" if fits and ref_env.joint_prefill else "chunked"] += 1  # type: ignore[attr-defined]
