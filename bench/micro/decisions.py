@@ -17,8 +17,9 @@ sequentially on CPU, 2 GPUs). e2 runs with the Cython radix tree and again with 
 what SWITCHYARD_NO_EXTENSIONS=1 selects).
 
 This VM's timings drift by up to ±30% between runs. `--paired` runs the listed policies side by side in one pass
-over the same states (the first one's decisions are dispatched to all) and reports, per policy, its per-request
-select and on_dispatch times over the first policy's (`balanced_ratio`: free of the order they ran in): e.g.
+over the same states (the first one's decisions are dispatched to all), once per cyclic shift of their positions,
+and reports, per policy, its per-request select and on_dispatch times over the first policy's (`balanced_ratio`:
+free of the order they ran in; the geometric mean over the shifts: free of the positions they were built in): e.g.
 `--policies e2,e2-py --paired` for the Cython tree's speed-up, `--policies e2@e81af29,e2 --paired` for a change to
 E2's modules since that commit (`NAME@REV`: bench/micro/revision.py).
 
@@ -244,9 +245,10 @@ def run_one(
 
 
 def run_side_by_side(
-    prep: Prepared, wl: WorkloadDef, policy_names: list[str], num_workers: int, preload_nodes: int = 0
+    prep: Prepared, wl: WorkloadDef, policy_names: list[str], num_workers: int, preload_nodes: int = 0,
+    shift: int = 0,
 ) -> list[dict[str, Any]]:
-    """Each policy's row, all of them run in one pass over the same states (`--paired`).
+    """Each policy's row (in `policy_names`' order), all of them run in one pass over the same states (`--paired`).
 
     Every policy gets every hook, in an order that rotates too (unrotated, the first policy's hooks read ~15%
     slower than an identical second's); at each arrival each one selects on the same fleet state, timed on its
@@ -256,9 +258,16 @@ def run_side_by_side(
     priced on the first one's trajectory: the paired ratios compare the cost of the same decisions (two builds or
     configurations of one policy decide alike) free of this VM's run-to-run drift. With one policy this is the
     plain run.
+
+    `shift`: the pass's positions (construction, and the rotations' phase) are the names' order shifted cyclically
+    by it, the first name's decisions still dispatched and still the ratios' base. NOTE: the rotations do not
+    cancel everything positional: two copies of one code read the second-listed ~1.3% slower in both listing
+    orders (2026-12-07, full videoqa), so `main` runs one pass per shift and combines their ratios.
     """
-    policies = [make_bench_policy(name) for name in policy_names]
+    names = policy_names[shift % len(policy_names):] + policy_names[:shift % len(policy_names)]
+    policies = [make_bench_policy(name) for name in names]
     k = len(policies)
+    b = names.index(policy_names[0])  # the base's position: its decisions are dispatched
     fleet = Fleet()
     workers: dict[WorkerId, WorkerModel] = {}
     for i in range(num_workers):
@@ -362,7 +371,7 @@ def run_side_by_side(
                 t0 = clock()
                 decisions[j] = policies[j].select(ctx, fleet, now)
                 select_ns[j, i] = clock() - t0
-            decision = decisions[0]
+            decision = decisions[b]
             if decision is None:
                 raise RuntimeError(f"{policy_names[0]} chose no worker for {ctx.request_id}")
             fleet.note_dispatch(decision.worker_id)
@@ -386,7 +395,7 @@ def run_side_by_side(
         if gc_was:
             gc.enable()
     rows = []
-    for j, (name, policy) in enumerate(zip(policy_names, policies, strict=True)):
+    for j, (name, policy) in enumerate(zip(names, policies, strict=True)):
         sel, dis = select_ns[j], dispatch_ns[j]
         decide_s = (sel.sum() + dis.sum()) / 1e9
         hooks_ns = kv_ns[j] + first_ns[j] + finish_ns[j]
@@ -419,8 +428,9 @@ def run_side_by_side(
         }
         if k > 1:
             row["paired_with"] = policy_names[0]
-            row["paired_select_ratio"] = round(balanced_ratio(sel, select_ns[0], k), 3)
-            row["paired_dispatch_ratio"] = round(balanced_ratio(dis, dispatch_ns[0], k), 3)
+            row["paired_shift"] = shift % k
+            row["paired_select_ratio"] = round(balanced_ratio(sel, select_ns[b], k), 3)
+            row["paired_dispatch_ratio"] = round(balanced_ratio(dis, dispatch_ns[b], k), 3)
         rows.append(row)
     # what each policy's state adds to a full collection (a stall of the daemon's loop): dropped one by one
     policy = None  # type: ignore[assignment]  # the loop's last: the list holds the only references
@@ -430,7 +440,7 @@ def run_side_by_side(
         cur = full_collection_ms()
         row["gc_full_ms_state"] = round(max(0.0, prev - cur), 1)
         prev = cur
-    return rows
+    return [rows[names.index(name)] for name in policy_names]
 
 
 def balanced_ratio(times: np.ndarray, base: np.ndarray, k: int) -> float:
@@ -467,11 +477,16 @@ def steal_frac(before: tuple[int, int] | None, after: tuple[int, int] | None) ->
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run with the median select p50 (the lower middle for an even count), with every run's figures."""
+    """The run with the median select p50 (the lower middle for an even count), with every run's figures; a paired
+    row's ratios are the geometric mean of its runs' (`main` runs every position shift equally often, so the
+    positions' biases cancel in it)."""
     row = dict(sorted(runs, key=lambda r: r["select_p50_us"])[(len(runs) - 1) // 2])
     keys = ["select_p50_us", "select_p99_us", "decisions_per_s", "cpu_steal_frac"]
     if "paired_select_ratio" in row:
-        keys += ["paired_select_ratio", "paired_dispatch_ratio"]
+        keys += ["paired_select_ratio", "paired_dispatch_ratio", "paired_shift"]
+        for key in ("paired_select_ratio", "paired_dispatch_ratio"):
+            row[key] = round(float(np.exp(np.mean(np.log([max(r[key], 1e-9) for r in runs])))), 3)
+        del row["paired_shift"]
     row["runs"] = {k: [r[k] for r in runs] for k in keys}
     return row
 
@@ -504,7 +519,9 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
             "Paired (`--paired`): every policy selected on the same states in one pass, the first one's decisions "
             "dispatched to all (selects and dispatches timed in an order rotating by request); a ratio is its time "
             "over the first policy's per request, the median over each order's requests, then the geometric mean "
-            "over the orders (`balanced_ratio`: the first to run pays the cache misses, and this cancels it).",
+            "over the orders (`balanced_ratio`: the first to run pays the cache misses, and this cancels it). "
+            "Each repeat is one pass per cyclic shift of the listed order (so every policy is built and run in "
+            "every position once), and a row's ratio is the geometric mean of its runs' (listed in pass order).",
             "",
             "| workload | workers | policy | vs | select ratio, each run | on_dispatch ratio, each run "
             "| select p50 / p99 µs | on_dispatch p50 / p99 µs |",
@@ -574,11 +591,13 @@ def main(argv: list[str] | None = None) -> int:
                          "the issue's goal is stated at 100k nodes")
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs per (workload, workers, policy), the policies interleaved; each row is the run with "
-                         "the median select p50, and lists every run's figures (a shared VM's timings drift)")
+                         "the median select p50, and lists every run's figures (a shared VM's timings drift); with "
+                         "--paired, each repeat is one pass per position shift")
     ap.add_argument("--paired", action="store_true",
-                    help="run the policies side by side in one pass over the same states (the first one's decisions "
-                         "dispatched) and report each one's per-request select and on_dispatch ratios to the first "
-                         "(balanced over the rotating order)")
+                    help="run the policies side by side in passes over the same states (the first one's decisions "
+                         "dispatched), one per cyclic shift of their positions, and report each one's per-request "
+                         "select and on_dispatch ratios to the first (balanced over the rotating order and the "
+                         "positions)")
     ap.add_argument("--out", type=Path, default=Path("results/decisions"), help="output folder")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
@@ -608,18 +627,18 @@ def main(argv: list[str] | None = None) -> int:
         for nw in sizes:
             runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
             # each repeat runs every policy once, under the same conditions: one after the other (interleaved
-            # across repeats), or all in one pass with --paired
-            passes = [policies] if args.paired else [[p] for p in policies]
+            # across repeats), or all in one pass with --paired, once per shift of their positions
+            passes = [(policies, s) for s in range(len(policies))] if args.paired else [([p], 0) for p in policies]
             for _ in range(max(1, args.repeat)):
-                for group in passes:
+                for group, shift in passes:
                     t0 = time.perf_counter()
                     cpu0 = cpu_times()
-                    got = run_side_by_side(prep, wl, group, nw, args.preload_nodes)
+                    got = run_side_by_side(prep, wl, group, nw, args.preload_nodes, shift)
                     steal = steal_frac(cpu0, cpu_times())
                     for row in got:
                         row["cpu_steal_frac"] = steal
                         runs[row["policy"]].append(row)
-                        paired = (f", x{row['paired_select_ratio']:.3f} of {row['paired_with']}"
+                        paired = (f", x{row['paired_select_ratio']:.3f} of {row['paired_with']} (shift {shift})"
                                   if "paired_with" in row else "")
                         print(f"  {nw:>2} workers {row['policy']:<16} {row['decisions_per_s']:>10,.0f} decisions/s  "
                               f"select p50 {row['select_p50_us']} µs p99 {row['select_p99_us']} µs{paired}  "

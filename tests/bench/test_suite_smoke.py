@@ -135,14 +135,17 @@ def test_balanced_ratio_cancels_the_order_they_ran_in() -> None:
 def test_decisions_paired_runs_every_policy_on_the_first_ones_decisions(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """--paired: one pass, every policy selects on the same states and gets the first policy's decision, in an
-    order that rotates by request."""
+    """--paired: one pass per cyclic shift of the policies' positions; in each, every policy selects on the same
+    states and gets the first-listed policy's decision, in an order that rotates by request from the pass's first
+    position; a row's ratio is the geometric mean of its passes'."""
     selected: dict[str, list[str]] = {}
     dispatched: dict[str, list[str]] = {}
     dispatch_order: list[str] = []
+    built: list[str] = []
     make = decisions.make_bench_policy
 
     def recording(name: str) -> Any:
+        built.append(name)
         pol = make(name)
         select, on_dispatch = pol.select, pol.on_dispatch
 
@@ -163,15 +166,24 @@ def test_decisions_paired_runs_every_policy_on_the_first_ones_decisions(
     rc = decisions.main(["--num-requests", "40", "--workloads", "toolbench-200", "--workers", "4", "--paired",
                          "--policies", "round_robin,e2,e2-py", "--out", str(tmp_path), "--no-plot"])
     assert rc == 0
-    assert len(selected["round_robin"]) == 40
+    names = ["round_robin", "e2", "e2-py"]
+    shifted = [names, names[1:] + names[:1], names[2:] + names[:2]]
+    assert built[3:] == [n for order in shifted for n in order]  # (the first 3: main's check of the names)
+    assert len(selected["round_robin"]) == 3 * 40
     assert selected["round_robin"] == dispatched["round_robin"] == dispatched["e2"] == dispatched["e2-py"]
     assert selected["e2"] == selected["e2-py"]  # one policy, two tree builds, the same states: the same picks
     assert selected["e2"] != selected["round_robin"]  # so the check above is not vacuous
     rows = json.loads((tmp_path / "decisions.json").read_text())["rows"]
     assert [r["paired_with"] for r in rows] == ["round_robin"] * 3
     assert rows[0]["paired_select_ratio"] == rows[0]["paired_dispatch_ratio"] == 1.0
-    names = ["round_robin", "e2", "e2-py"]  # the dispatches rotate as the selects do: none always runs first
-    assert dispatch_order[:9] == names + names[1:] + names[:1] + names[2:] + names[:2]
+    # the dispatches rotate as the selects do, from each pass's first position: none always runs first
+    for p, order in enumerate(shifted):
+        got = dispatch_order[p * 3 * 40 : p * 3 * 40 + 9]
+        assert got == order + order[1:] + order[:1] + order[2:] + order[:2], p
+    for r in rows:
+        assert r["runs"]["paired_shift"] == [0, 1, 2]
+        for key in ("paired_select_ratio", "paired_dispatch_ratio"):
+            assert r[key] == pytest.approx(float(np.exp(np.mean(np.log(r["runs"][key])))), abs=2e-3)
     assert rows[1]["state_size"] == rows[2]["state_size"]
     assert "| toolbench-200 | 4 | e2 | round_robin |" in (tmp_path / "decisions.md").read_text()
 
