@@ -7,7 +7,12 @@ workers' KV events carry. Because hashes are chained (and already include model-
 one tree per model holds every context, and a hash identifies its whole prefix. Nodes hold runs of consecutive
 blocks (path compression).
 
-    tree = RadixTree()
+    tree = RadixTree(chained=False)            # chained=True: the caller promises every sequence is a chain of
+                                               # uint64s (equal hashes at an offset mean equal prefixes); the C
+                                               # build's walks then
+                                               # compare a node's last covered block first and bisect on a mismatch,
+                                               # the reference's answers under the promise (this build reads every
+                                               # block either way); `tree.chained` reads it back
     path = tree.insert(block_hashes, now)      # match, then add the unmatched remainder as one new leaf;
                                                # splits a node when the match ends inside it; returns the
                                                # nodes root-exclusive from first to leaf (empty for no blocks);
@@ -225,7 +230,8 @@ MAX_WORKERS: int | None = None  # workers that may hold state in a tree at once 
 class RadixTree:
     """The global prefix tree over chained block hashes; see the module docstring for the contract."""
 
-    def __init__(self) -> None:
+    def __init__(self, chained: bool = False) -> None:
+        self.chained = chained  # a promise about the input this build does not need (see the contract)
         self._root = Node((), 0, None, 0.0)
         self._next_seq = 1
         self._index: dict[int, tuple[Node, int]] = {}  # block hash -> (node, offset in node.blocks)

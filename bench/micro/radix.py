@@ -79,9 +79,9 @@ class Workload:
         return out
 
 
-def build(mod: ModuleType, target_nodes: int, seed: int) -> tuple[object, Workload, float]:
+def build(mod: ModuleType, target_nodes: int, seed: int, chained: bool = False) -> tuple[object, Workload, float]:
     """A tree grown to target_nodes by inserting prompts, each assigned and made resident on a worker."""
-    tree = mod.RadixTree()
+    tree = mod.RadixTree(chained=chained)
     wl = Workload(seed)
     rng = random.Random(seed + 1)
     now = 0.0
@@ -114,9 +114,10 @@ def pct(samples_ns: list[int], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] / 1000.0
 
 
-def measure(mod: ModuleType, target_nodes: int, num_ops: int, seed: int) -> dict:
+def measure(mod: ModuleType, target_nodes: int, num_ops: int, seed: int, chained: bool = False) -> dict:
+    """`chained`: the tree as E2 builds it (walks by the chain: the prompts' hashes are chains)."""
     t0 = time.perf_counter()
-    tree, wl, now = build(mod, target_nodes, seed)
+    tree, wl, now = build(mod, target_nodes, seed, chained)
     build_s = time.perf_counter() - t0
     num_nodes, num_blocks = tree.num_nodes, tree.num_blocks  # type: ignore[attr-defined]
     queries = [wl.prompt() for _ in range(num_ops)]
@@ -148,7 +149,7 @@ def measure(mod: ModuleType, target_nodes: int, num_ops: int, seed: int) -> dict
     del tree
     gc_without = full_collection_ms()
     return {
-        "impl": "c" if mod is _radix_c else "py",
+        "impl": ("c" if mod is _radix_c else "py") + ("-chained" if chained else ""),
         "target_nodes": target_nodes,
         "nodes": num_nodes,  # when the timing starts (the insert phase then adds some)
         "blocks": num_blocks,
@@ -382,7 +383,10 @@ def main(argv: list[str] | None = None) -> int:
             mods.append(_radix_c)
     if args.impl in ("both", "py"):
         mods.append(radix_py)
-    rows = [measure(mod, n, args.ops, args.seed) for n in args.nodes for mod in mods]
+    variants = [(mod, False) for mod in mods]
+    if _radix_c in mods:
+        variants.insert(1, (_radix_c, True))  # E2's: `RadixTree(chained=True)`
+    rows = [measure(mod, n, args.ops, args.seed, chained) for n in args.nodes for mod, chained in variants]
     ingest = [measure_ingest(mod, 12 * args.ops, args.seed) for mod in mods]
     md = to_markdown(rows) + "\n" + ingest_markdown(ingest)
     growth: list[dict] = []

@@ -254,7 +254,7 @@ class PrebleE2(Policy):
     def __init__(self, config: E2Config | None = None) -> None:
         self.cfg = config or E2Config()
         self.mirrors_peers = self.cfg.mirror_peers
-        self.tree = RadixTree()  # one tree: hashes are chained, and only a request's candidates are read
+        self.tree = RadixTree(chained=True)  # one tree: hashes are chained, and only a request's candidates are read
         self.history: dict[WorkerId, WorkerHistory] = {}
         self.hit_ratio: dict[WorkerId, HitRatioWindow] = {}
         self.fits: dict[WorkerId, OnlineFit] = {}

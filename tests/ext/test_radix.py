@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from ext_testlib import NO_EXTENSIONS, impl_params
 from hypothesis import settings
@@ -17,8 +19,25 @@ except ImportError:  # pragma: no cover - test_c_extension_loaded reports it
 
 
 
-@pytest.fixture(params=impl_params(_radix_c))
+if _radix_c is not None:
+
+    class _ChainedTree(_radix_c.RadixTree):
+        """The Cython build as E2 makes it (`chained=True`): the examples' hashes are chains."""
+
+        def __init__(self) -> None:
+            super().__init__(chained=True)
+
+
+def _chained_c_params() -> list:  # type: ignore[type-arg]
+    """"c" again, as "c-chained": the C build's walk by the chain (its last covered block, then a bisection)."""
+    c = impl_params(_radix_c)[1]
+    return [pytest.param("c-chained", marks=c.marks)]
+
+
+@pytest.fixture(params=impl_params(_radix_c) + _chained_c_params())
 def impl(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    if request.param == "c-chained":
+        return SimpleNamespace(RadixTree=_ChainedTree)
     return radix_py if request.param == "py" else _radix_c
 
 
@@ -232,14 +251,42 @@ def test_bad_hashes_and_collisions(impl) -> None:  # type: ignore[no-untyped-def
 
 def test_a_bad_hash_on_a_matched_path_is_refused(impl) -> None:  # type: ignore[no-untyped-def]
     """The C insert converts only the blocks past the walk: a non-uint64 that equals a stored hash (a float) must
-    still be refused wherever it sits, before the tree changes."""
+    still be refused wherever it sits (a chained tree: wherever its walk reads), before the tree changes."""
     t = impl.RadixTree()
     t.insert([1, 2, 3], now=0.0)
     for bad in ([1.0, 2, 3, 4], [1, 2.0, 3, 4], [1, 2, 3.0], [1, 2, 3, -4]):
+        if t.chained and bad == [1, 2.0, 3, 4]:
+            continue  # inside a node's span: a chained walk does not read it (the promise covers it)
         with pytest.raises(ValueError, match="not a uint64"):
             t.insert(bad, now=1.0)
+        seq = tuple(bad)  # walked by a match first: the C build answers the insert's walk from its memo
+        t.match(seq)
+        with pytest.raises(ValueError, match="not a uint64"):
+            t.insert(seq, now=1.0)
     assert t.num_nodes == 1 and blocks_of(t.insert([1, 2, 3], now=2.0)) == [(1, 2, 3)]
     t.check_invariants()
+
+
+@pytest.mark.c_extension
+@pytest.mark.skipif(_radix_c is None, reason="the Cython build did not load (test_c_extension_loaded fails)")
+def test_a_chained_tree_walks_by_the_chain() -> None:
+    """chained=True: a walk reads a node's last covered block, then bisects. For chains that is the reference's
+    answer wherever a query leaves a long node; for a broken chain (outside the promise) the node matches through
+    its last block where the reference stops, which shows the walk does not read every block."""
+    trees = [radix_py.RadixTree(), _radix_c.RadixTree(), _radix_c.RadixTree(chained=True)]
+    assert [t.chained for t in trees] == [False, False, True]
+    base = [(k + 1) * 0x9E3779B97F4A7C15 % 2**64 for k in range(1000)]
+    for t in trees:
+        t.insert(base, now=0.0)
+    for k in range(1, 1001):
+        left = tuple(base[:k] + [(h + 1) % 2**64 for h in base[k:]])  # a chain leaving the node at offset k
+        short = tuple(base[:k])  # a chain that ends inside it
+        assert [t.match(left).matched_blocks for t in trees] == [k] * 3, k
+        assert [t.match(short).matched_blocks for t in trees] == [k] * 3, k
+    broken = tuple(base[:500] + [12345] + base[501:])
+    assert [t.match(broken).matched_blocks for t in trees] == [500, 500, 1000]
+    for t in trees:
+        t.check_invariants()
 
 
 class _Int(int):
@@ -475,7 +522,10 @@ class SideBySide(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.trees = [radix_py.RadixTree()] + ([_radix_c.RadixTree()] if _radix_c is not None else [])
+        # the reference, the C build, and the C build walking by the chain (E2's): the rules' hashes are chains
+        self.trees = [radix_py.RadixTree()] + (
+            [_radix_c.RadixTree(), _radix_c.RadixTree(chained=True)] if _radix_c is not None else []
+        )
         self.hash_of: dict[tuple[int, ...], int] = {}  # token prefix -> chained "block hash"
         self.chains: dict[tuple[int, ...], tuple[int, ...]] = {}  # tokens -> their one tuple of hashes
         self.paths: list[list] = []  # per insert: the path from each tree
@@ -712,7 +762,7 @@ def test_bench_smoke(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert bench.main(args) == 0
     out = __import__("json").loads((tmp_path / "radix.json").read_text())
     rows = out["rows"]
-    assert {r["impl"] for r in rows} == ({"py", "c"} if _radix_c is not None else {"py"})
+    assert {r["impl"] for r in rows} == ({"py", "c", "c-chained"} if _radix_c is not None else {"py"})
     assert all(r["nodes"] >= 300 and r["match_p50_us"] > 0 and r["cold_insert_p50_us"] > 0 for r in rows)
     growth = {(r["impl"], r["pace_per_s"]): r for r in out["growth"]}
     builds = {"c@HEAD", "c", "py"} if _radix_c is not None else {"py"}

@@ -1228,3 +1228,9 @@ def test_gc_keeps_pace_with_the_inserts(per_tick: int) -> None:
     window = per_tick * (2.0 / 0.1 + 3)  # W's ticks of inserts, plus the bucket rounding's
     assert max(sizes[100:]) <= window, (max(sizes[100:]), window)
     assert sizes[-1] >= per_tick * 2.0 / 0.1 * 0.9  # and the young ones are kept (W)
+
+
+def test_the_tree_walks_by_the_chain() -> None:
+    """E2's hashes are chains (`router.admission.block_hashes`, the workers' KV events), so its tree is built to
+    walk by them (`RadixTree(chained=True)`: a node's last covered block, not every block)."""
+    assert PrebleE2().tree.chained
