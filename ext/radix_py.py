@@ -9,10 +9,9 @@ blocks (path compression).
 
     tree = RadixTree(chained=False)            # chained=True: the caller promises every sequence is a chain of
                                                # uint64s (equal hashes at an offset mean equal prefixes); the C
-                                               # build's walks then
-                                               # compare a node's last covered block first and bisect on a mismatch,
-                                               # the reference's answers under the promise (this build reads every
-                                               # block either way); `tree.chained` reads it back
+                                               # build's walks then compare a node's last covered block first and
+                                               # bisect on a mismatch: the reference's answers under the promise
+                                               # (this build reads every block either way). `tree.chained` reads it
     path = tree.insert(block_hashes, now)      # match, then add the unmatched remainder as one new leaf;
                                                # splits a node when the match ends inside it; returns the
                                                # nodes root-exclusive from first to leaf (empty for no blocks);
