@@ -22,9 +22,9 @@ and reports, per policy, its per-request select and on_dispatch times over the f
 free of the order they ran in; the geometric mean over the shifts: free of the positions they were built in): e.g.
 `--policies e2,e2-py --paired` for the Cython tree's speed-up, `--policies e2@e81af29,e2 --paired` for a change to
 E2's modules since that commit (`NAME@REV`: bench/micro/revision.py). A revision's copy of the modules and the
-working tree's own ran up to ~1.4% apart with identical code (2026-12-07, on_dispatch): for a change near that
-size, measure it in both arrangements too (the new code in the tree against `e2@OLD`, and the old code in the tree
-against `e2@NEW`) and take the geometric mean.
+working tree's own ran up to ~1.4% apart with identical code (2026-12-07; ~1.7% in a later pair): for a change
+near that size, measure it in both arrangements too (the new code in the tree against `e2@OLD`, and the old code
+in the tree against `e2@NEW`) and take the geometric mean.
 
 Quick: `switchyard bench decisions --num-requests 2000`. Paper size (50k toolbench requests; VideoQA ~12.9k
 requests = 1500 videos at 8.6 questions each), all policies, 8 and 16 workers: `switchyard bench decisions`
