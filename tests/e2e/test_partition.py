@@ -28,10 +28,12 @@ from switchyard.router.client import RouterClient
 pytestmark = pytest.mark.e2e
 
 # the router pings its worker as often as its config takes, and waits a second for the answer (the default is 5)
-ROUTER_PINGING = ["--set", f"workers.keepalive_time_s={MIN_KEEPALIVE_TIME_S}", "--set", "workers.keepalive_timeout_s=1"]
+PING_TIMEOUT_S = 1
+ROUTER_PINGING = ["--set", f"workers.keepalive_time_s={MIN_KEEPALIVE_TIME_S}",
+                  "--set", f"workers.keepalive_timeout_s={PING_TIMEOUT_S}"]
 # the silence is found within a ping interval and its timeout; the deadline leaves room for that, not for the
 # minute gRPC waits on an unanswered ping by default
-DEADLINE_S = MIN_KEEPALIVE_TIME_S + 1 + 20
+DEADLINE_S = MIN_KEEPALIVE_TIME_S + PING_TIMEOUT_S + 20
 # the servers under test ping every second and wait a second for the answer
 PINGING = ["--keepalive-time-s", "1", "--keepalive-timeout-s", "1"]
 LONG = 4000  # tokens: over a minute at ~18 ms a step (time scale 2), unless the request is cancelled
@@ -41,7 +43,7 @@ def test_a_request_on_a_silent_worker_is_retried_elsewhere() -> None:
     # its prompt takes several steps of 16 tokens, each seconds long at 1000x: no token yet when the worker goes silent
     silent = start_worker("silent", "--time-scale", "1000", "--max-num-batched-tokens", "16")
     spare = start_worker("spare", *FAST)
-    with procs.running([silent, spare]), BlackholeProxy(silent.address) as proxy:
+    with procs.running([silent, spare]), BlackholeProxy(silent.address, h2c=True) as proxy:
         router = start_router([], "--worker", proxy.address, *ROUTER_PINGING)
         with procs.running([router]), client_for(router) as c, ThreadPoolExecutor(1) as pool:
             pending = pool.submit(c.complete, MODEL, prompt="partitioned " * 40, max_tokens=4, timeout=DEADLINE_S)
@@ -53,9 +55,15 @@ def test_a_request_on_a_silent_worker_is_retried_elsewhere() -> None:
             waited = time.monotonic() - started
             assert (resp.timings.worker_id, resp.timings.attempts) == ("spare", 2)
             assert metric(router, "switchyard_retries_total") == 1
-            assert waited < KEEPALIVE_TIMEOUT_S  # the configured timeout, not the default one
+            # the router closed its connection to the silent worker on an unanswered ping after the configured
+            # timeout, not the default's (the midpoint tells them apart): timed from the ping, as the ping
+            # interval's phase against the silence puts the close anywhere from one to six seconds after it
+            until(lambda: any(c.closed_at for c in proxy.connections), what="the router to close the connection")
+            closes = [(c.first_unanswered_ping(), c.closed_at) for c in proxy.connections if c.closed_at]
+            midpoint = (PING_TIMEOUT_S + KEEPALIVE_TIMEOUT_S) / 2
+            assert all(ping is not None and closed - ping < midpoint for ping, closed in closes), closes
         silent.stop(signal.SIGKILL)  # its drain would wait for the request it still runs, at 1000x
-    print(f"retried after {waited:.1f} s of silence")
+    print(f"retried after {waited:.1f} s of silence; closed {[round(c - p, 2) for p, c in closes]} s after the ping")
 
 
 def test_a_silent_router_s_requests_stop_on_the_worker() -> None:
