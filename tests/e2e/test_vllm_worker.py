@@ -154,10 +154,12 @@ def deprioritise_session(pid: int) -> None:
 
 
 def launch_worker(
-    name: str, core: int, tmp: Path, pki: Pki, notify: str | None = None, watchdog_usec: int = 0
+    name: str, core: int, tmp: Path, pki: Pki, notify: str | None = None, watchdog_usec: int = 0,
+    extra: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen[str], Path]:
     """Start one vLLM worker in its own session (so a kill takes its EngineCore with it), with `notify` as its
-    $NOTIFY_SOCKET where given (as under a unit of Type=notify), and systemd's watchdog timeout where given."""
+    $NOTIFY_SOCKET where given (as under a unit of Type=notify), systemd's watchdog timeout where given, and
+    `extra` flags."""
     workdir = tmp / name
     workdir.mkdir(parents=True, exist_ok=True)
     env = {
@@ -202,6 +204,7 @@ def launch_worker(
             pki.server_key,
             "--tls-client-ca",
             pki.ca,
+            *extra,
         ],
         stdout=subprocess.PIPE,
         stderr=open(log_path, "w"),  # noqa: SIM115 - owned by the child
@@ -623,6 +626,11 @@ def test_killed_vllm_worker_is_retried_before_the_first_token_then_unavailable_m
     assert f"after {received} tokens were delivered" in e.value.details()
 
 
+# tokens: a drain cut short gets far fewer (134 and 154 from a 0.5-s drain here), and a loaded host makes them all within
+# DRAIN_S (beside two busy loops on CI's two cores tiny-llama made 426 tokens in the default drain's 30 s)
+DRAINED, DRAIN_S = 600, 120
+
+
 def test_sigterm_drains_the_request_in_flight_then_nothing_outlives_the_worker(
     vllm_workers: list[VllmProc], router_factory, tmp_path: Path, pki: Pki,  # type: ignore[no-untyped-def]
 ) -> None:
@@ -633,14 +641,16 @@ def test_sigterm_drains_the_request_in_flight_then_nothing_outlives_the_worker(
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(tmp_path / "notify"))
     notify.settimeout(60.0)
-    popen, log_path = launch_worker("v2", 0, tmp_path, pki, str(tmp_path / "notify"), watchdog_usec=2_000_000)
+    popen, log_path = launch_worker("v2", 0, tmp_path, pki, str(tmp_path / "notify"), watchdog_usec=2_000_000,
+                                    extra=("--drain-timeout", str(DRAIN_S)))
     try:
         w = VllmProc("v2", popen, wait_ready("v2", popen, log_path, START_TIMEOUT_S), log_path,
                      ClientTls(pki.ca, pki.client_cert, pki.client_key), notify)
         router = router_factory([w])
         received, told = 0, []
         with client_for(router) as c:
-            for chunk in c.generate(MODEL, prompt="drained", max_tokens=1500, ignore_eos=True, timeout=120):
+            for chunk in c.generate(MODEL, prompt="drained", max_tokens=DRAINED, ignore_eos=True,
+                                    timeout=DRAIN_S + 60):
                 if not received:
                     with w.engine_paused():  # no token is made until SIGCONT: the request is in flight
                         popen.send_signal(signal.SIGTERM)
@@ -648,7 +658,7 @@ def test_sigterm_drains_the_request_in_flight_then_nothing_outlives_the_worker(
                             told.append(notify.recv(4096).decode().replace("\n", "|"))
                 received += len(chunk.token_ids)
         assert told[-1] == "STOPPING=1|STATUS=draining 1 requests"
-        assert received == 1500
+        assert received == DRAINED
         assert popen.wait(timeout=60) == 0
         assert "switchyard.workers.vllm_worker: signal 15: draining" in log_path.read_text()  # its own logger's
         assert group_members(popen.pid) == []  # systemd would SIGKILL these now
