@@ -115,7 +115,9 @@ class VllmProc:
             self.popen.wait(timeout=30)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, signal.SIGCONT)  # a frozen EngineCore must run to notice its orphaning
-        until(lambda: not group_members(self.popen.pid), timeout_s=20, what=f"{self.name}'s EngineCore exits")
+        # the guard kills the EngineCore within its 0.5-s poll; vLLM's model runner under it notices by itself,
+        # which beside two memory-bandwidth hogs took 20 s (the bound was 20 s then)
+        until(lambda: not group_members(self.popen.pid), timeout_s=60, what=f"{self.name}'s EngineCore exits")
 
     def stop(self) -> None:
         if self.popen.poll() is None:
