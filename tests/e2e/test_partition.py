@@ -58,12 +58,12 @@ def test_a_request_on_a_silent_worker_is_retried_elsewhere() -> None:
             # the router closed its connection to the silent worker on an unanswered ping after the configured
             # timeout, not the default's (the midpoint tells them apart): timed from the ping, as the ping
             # interval's phase against the silence puts the close anywhere from one to six seconds after it
-            until(lambda: any(c.closed_at for c in proxy.connections), what="the router to close the connection")
-            closes = [(c.first_unanswered_ping(), c.closed_at) for c in proxy.connections if c.closed_at]
+            until(lambda: any(conn.closed_at for conn in proxy.connections), what="the router to close the connection")
+            closes = [(conn.first_unanswered_ping(), conn.closed_at) for conn in proxy.connections if conn.closed_at]
             midpoint = (PING_TIMEOUT_S + KEEPALIVE_TIMEOUT_S) / 2
             assert all(ping is not None and closed - ping < midpoint for ping, closed in closes), closes
         silent.stop(signal.SIGKILL)  # its drain would wait for the request it still runs, at 1000x
-    print(f"retried after {waited:.1f} s of silence; closed {[round(c - p, 2) for p, c in closes]} s after the ping")
+    print(f"retried after {waited:.1f} s of silence; closed {[round(end - p, 2) for p, end in closes]} s after the ping")
 
 
 def test_a_silent_router_s_requests_stop_on_the_worker() -> None:
