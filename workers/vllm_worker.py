@@ -66,7 +66,9 @@ _FINISH = {"length": FinishReason.LENGTH, "stop": FinishReason.STOP, "abort": Fi
 
 # Run in a small child process: vLLM's EngineCore does not notice its parent's death, so a SIGKILLed worker
 # would leave it running (and its shared memory behind). The guard waits for this process to vanish, then kills
-# the EngineCore processes it was given (pid + start time, so a reused pid is never hit).
+# the processes it was given (pid + start time, so a reused pid is never hit): the EngineCore and the model runners
+# under it, which notice the EngineCore's death by themselves only (20 s late once, on a loaded 2-core host), and
+# hold their device memory until then.
 _ORPHAN_GUARD = """
 import os, signal, sys, time
 parent = int(sys.argv[1])
@@ -88,35 +90,37 @@ for pid, started in targets:
 """
 
 
-def _children() -> list[tuple[int, int]]:
-    """(pid, start time) of this process's direct children, from /proc."""
-    me = os.getpid()
-    out = []
+def _descendants() -> list[tuple[int, int]]:
+    """(pid, start time) of this process's descendants, parents first, from /proc; not multiprocessing's resource
+    trackers, which unlink the shared memory themselves once the processes that made it are gone."""
+    procs: dict[int, tuple[int, int]] = {}  # pid -> (parent, start time)
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) != me:
-            continue
-        try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 if b"resource_tracker" in f.read():
-                    continue  # it unlinks the shared memory itself once the EngineCore is gone
+                    continue
         except OSError:
             continue
-        out.append((int(entry), int(fields[19])))
+        procs[int(entry)] = (int(fields[1]), int(fields[19]))
+    out: list[tuple[int, int]] = []
+    parents = [os.getpid()]
+    while parents:
+        children = [pid for pid, (ppid, _) in procs.items() if ppid in parents]
+        out += [(pid, procs[pid][1]) for pid in children]
+        parents = children
     return out
 
 
 def start_orphan_guard() -> Any:
-    """Start the guard over the current children (vLLM's EngineCore; the resource tracker then exits too)."""
+    """Start the guard over the current descendants (vLLM's EngineCore and its model runners; the resource tracker
+    then exits too)."""
     import subprocess
 
-    targets = [f"{pid}:{started}" for pid, started in _children()]
+    targets = [f"{pid}:{started}" for pid, started in _descendants()]
     if not targets or not os.path.isdir("/proc"):
         return None
     return subprocess.Popen(
