@@ -96,14 +96,14 @@ class BlackholeProxy:
             except OSError:
                 client.close()
                 continue
-            conn = Connection()
+            conn = Connection() if self._h2c else None
             with self._lock:
                 self._sockets += [client, upstream]
-                if self._h2c:
+                if conn is not None:
                     self.connections.append(conn)
             for src, dst, from_client in ((client, upstream, True), (upstream, client, False)):
-                threading.Thread(target=self._pump, args=(src, dst, conn if self._h2c else None, from_client),
-                                 name="blackhole-pump", daemon=True).start()
+                threading.Thread(target=self._pump, args=(src, dst, conn, from_client), name="blackhole-pump",
+                                 daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, conn: Connection | None, from_client: bool) -> None:
         frames = _Frames(skip=len(PREFACE) if from_client else 0)

@@ -88,7 +88,7 @@ class VllmProc:
         main thread runnable but not run for 4.9 s while the engine made ~1,400 steps). Paused, the EngineCore
         makes no more outputs; two answers 20 ms apart with the same step count mean the worker has recorded
         every step the engine made."""
-        engine = [pid for pid in group_members(self.popen.pid) if pid != self.popen.pid]
+        engine = [pid for pid in group_parents(self.popen.pid) if pid != self.popen.pid]
         assert engine, f"{self.name}: no EngineCore process in its group"
         for pid in engine:
             os.kill(pid, signal.SIGSTOP)
@@ -116,12 +116,12 @@ class VllmProc:
         if self.popen.poll() is None:
             self.popen.kill()
             self.popen.wait(timeout=30)
-        members = group_members(self.popen.pid)
-        for pid in members:
-            if parent_of(pid) not in members or is_resource_tracker(pid):
+        members = group_parents(self.popen.pid)
+        for pid, parent in members.items():
+            if parent not in members or is_resource_tracker(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
-        until(lambda: not group_members(self.popen.pid), timeout_s=60, what=f"{self.name}'s EngineCore exits")
+        until(lambda: not group_parents(self.popen.pid), timeout_s=60, what=f"{self.name}'s EngineCore exits")
 
     def stop(self) -> None:
         if self.popen.poll() is None:
@@ -133,9 +133,9 @@ class VllmProc:
         self.popen.wait(timeout=30)
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live processes of a process group (each worker runs in its own session), from /proc."""
-    out = []
+def group_parents(pgid: int) -> dict[int, int]:
+    """Live processes of a process group (each worker runs in its own session), each with its parent, from /proc."""
+    out = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
@@ -144,16 +144,8 @@ def group_members(pgid: int) -> list[int]:
             except OSError:
                 continue
             if int(fields[2]) == pgid and fields[0] != "Z":
-                out.append(int(entry))
+                out[int(entry)] = int(fields[1])
     return out
-
-
-def parent_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return None
 
 
 def is_resource_tracker(pid: int) -> bool:
@@ -685,7 +677,7 @@ def test_sigterm_drains_the_request_in_flight_then_nothing_outlives_the_worker(
         assert received == DRAINED
         assert popen.wait(timeout=60) == 0
         assert "switchyard.workers.vllm_worker: signal 15: draining" in log_path.read_text()  # its own logger's
-        assert group_members(popen.pid) == []  # systemd would SIGKILL these now
+        assert group_parents(popen.pid) == {}  # systemd would SIGKILL these now
     finally:
         VllmProc("", popen, "", log_path).stop()
         notify.close()
