@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from switchyard.bench import procs
 from switchyard.bench.metrics import dist
-from switchyard.bench.traces import PromptFactory, load_trace, take_slice
+from switchyard.bench.traces import PromptFactory, load_trace
 from switchyard.router.client import AsyncRouterClient, make_request
 from switchyard.router.policies.registry import DEFAULT_POLICY, POLICIES
 
@@ -153,11 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or not policies:
         raise SystemExit(f"switchyard demo: unknown policies {unknown or args.policies!r}; known: {', '.join(sorted(POLICIES))}")
-    trace = take_slice(load_trace(args.trace), start_s=args.start, duration_s=args.duration)
-    requests = list(trace.requests)
-    t0 = requests[0].arrival_s
-    requests = [r.__class__(**{**{f: getattr(r, f) for f in r.__slots__}, "arrival_s": r.arrival_s - t0})
-                for r in requests]
+    trace = load_trace(args.trace, start_s=args.start, duration_s=args.duration)
+    requests = list(trace.requests)  # re-based: the slice's first arrival is at 0
+    if not requests:
+        raise SystemExit(f"switchyard demo: no request of {trace.name} arrives in the slice")
     factory = PromptFactory(block_size=args.block_size)
     print(f"demo: {len(requests)} requests from {trace.name} ({args.duration:g} trace-seconds, inter-arrivals "
           f"x{args.arrival_stretch:g}, x{args.speedup:g} time compression), {args.workers} simulated workers "

@@ -45,6 +45,7 @@ from switchyard.bench.traces import (
     Trace,
     TraceRequest,
     load_trace,
+    resolve_trace_path,
     scale_time,
     scale_to_rate,
     take_slice,
@@ -697,7 +698,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="slice length in trace seconds before rescaling (default per trace: mooncake 600, "
-        "azure-code 600, azure-conv 300, also for a path to their files; other files, or with --max-requests: no time limit)",
+        "azure-code 600, azure-conv 300, also for a path to their files; other files, or with --max-requests: no time "
+        "limit; the window is cut while the file is read)",
     )
     g.add_argument("--max-requests", type=int, default=None)
     g = p.add_argument_group("router model")
@@ -804,11 +806,10 @@ def load_workload(args: argparse.Namespace) -> Trace:
         )
         trace = make_workload(spec, seed=args.seed)
         return take_slice(trace, args.start, args.duration, args.max_requests)
-    trace = load_trace(args.trace)
     duration = args.duration
     if duration is None and args.max_requests is None:
-        duration = TRACE_DEFAULTS.get(trace.name, {}).get("duration")
-    return take_slice(trace, args.start, duration, args.max_requests)
+        duration = TRACE_DEFAULTS.get(resolve_trace_path(args.trace)[0], {}).get("duration")
+    return load_trace(args.trace, args.start, duration, args.max_requests)
 
 
 def parse_policies(spec: str) -> list[str]:

@@ -12,9 +12,11 @@ import csv
 import json
 import math
 import os
+import re
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import date
 from pathlib import Path
 
@@ -106,6 +108,32 @@ def resolve_trace_path(name_or_path: str) -> tuple[str, Path]:
 
 
 # ---------------------------------------------------------------------------------------------------- parsing
+# A trace file is read into columns first (arrival, prompt and output tokens; Mooncake's block ids), and only the
+# requests of the window asked for become `TraceRequest`s: a week of Azure 2024 (16.8M rows) is sliced, not held.
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")  # Azure LLM inference traces, 2023 and 2024
+BURSTGPT_COLUMNS = ("Timestamp", "Request tokens", "Response tokens")  # BurstGPT (Azure OpenAI via a campus)
+
+# ISO 8601 as the Azure traces write it: '2023-11-16 18:15:46.6805900' (2023: no zone, 7 digits) or
+# '2024-05-10 00:00:00.009930+00:00' (2024: a UTC offset); 'T', 'Z', '+0000' and whole seconds are read too
+_TIMESTAMP = re.compile(r"(\d{4}-\d{2}-\d{2})[ T](\d{2}):(\d{2}):(\d{2}(?:\.\d*)?)\s*(Z|[+-]\d{2}(?::?\d{2})?)?")
+
+
+@dataclass(slots=True)
+class _Rows:
+    """A trace file's rows as columns, in file order; `arrival_s` on the file's own clock."""
+
+    arrival_s: array = field(default_factory=lambda: array("d"))
+    prompt_tokens: array = field(default_factory=lambda: array("q"))
+    output_tokens: array = field(default_factory=lambda: array("q"))
+    hash_ids: list[Sequence[int]] | None = None  # Mooncake: each row's 512-token block ids
+
+    def add(self, arrival_s: float, prompt_tokens: int, output_tokens: int) -> None:
+        """A request with no prompt or no output is kept, as one token of each (a trace counts it as an arrival)."""
+        self.arrival_s.append(arrival_s)
+        self.prompt_tokens.append(max(1, prompt_tokens))
+        self.output_tokens.append(max(1, output_tokens))
+
+
 def mooncake_segments(input_length: int, hash_ids: Sequence[int], index: int) -> tuple[Segment, ...]:
     """512-token segments, one per hash_id, the last truncated so the lengths sum to `input_length`.
 
@@ -125,81 +153,139 @@ def mooncake_segments(input_length: int, hash_ids: Sequence[int], index: int) ->
     return tuple(segs)
 
 
-def parse_mooncake(lines: Iterable[str], name: str = "mooncake", source: str = "") -> Trace:
+def _read_mooncake(lines: Iterable[str], source: str) -> _Rows:
     """Mooncake FAST'25 JSONL: timestamp (ms), input_length, output_length, hash_ids (512-token blocks)."""
-    reqs: list[TraceRequest] = []
-    for line in lines:
+    rows = _Rows(hash_ids=[])
+    for lineno, line in enumerate(lines, 1):
         line = line.strip()
         if not line:
             continue
-        row = json.loads(line)
-        i = len(reqs)
-        n_in = max(1, int(row["input_length"]))
-        reqs.append(
-            TraceRequest(
-                request_id=f"r{i}",
-                arrival_s=float(row["timestamp"]) / 1000.0,
-                num_prompt_tokens=n_in,
-                num_output_tokens=max(1, int(row["output_length"])),
-                segments=mooncake_segments(n_in, row.get("hash_ids", ()), i),
-            )
-        )
-    reqs.sort(key=lambda r: r.arrival_s)  # stable: ties keep file order
-    return Trace(name=name, requests=tuple(reqs), source=source, has_prefix_identity=True)
+        try:
+            row = json.loads(line)
+            rows.add(float(row["timestamp"]) / 1000.0, int(row["input_length"]), int(row["output_length"]))
+            rows.hash_ids.append(row.get("hash_ids", ()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{source}: line {lineno}: not a Mooncake trace row ({e!r}): {line[:120]!r}") from None
+    return rows
 
 
 def _parse_azure_timestamp(ts: str) -> tuple[int, float]:
-    """'2023-11-16 18:15:46.6805900' -> (day ordinal, seconds since midnight); 7 fractional digits, no zone.
+    """'2023-11-16 18:15:46.6805900' or '2024-05-10 00:00:00.009930+00:00' -> (day ordinal, seconds since that
+    day's midnight, in UTC: below 0 or past a day where the offset moves it); no zone is read as UTC.
 
     Kept as two numbers so subtracting two stamps does not lose the sub-millisecond digits to a large epoch.
     """
-    date_part, _, clock = ts.strip().partition(" ")
-    hh, mm, ss = clock.split(":")
-    return date.fromisoformat(date_part).toordinal(), int(hh) * 3600 + int(mm) * 60 + float(ss)
+    m = _TIMESTAMP.fullmatch(ts.strip())
+    if m is None:
+        raise ValueError(f"not an ISO 8601 timestamp: {ts!r}")
+    day, hh, mm, ss, zone = m.groups()
+    sec = int(hh) * 3600 + int(mm) * 60 + float(ss)
+    if zone and zone != "Z":
+        digits = zone[1:].replace(":", "")
+        offset = int(digits[:2]) * 3600 + int(digits[2:] or 0) * 60
+        sec -= offset if zone[0] == "+" else -offset
+    return date.fromisoformat(day).toordinal(), sec
+
+
+def _read_csv(lines: Iterable[str], source: str) -> _Rows:
+    """An Azure LLM inference trace (`AZURE_COLUMNS`: 2023's or 2024's, arrivals relative to the earliest row)
+    or BurstGPT (`BURSTGPT_COLUMNS`: relative seconds; its other columns are not read); CRLF or LF line ends."""
+    reader = csv.reader(lines)
+    header = [h.strip() for h in next(reader, [])]
+    for columns in (AZURE_COLUMNS, BURSTGPT_COLUMNS):
+        if all(c in header for c in columns):
+            t, n_in, n_out = (header.index(c) for c in columns)
+            break
+    else:
+        raise ValueError(
+            f"{source}: unknown CSV columns {header}: expected {', '.join(AZURE_COLUMNS)} (Azure) or "
+            f"{', '.join(BURSTGPT_COLUMNS)} (BurstGPT)"
+        )
+    rows = _Rows()
+    azure = columns == AZURE_COLUMNS
+    days, secs = array("q"), array("d")
+    for row in reader:
+        if not row:
+            continue
+        try:
+            if azure:
+                day, sec = _parse_azure_timestamp(row[t])
+                days.append(day)
+                secs.append(sec)
+                arrival = 0.0  # set below, from the earliest row
+            else:
+                arrival = float(row[t])
+            rows.add(arrival, int(row[n_in]), int(row[n_out]))
+        except (ValueError, IndexError) as e:
+            raise ValueError(f"{source}: line {reader.line_num}: {e}: {row}") from None
+    if azure and days:
+        day0, sec0 = min(zip(days, secs, strict=True))
+        rows.arrival_s = array("d", (round((d - day0) * 86400 + (s - sec0), 7) for d, s in zip(days, secs, strict=True)))
+    return rows
+
+
+def _window(
+    rows: _Rows, name: str, source: str, start_s: float, duration_s: float | None, max_requests: int | None
+) -> Trace:
+    """The requests arriving in [first + start_s, first + start_s + duration_s), at most `max_requests`, re-based
+    to 0: `take_slice` of the whole trace, building only those. Request i (`r{i}`, the key of its unique tokens) is
+    the i-th arrival of the file (ties in file order)."""
+    arrival = np.frombuffer(rows.arrival_s, dtype=np.float64)
+    order = np.argsort(arrival, kind="stable")
+    at = arrival[order]
+    if len(at):
+        at = at - at[0]  # the whole trace from 0, then the window from its first arrival: as take_slice does
+    lo, hi = 0, len(at)
+    if hi:
+        t0 = float(at[0]) + start_s
+        lo = int(np.searchsorted(at, t0, side="left"))
+        if duration_s is not None:
+            hi = int(np.searchsorted(at, t0 + duration_s, side="left"))
+        if max_requests is not None:
+            hi = min(hi, lo + max_requests)
+    hi = max(lo, hi)
+    base = float(at[lo]) if lo < hi else 0.0
+    reqs = []
+    for k, i, t in zip(range(lo, hi), order[lo:hi].tolist(), at[lo:hi].tolist(), strict=True):
+        n_in = rows.prompt_tokens[i]
+        segments = (
+            mooncake_segments(n_in, rows.hash_ids[i], k) if rows.hash_ids is not None else ((NS_UNIQUE, k, n_in),)
+        )
+        reqs.append(TraceRequest(f"r{k}", t - base, n_in, rows.output_tokens[i], segments))
+    return Trace(name=name, requests=tuple(reqs), source=source, has_prefix_identity=rows.hash_ids is not None)
+
+
+def parse_mooncake(lines: Iterable[str], name: str = "mooncake", source: str = "") -> Trace:
+    """A whole Mooncake JSONL trace (`load_trace` reads a window of a file)."""
+    return _window(_read_mooncake(lines, source or name), name, source, 0.0, None, None)
 
 
 def parse_azure(lines: Iterable[str], name: str = "azure", source: str = "") -> Trace:
-    """Azure LLM inference trace 2023 CSV (TIMESTAMP, ContextTokens, GeneratedTokens); CRLF or LF line ends.
-
-    No prefix identity: every prompt is unique random tokens. Arrivals are relative to the first row.
-    """
-    rows = csv.DictReader(lines)
-    raw: list[tuple[tuple[int, float], int, int]] = []
-    for row in rows:
-        row = {k.strip(): v for k, v in row.items() if k is not None}
-        raw.append(
-            (_parse_azure_timestamp(row["TIMESTAMP"]), int(row["ContextTokens"]), int(row["GeneratedTokens"]))
-        )
-    if not raw:
-        return Trace(name=name, requests=(), source=source)
-    raw.sort(key=lambda r: r[0])
-    day0, sec0 = raw[0][0]
-    reqs = tuple(
-        TraceRequest(
-            request_id=f"r{i}",
-            arrival_s=round((t[0] - day0) * 86400 + (t[1] - sec0), 7),
-            num_prompt_tokens=max(1, n_in),
-            num_output_tokens=max(1, n_out),
-            segments=((NS_UNIQUE, i, max(1, n_in)),),
-        )
-        for i, (t, n_in, n_out) in enumerate(raw)
-    )
-    return Trace(name=name, requests=reqs, source=source, has_prefix_identity=False)
+    """A whole Azure (or BurstGPT) CSV trace. No prefix identity: every prompt is unique random tokens."""
+    return _window(_read_csv(lines, source or name), name, source, 0.0, None, None)
 
 
-def load_trace(name_or_path: str) -> Trace:
-    """A named trace or a file; the format is taken from the extension, else sniffed from the first line."""
+def load_trace(
+    name_or_path: str, start_s: float = 0.0, duration_s: float | None = None, max_requests: int | None = None
+) -> Trace:
+    """A named trace or a file, sliced as `take_slice` would (the whole trace by default); the format is taken from
+    the extension, else sniffed from the first line (a JSON object: Mooncake; else a CSV header)."""
     name, path = resolve_trace_path(name_or_path)
-    # newline="" keeps the CRLF handling to the csv module (and JSON ignores a trailing \r anyway)
-    with open(path, newline="", encoding="utf-8") as f:
+    # newline="" keeps the CRLF handling to the csv module (and JSON ignores a trailing \r anyway); utf-8-sig
+    # drops a byte-order mark
+    with open(path, newline="", encoding="utf-8-sig") as f:
         first = f.readline()
         f.seek(0)
         suffix = path.suffix.lower()
         if suffix in (".jsonl", ".json") or first.lstrip().startswith("{"):
-            return parse_mooncake(f, name=name, source=str(path))
-        if suffix == ".csv" or "ContextTokens" in first:
-            return parse_azure(f, name=name, source=str(path))
-    raise ValueError(f"cannot tell the format of {path}: expected Mooncake JSONL or an Azure CSV")
+            rows = _read_mooncake(f, str(path))
+        elif suffix == ".csv" or any(c in first for c in (*AZURE_COLUMNS, *BURSTGPT_COLUMNS)):
+            rows = _read_csv(f, str(path))
+        else:
+            raise ValueError(
+                f"cannot tell the format of {path}: expected Mooncake JSONL, an Azure CSV or a BurstGPT CSV"
+            )
+    return _window(rows, name, str(path), start_s, duration_s, max_requests)
 
 
 # ---------------------------------------------------------------------------------------------------- time

@@ -53,6 +53,18 @@ def test_tiny_run_completes_every_request():
     assert m["requests_per_worker"] == {"w0": 25, "w1": 25}  # round robin
 
 
+def test_trace_windows_from_the_cli(tmp_path):
+    # a named trace gets its default window (Mooncake's first 600 s); a file gets the flags' window, re-based
+    p = sim.build_parser()
+    t = sim.load_workload(p.parse_args(["--trace", "mooncake-conversation"]))
+    assert 0 < len(t.requests) < 12_031 and t.requests[-1].arrival_s < 600.0
+    f = tmp_path / "burst.csv"
+    f.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                 + "".join(f"{s},ChatGPT,{100 + s},{s},{100 + 2 * s},Conversation log\n" for s in range(0, 100, 5)))
+    t = sim.load_workload(p.parse_args(["--trace", str(f), "--start", "12", "--duration", "20"]))
+    assert [(r.arrival_s, r.num_prompt_tokens) for r in t.requests] == [(0.0, 115), (5.0, 120), (10.0, 125), (15.0, 130)]
+
+
 def test_unique_prompts_have_no_prefix_hits():
     res = sim.Simulator(_workload(n=20, groups=0), _cfg()).run()
     assert res.summary(2.0, 0.1)["prefix_cache_hit_ratio"] == 0.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import random
 
 import pytest
 
@@ -115,6 +116,74 @@ def test_load_trace_sniffs_format(tmp_path):
     assert load_trace(str(q)).requests[0].num_output_tokens == 44
     with pytest.raises(FileNotFoundError):
         load_trace(str(tmp_path / "missing.jsonl"))
+
+
+def test_azure_2024_timestamps_carry_a_utc_offset():
+    # Azure's 2024 week traces: 6 digits and "+00:00"; an offset is taken off (read in UTC), so the 01:00 stamp at
+    # +01:00 is 2 s after midnight UTC's first; "Z", "T" and whole seconds read as well; a stamp without a zone is
+    # UTC, and one that the offset moves past midnight lands on the next day
+    raw = (
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2024-05-10 00:00:00.009930+00:00,2162,5\n"
+        "2024-05-10T00:00:01Z,100,7\n"
+        "2024-05-10 01:00:02.000000+01:00,200,9\n"
+        "2024-05-10 00:00:03.5,300,11\n"
+        "2024-05-09 17:00:04-0700,400,13\n"
+    )
+    t = parse_azure(io.StringIO(raw, newline=""))
+    assert [r.arrival_s for r in t.requests] == pytest.approx([0.0, 0.99007, 1.99007, 3.49007, 3.99007])
+    assert [r.num_prompt_tokens for r in t.requests] == [2162, 100, 200, 300, 400]
+    with pytest.raises(ValueError, match="line 2"):  # the first data row's stamp is not a time
+        parse_azure(io.StringIO("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10,1,1\n"))
+
+
+def test_burstgpt_csv(tmp_path):
+    # BurstGPT: relative seconds and its own column names (its other columns are not read); a byte-order mark and
+    # a failed request (0 tokens) are kept as in the Azure files: one arrival of one token
+    p = tmp_path / "BurstGPT_1.csv"
+    p.write_bytes(
+        b"\xef\xbb\xbfTimestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\r\n"
+        b"5,ChatGPT,472,18,490,Conversation log\r\n"
+        b"45,GPT-4,1087,0,1087,API log\r\n"
+        b"46,ChatGPT,0,0,0,Conversation log\r\n"
+    )
+    t = load_trace(str(p))
+    assert t.name == "burstgpt-1"
+    assert [r.arrival_s for r in t.requests] == [0.0, 40.0, 41.0]
+    assert [(r.num_prompt_tokens, r.num_output_tokens) for r in t.requests] == [(472, 18), (1087, 1), (1, 1)]
+    assert not t.has_prefix_identity
+    bad = tmp_path / "other.csv"
+    bad.write_text("time,input,output\n1,2,3\n")
+    with pytest.raises(ValueError, match="ContextTokens"):  # the error names the columns it knows
+        load_trace(str(bad))
+
+
+@pytest.mark.parametrize("fmt", ["mooncake", "azure"])
+def test_load_trace_window_equals_slicing_the_whole_trace(tmp_path, fmt):
+    # the window is cut while reading (only its requests are built), so it must be exactly `take_slice` of the
+    # whole trace, request ids and unique-token keys included: rows out of order and tied, random windows
+    rng = random.Random(7)
+    times = [rng.choice([0, 250, 1000, 1000, 4000]) + rng.randrange(0, 60_000) for _ in range(300)]
+    times[5] = times[6]  # a tie: file order breaks it
+    if fmt == "mooncake":
+        path = tmp_path / "t.jsonl"
+        rows = [{"timestamp": t, "input_length": 600 + i, "output_length": i, "hash_ids": [i % 7, i]}
+                for i, t in enumerate(times)]
+        path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    else:
+        path = tmp_path / "t.csv"
+        stamps = [f"2024-05-10 {t // 3_600_000:02d}:{t // 60_000 % 60:02d}:{t % 60_000 / 1000:09.6f}+00:00"
+                  for t in times]
+        path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                        + "".join(f"{s},{600 + i},{i}\n" for i, s in enumerate(stamps)))
+    whole = load_trace(str(path))
+    assert [r.arrival_s for r in whole.requests] == sorted(r.arrival_s for r in whole.requests)
+    assert [r.request_id for r in whole.requests] == [f"r{i}" for i in range(300)]
+    windows = [(0.0, None, None), (0.0, 10.0, None), (3.5, 20.0, 40), (0.0, None, 1), (30.0, None, None),
+               (100.0, 5.0, None), *((rng.uniform(0, 60), rng.uniform(0, 30), rng.choice([None, 5, 50]))
+                                     for _ in range(20))]
+    for start, duration, most in windows:
+        assert load_trace(str(path), start, duration, most) == take_slice(whole, start, duration, most)
 
 
 def test_slice_and_time_scaling():
