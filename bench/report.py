@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from switchyard.bench.metrics import OK
+
 COLUMNS = (
     # (header, path into metrics, format, compare with the baseline)
     ("TTFT mean s", ("ttft_s", "mean"), "{:.3f}", True),
@@ -85,6 +87,17 @@ def floor_line(result: dict[str, Any]) -> str:
             f"{f['ttft_warm_s']['p99']:.3f} s" for load, f in floors.items()) + ".\n"
 
 
+def outcome_line(result: dict[str, Any]) -> str:
+    """Under the table, what became of the requests a row's "done" leaves out (rejected at admission, ...), so a
+    trace with prompts over the model's length says so rather than only counting fewer."""
+    parts = []
+    for run in result["runs"]:
+        other = {k: v for k, v in run["metrics"].get("status", {}).items() if k != OK and v}
+        if other:
+            parts.append(f"{run_label(run)} {_load_key(run)}: " + ", ".join(f"{v} {k}" for k, v in other.items()))
+    return "\nNot completed: " + "; ".join(parts) + ".\n" if parts else ""
+
+
 def plot(result: dict[str, Any], out: Path) -> list[Path]:
     """TTFT (mean, p99) and E2E (mean, p99) vs request rate, one line per policy."""
     import matplotlib
@@ -122,7 +135,7 @@ def write_report(result: dict[str, Any], out: Path, plots: bool = True) -> list[
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "results.json", out / "results.md"]
     paths[0].write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    paths[1].write_text(markdown_table(result) + "\n" + floor_line(result))
+    paths[1].write_text(markdown_table(result) + "\n" + outcome_line(result) + floor_line(result))
     if plots:
         paths += plot(result, out)
     return paths

@@ -1036,6 +1036,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = report.write_report(result, out, plots=not args.no_plots)
     print()
     print(report.markdown_table(result))
+    print(report.outcome_line(result), end="")
     print(report.floor_line(result), end="")
     wall = sum(r["timing"]["wall_s"] for r in result["runs"])
     simulated = sum(r["timing"]["simulated_s"] for r in result["runs"])

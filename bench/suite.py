@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
                          "--rates", ",".join(f"{r:g}" for r in rates)], out / "no-sharing", plots)
         md.append("## c. No sharing (claim 3): poisson, unique prompts, llama3-8b-a100\n")
         md.append("Ratios in parentheses: / round_robin at the same load.\n")
-        md.append(report.markdown_table(res) + "\n")
+        md.append(report.markdown_table(res) + "\n" + report.outcome_line(res))
         data["no_sharing"] = {"rates": rates, "runs": [{"policy": r["policy"], "rate": r["rate"],
                                                           "metrics": r["metrics"]} for r in res["runs"]]}
         log(f"no-sharing: {len(res['runs'])} runs in {time.perf_counter() - t0:.0f} s")

@@ -65,6 +65,20 @@ def test_trace_windows_from_the_cli(tmp_path):
     assert [(r.arrival_s, r.num_prompt_tokens) for r in t.requests] == [(0.0, 115), (5.0, 120), (10.0, 125), (15.0, 130)]
 
 
+def test_the_report_says_what_became_of_requests_not_completed(tmp_path, capsys):
+    # a prompt over the model's length is rejected at admission: the table's "done" counts 2/3, and the line
+    # under it (printed and in results.md) names the outcome
+    f = tmp_path / "long.csv"
+    f.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                 "0,ChatGPT,500,4,504,x\n1,ChatGPT,300000,4,300004,x\n2,ChatGPT,700,4,704,x\n")
+    assert sim.main(["--trace", str(f), "--workers", "1", "--policies", "round_robin", "--out", str(tmp_path / "o"),
+                     "--no-plots"]) == 0
+    line = "Not completed: round_robin time_scale=1: 1 rejected_too_long."
+    assert line in capsys.readouterr().out
+    md = (tmp_path / "o" / "results.md").read_text()
+    assert "| 2/3 |" in md and line in md
+
+
 def test_unique_prompts_have_no_prefix_hits():
     res = sim.Simulator(_workload(n=20, groups=0), _cfg()).run()
     assert res.summary(2.0, 0.1)["prefix_cache_hit_ratio"] == 0.0
