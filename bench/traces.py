@@ -112,6 +112,10 @@ def resolve_trace_path(name_or_path: str) -> tuple[str, Path]:
 # requests of the window asked for become `TraceRequest`s: a week of Azure 2024 (16.8M rows) is sliced, not held.
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")  # Azure LLM inference traces, 2023 and 2024
 BURSTGPT_COLUMNS = ("Timestamp", "Request tokens", "Response tokens")  # BurstGPT (Azure OpenAI via a campus)
+# splitwise-sim's and SageServe's request traces (relative seconds; their other columns are not read)
+SPLITWISE_COLUMNS = ("arrival_timestamp", "prompt_size", "token_size")
+
+CSV_FORMATS = {"Azure": AZURE_COLUMNS, "BurstGPT": BURSTGPT_COLUMNS, "splitwise-sim": SPLITWISE_COLUMNS}
 
 # ISO 8601 as the Azure traces write it: '2023-11-16 18:15:46.6805900' (2023: no zone, 7 digits) or
 # '2024-05-10 00:00:00.009930+00:00' (2024: a UTC offset); 'T', 'Z', '+0000' and whole seconds are read too
@@ -188,19 +192,18 @@ def _parse_azure_timestamp(ts: str) -> tuple[int, float]:
 
 
 def _read_csv(lines: Iterable[str], source: str) -> _Rows:
-    """An Azure LLM inference trace (`AZURE_COLUMNS`: 2023's or 2024's, arrivals relative to the earliest row)
-    or BurstGPT (`BURSTGPT_COLUMNS`: relative seconds; its other columns are not read); CRLF or LF line ends."""
+    """An Azure LLM inference trace (`AZURE_COLUMNS`: 2023's or 2024's, arrivals relative to the earliest row),
+    BurstGPT (`BURSTGPT_COLUMNS`) or splitwise-sim / SageServe (`SPLITWISE_COLUMNS`), both in relative seconds,
+    their other columns not read; CRLF or LF line ends."""
     reader = csv.reader(lines)
     header = [h.strip() for h in next(reader, [])]
-    for columns in (AZURE_COLUMNS, BURSTGPT_COLUMNS):
+    for columns in CSV_FORMATS.values():
         if all(c in header for c in columns):
             t, n_in, n_out = (header.index(c) for c in columns)
             break
     else:
-        raise ValueError(
-            f"{source}: unknown CSV columns {header}: expected {', '.join(AZURE_COLUMNS)} (Azure) or "
-            f"{', '.join(BURSTGPT_COLUMNS)} (BurstGPT)"
-        )
+        expected = "; ".join(f"{', '.join(c)} ({name})" for name, c in CSV_FORMATS.items())
+        raise ValueError(f"{source}: unknown CSV columns {header}: expected {expected}")
     rows = _Rows()
     azure = columns == AZURE_COLUMNS
     days, secs = array("q"), array("d")
@@ -279,11 +282,11 @@ def load_trace(
         suffix = path.suffix.lower()
         if suffix in (".jsonl", ".json") or first.lstrip().startswith("{"):
             rows = _read_mooncake(f, str(path))
-        elif suffix == ".csv" or any(c in first for c in (*AZURE_COLUMNS, *BURSTGPT_COLUMNS)):
+        elif suffix == ".csv" or any(all(c in first for c in cols) for cols in CSV_FORMATS.values()):
             rows = _read_csv(f, str(path))
         else:
             raise ValueError(
-                f"cannot tell the format of {path}: expected Mooncake JSONL, an Azure CSV or a BurstGPT CSV"
+                f"cannot tell the format of {path}: expected Mooncake JSONL or a CSV of {', '.join(CSV_FORMATS)}"
             )
     return _window(rows, name, str(path), start_s, duration_s, max_requests)
 

@@ -137,7 +137,7 @@ def test_azure_2024_timestamps_carry_a_utc_offset():
         parse_azure(io.StringIO("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10,1,1\n"))
 
 
-def test_burstgpt_csv(tmp_path):
+def test_burstgpt_and_splitwise_csv(tmp_path):
     # BurstGPT: relative seconds and its own column names (its other columns are not read); a byte-order mark and
     # a failed request (0 tokens) are kept as in the Azure files: one arrival of one token
     p = tmp_path / "BurstGPT_1.csv"
@@ -152,9 +152,16 @@ def test_burstgpt_csv(tmp_path):
     assert [r.arrival_s for r in t.requests] == [0.0, 40.0, 41.0]
     assert [(r.num_prompt_tokens, r.num_output_tokens) for r in t.requests] == [(472, 18), (1087, 1), (1, 1)]
     assert not t.has_prefix_identity
+    # splitwise-sim's (and SageServe's) traces: relative seconds, sniffed from the header without a .csv suffix
+    q = tmp_path / "code_distributions.trace"
+    q.write_text("request_id,request_type,application_id,arrival_timestamp,batch_size,prompt_size,token_size\n"
+                 "0,2,0,0.25,1,1020,129\n1,2,0,0.125,1,374,44\n")
+    t = load_trace(str(q))
+    assert [(r.arrival_s, r.num_prompt_tokens, r.num_output_tokens) for r in t.requests] == [(0.0, 374, 44),
+                                                                                            (0.125, 1020, 129)]
     bad = tmp_path / "other.csv"
     bad.write_text("time,input,output\n1,2,3\n")
-    with pytest.raises(ValueError, match="ContextTokens"):  # the error names the columns it knows
+    with pytest.raises(ValueError, match="ContextTokens.*Request tokens.*prompt_size"):  # names what it reads
         load_trace(str(bad))
 
 
