@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import date
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -183,12 +184,20 @@ def _parse_azure_timestamp(ts: str) -> tuple[int, float]:
     if m is None:
         raise ValueError(f"not an ISO 8601 timestamp: {ts!r}")
     day, hh, mm, ss, zone = m.groups()
-    sec = int(hh) * 3600 + int(mm) * 60 + float(ss)
+    ordinal, offset = _day_and_offset(day, zone)
+    return ordinal, int(hh) * 3600 + int(mm) * 60 + float(ss) - offset
+
+
+@lru_cache(maxsize=256)
+def _day_and_offset(day: str, zone: str | None) -> tuple[int, int]:
+    """(the date's ordinal, the zone's offset east of UTC in s): a week's trace has a handful of each, so they are
+    read once (a 16.8M-row file reads ~5 µs per row)."""
+    offset = 0
     if zone and zone != "Z":
         digits = zone[1:].replace(":", "")
         offset = int(digits[:2]) * 3600 + int(digits[2:] or 0) * 60
-        sec -= offset if zone[0] == "+" else -offset
-    return date.fromisoformat(day).toordinal(), sec
+        offset = offset if zone[0] == "+" else -offset
+    return date.fromisoformat(day).toordinal(), offset
 
 
 def _read_csv(lines: Iterable[str], source: str) -> _Rows:

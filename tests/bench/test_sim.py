@@ -63,6 +63,25 @@ def test_trace_windows_from_the_cli(tmp_path):
                  + "".join(f"{s},ChatGPT,{100 + s},{s},{100 + 2 * s},Conversation log\n" for s in range(0, 100, 5)))
     t = sim.load_workload(p.parse_args(["--trace", str(f), "--start", "12", "--duration", "20"]))
     assert [(r.arrival_s, r.num_prompt_tokens) for r in t.requests] == [(0.0, 115), (5.0, 120), (10.0, 125), (15.0, 130)]
+    # Azure 2024's week files, by their published names, get their 2023 counterparts' windows (code: 600 s)
+    week = tmp_path / "AzureLLMInferenceTrace_code_1week.csv"
+    week.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2024-05-10 00:{m:02d}:00.000000+00:00,{100 + m},5\n" for m in range(0, 20, 2)))
+    t = sim.load_workload(p.parse_args(["--trace", str(week)]))
+    assert [r.arrival_s for r in t.requests] == [0.0, 120.0, 240.0, 360.0, 480.0]
+
+
+def test_a_large_slice_gets_a_hint(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sim, "LARGE_SLICE", 2)  # the threshold, not the behaviour: 100,000 rows would be slow here
+    f = tmp_path / "t.csv"
+    f.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                 "0,ChatGPT,50,2,52,x\n1,ChatGPT,60,2,62,x\n2,ChatGPT,70,2,72,x\n")
+    argv = ["--trace", str(f), "--workers", "1", "--policies", "round_robin", "--out", str(tmp_path / "o"),
+            "--no-plots"]
+    assert sim.main(argv) == 0
+    assert "3 requests per run; --duration or --max-requests replays a part" in capsys.readouterr().err
+    assert sim.main([*argv, "--max-requests", "3"]) == 0
+    assert "replays a part" not in capsys.readouterr().err
 
 
 def test_the_report_says_what_became_of_requests_not_completed(tmp_path, capsys):
