@@ -133,7 +133,10 @@ class _Rows:
     hash_ids: list[Sequence[int]] | None = None  # Mooncake: each row's 512-token block ids
 
     def add(self, arrival_s: float, prompt_tokens: int, output_tokens: int) -> None:
-        """A request with no prompt or no output is kept, as one token of each (a trace counts it as an arrival)."""
+        """A request with no prompt or no output is kept, as one token of each (a trace counts it as an arrival);
+        a time that is not finite or a count below 0 is an error (the caller names the line)."""
+        if not math.isfinite(arrival_s) or prompt_tokens < 0 or output_tokens < 0:
+            raise ValueError(f"arrival {arrival_s} s, {prompt_tokens} prompt and {output_tokens} output tokens")
         self.arrival_s.append(arrival_s)
         self.prompt_tokens.append(max(1, prompt_tokens))
         self.output_tokens.append(max(1, output_tokens))
@@ -190,8 +193,8 @@ def _parse_azure_timestamp(ts: str) -> tuple[int, float]:
 
 @lru_cache(maxsize=256)
 def _day_and_offset(day: str, zone: str | None) -> tuple[int, int]:
-    """(the date's ordinal, the zone's offset east of UTC in s): a week's trace has a handful of each, so they are
-    read once (a 16.8M-row file reads ~5 µs per row)."""
+    """(the date's ordinal, the zone's offset east of UTC in s): a week's trace has a handful of each, so each is
+    read once, not once per row."""
     offset = 0
     if zone and zone != "Z":
         digits = zone[1:].replace(":", "")
@@ -273,7 +276,8 @@ def parse_mooncake(lines: Iterable[str], name: str = "mooncake", source: str = "
 
 
 def parse_azure(lines: Iterable[str], name: str = "azure", source: str = "") -> Trace:
-    """A whole Azure (or BurstGPT) CSV trace. No prefix identity: every prompt is unique random tokens."""
+    """A whole CSV trace of one of `CSV_FORMATS` (Azure's, BurstGPT's, splitwise-sim's). No prefix identity: every
+    prompt is unique random tokens."""
     return _window(_read_csv(lines, source or name), name, source, 0.0, None, None)
 
 

@@ -163,6 +163,16 @@ def test_burstgpt_and_splitwise_csv(tmp_path):
     bad.write_text("time,input,output\n1,2,3\n")
     with pytest.raises(ValueError, match="ContextTokens.*Request tokens.*prompt_size"):  # names what it reads
         load_trace(str(bad))
+    # corrupt rows name their line: a time that is not a number (or not finite), a negative count, a short row
+    head = "request_id,request_type,application_id,arrival_timestamp,batch_size,prompt_size,token_size\n"
+    for row in ("0,2,0,nan,1,10,10", "0,2,0,1.5,1,-3,10", "0,2,0,x,1,10,10", "0,2,0,1.5"):
+        bad.write_text(head + "0,2,0,0.5,1,10,10\n" + row + "\n")
+        with pytest.raises(ValueError, match="line 3"):
+            load_trace(str(bad))
+    j = tmp_path / "bad.jsonl"
+    j.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1}\n{"timestamp": 1, "input_length": 5}\n')
+    with pytest.raises(ValueError, match="line 2: not a Mooncake trace row"):
+        load_trace(str(j))
 
 
 @pytest.mark.parametrize("fmt", ["mooncake", "azure"])
