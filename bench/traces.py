@@ -1,9 +1,10 @@
-"""Request traces for the simulator: parse Mooncake JSONL and Azure CSV files, slice and rescale them in time, and
-turn each request's prompt description into deterministic token ids and chained block hashes.
+"""Request traces for the simulator: parse JSONL traces with block hashes (Mooncake's, Qwen-Bailian's) and CSV
+traces (Azure's, BurstGPT's, splitwise-sim's), slice and rescale them in time, and turn each request's prompt
+description into deterministic token ids and chained block hashes.
 
 A prompt is described by *segments* `(namespace, key, length)`: equal `(namespace, key)` give identical tokens,
-so prefix sharing in a trace (Mooncake's 512-token `hash_ids`, synthetic shared-prefix groups) becomes real
-prefix sharing in the engines' caches. Tokens are drawn lazily, at arrival, and memoized per 512-token chunk.
+so prefix sharing in a trace (Mooncake's 512-token `hash_ids`, Bailian's 16-token ones, synthetic shared-prefix
+groups) becomes real prefix sharing in the engines' caches. Tokens are drawn lazily, at arrival, and memoized per 512-token chunk.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from switchyard.ext.blockhash import block_digests, event_hashes, none_hash
 from switchyard.workers.engine.perf_model import PerfProfile
 
 # Segment namespaces: tokens of (namespace, key) never collide with another namespace's.
-NS_MOONCAKE = 0  # key = a Mooncake hash_id (512-token block)
+NS_MOONCAKE = 0  # key = a JSONL trace's block hash id (Mooncake: 512 tokens, Qwen-Bailian: 16)
 NS_UNIQUE = 1  # key = request index; never shared
 NS_GROUP = 2  # key = a synthetic shared-prefix group
 
 MOONCAKE_BLOCK_TOKENS = 512  # Mooncake's hash_ids cover 512 tokens each
+BAILIAN_BLOCK_TOKENS = 16  # Qwen-Bailian's (unless the file name says `blksz_N`)
 CHUNK_TOKENS = 512  # token generation and hash memo granularity
 TOKEN_LOW, TOKEN_HIGH = 3, 32000  # generated ids avoid BOS/EOS/pad (0..2), stay inside a Llama-2 vocabulary
 
@@ -130,7 +132,8 @@ class _Rows:
     arrival_s: array = field(default_factory=lambda: array("d"))
     prompt_tokens: array = field(default_factory=lambda: array("q"))
     output_tokens: array = field(default_factory=lambda: array("q"))
-    hash_ids: list[Sequence[int]] | None = None  # Mooncake: each row's 512-token block ids
+    hash_ids: list[Sequence[int]] | None = None  # JSONL: each row's block ids
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS  # tokens per block id
 
     def add(self, arrival_s: float, prompt_tokens: int, output_tokens: int) -> None:
         """A request with no prompt or no output is kept, as one token of each (a trace counts it as an arrival);
@@ -142,18 +145,20 @@ class _Rows:
         self.output_tokens.append(max(1, output_tokens))
 
 
-def mooncake_segments(input_length: int, hash_ids: Sequence[int], index: int) -> tuple[Segment, ...]:
-    """512-token segments, one per hash_id, the last truncated so the lengths sum to `input_length`.
+def mooncake_segments(
+    input_length: int, hash_ids: Sequence[int], index: int, block_tokens: int = MOONCAKE_BLOCK_TOKENS
+) -> tuple[Segment, ...]:
+    """`block_tokens`-token segments, one per hash_id, the last truncated so the lengths sum to `input_length`.
 
-    `len(hash_ids) == ceil(input_length / 512)` on every row of the published trace; a row with fewer ids gets a
-    unique tail, extra ids beyond the input are dropped.
+    `len(hash_ids) == ceil(input_length / 512)` on every row of the published Mooncake trace; a row with fewer ids
+    gets a unique tail, extra ids beyond the input are dropped.
     """
     segs: list[Segment] = []
     left = input_length
     for hid in hash_ids:
         if left <= 0:
             break
-        n = min(MOONCAKE_BLOCK_TOKENS, left)
+        n = min(block_tokens, left)
         segs.append((NS_MOONCAKE, int(hid), n))
         left -= n
     if left > 0:
@@ -161,19 +166,29 @@ def mooncake_segments(input_length: int, hash_ids: Sequence[int], index: int) ->
     return tuple(segs)
 
 
-def _read_mooncake(lines: Iterable[str], source: str) -> _Rows:
-    """Mooncake FAST'25 JSONL: timestamp (ms), input_length, output_length, hash_ids (512-token blocks)."""
+def _read_jsonl(lines: Iterable[str], source: str) -> _Rows:
+    """A JSONL trace of input_length, output_length, hash_ids and timestamp: Mooncake's (FAST'25: ms, 512-token
+    blocks), or Qwen-Bailian's (ATC'25, rows with a `chat_id`: seconds, 16-token blocks, or N where the file name
+    says `blksz_N`), told apart by the first row."""
     rows = _Rows(hash_ids=[])
+    per_ms = True
     for lineno, line in enumerate(lines, 1):
         line = line.strip()
         if not line:
             continue
         try:
             row = json.loads(line)
-            rows.add(float(row["timestamp"]) / 1000.0, int(row["input_length"]), int(row["output_length"]))
+            if not rows.arrival_s and ("chat_id" in row or "parent_chat_id" in row):  # Qwen-Bailian
+                per_ms = False
+                named = re.search(r"blksz_(\d+)", Path(source).name)
+                rows.block_tokens = int(named.group(1)) if named else BAILIAN_BLOCK_TOKENS
+            t = float(row["timestamp"])
+            rows.add(t / 1000.0 if per_ms else t, int(row["input_length"]), int(row["output_length"]))
             rows.hash_ids.append(row.get("hash_ids", ()))
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{source}: line {lineno}: not a Mooncake trace row ({e!r}): {line[:120]!r}") from None
+            raise ValueError(f"{source}: line {lineno}: not a JSONL trace row ({e!r}): {line[:120]!r}") from None
+    if rows.block_tokens < 1:
+        raise ValueError(f"{source}: blocks of {rows.block_tokens} tokens")
     return rows
 
 
@@ -264,15 +279,17 @@ def _window(
     for k, i, t in zip(range(lo, hi), order[lo:hi].tolist(), at[lo:hi].tolist(), strict=True):
         n_in = rows.prompt_tokens[i]
         segments = (
-            mooncake_segments(n_in, rows.hash_ids[i], k) if rows.hash_ids is not None else ((NS_UNIQUE, k, n_in),)
+            mooncake_segments(n_in, rows.hash_ids[i], k, rows.block_tokens)
+            if rows.hash_ids is not None
+            else ((NS_UNIQUE, k, n_in),)
         )
         reqs.append(TraceRequest(f"r{k}", t - base, n_in, rows.output_tokens[i], segments))
     return Trace(name=name, requests=tuple(reqs), source=source, has_prefix_identity=rows.hash_ids is not None)
 
 
 def parse_mooncake(lines: Iterable[str], name: str = "mooncake", source: str = "") -> Trace:
-    """A whole Mooncake JSONL trace (`load_trace` reads a window of a file)."""
-    return _window(_read_mooncake(lines, source or name), name, source, 0.0, None, None)
+    """A whole JSONL trace, Mooncake's or Qwen-Bailian's (`load_trace` reads a window of a file)."""
+    return _window(_read_jsonl(lines, source or name), name, source, 0.0, None, None)
 
 
 def parse_azure(lines: Iterable[str], name: str = "azure", source: str = "") -> Trace:
@@ -294,12 +311,13 @@ def load_trace(
         f.seek(0)
         suffix = path.suffix.lower()
         if suffix in (".jsonl", ".json") or first.lstrip().startswith("{"):
-            rows = _read_mooncake(f, str(path))
+            rows = _read_jsonl(f, str(path))
         elif suffix == ".csv" or any(all(c in first for c in cols) for cols in CSV_FORMATS.values()):
             rows = _read_csv(f, str(path))
         else:
             raise ValueError(
-                f"cannot tell the format of {path}: expected Mooncake JSONL or a CSV of {', '.join(CSV_FORMATS)}"
+                f"cannot tell the format of {path}: expected a JSONL trace (Mooncake, Qwen-Bailian) or a CSV of "
+                f"{', '.join(CSV_FORMATS)}"
             )
     return _window(rows, name, str(path), start_s, duration_s, max_requests)
 
@@ -346,13 +364,14 @@ _M64 = (1 << 64) - 1
 _U = np.uint64
 
 
-def chunk_tokens(seed: int, ns: int, key: int, c: int) -> np.ndarray:
-    """The 512 token ids of chunk `c` of segment (ns, key): splitmix64 of consecutive positions, mapped into
-    [TOKEN_LOW, TOKEN_HIGH). A pure function (no RNG state), ~20 µs a chunk."""
-    base = (
+def _chunk_base(seed: int, ns: int, key: int, c: int) -> int:
+    return (
         seed * 0x9E3779B97F4A7C15 ^ (ns + 1) * 0xBF58476D1CE4E5B9 ^ key * 0x94D049BB133111EB ^ (c + 1) * 0xD6E8FEB86659FD93
     ) & _M64
-    x = np.arange(CHUNK_TOKENS, dtype=np.uint64) + _U(base)  # wraps mod 2**64, as splitmix's counter does
+
+
+def _splitmix_tokens(x: np.ndarray) -> np.ndarray:
+    """splitmix64's output function of the counters `x` (uint64, in place), mapped into [TOKEN_LOW, TOKEN_HIGH)."""
     x ^= x >> _U(30)
     x *= _U(0xBF58476D1CE4E5B9)
     x ^= x >> _U(27)
@@ -361,11 +380,30 @@ def chunk_tokens(seed: int, ns: int, key: int, c: int) -> np.ndarray:
     return (x % _U(TOKEN_HIGH - TOKEN_LOW) + _U(TOKEN_LOW)).astype(np.uint16)
 
 
+def chunk_tokens(seed: int, ns: int, key: int, c: int) -> np.ndarray:
+    """The 512 token ids of chunk `c` of segment (ns, key): splitmix64 of consecutive positions, mapped into
+    [TOKEN_LOW, TOKEN_HIGH). A pure function (no RNG state), ~20 µs a chunk."""
+    # wraps mod 2**64, as splitmix's counter does
+    return _splitmix_tokens(np.arange(CHUNK_TOKENS, dtype=np.uint64) + _U(_chunk_base(seed, ns, key, c)))
+
+
+def chunks_tokens(seed: int, pieces: Sequence[tuple[int, int, int, int]]) -> list[np.ndarray]:
+    """The first `take` token ids of each piece's chunk, (ns, key, c, take): `chunk_tokens(...)[:take]` each, in
+    one pass over all of them (a Qwen-Bailian prompt is ~140 chunks of 16 tokens: one call, not 140)."""
+    takes = np.fromiter((p[3] for p in pieces), dtype=np.int64, count=len(pieces))
+    bases = np.fromiter((_chunk_base(seed, ns, key, c) for ns, key, c, _ in pieces), dtype=np.uint64,
+                        count=len(pieces))
+    ends = np.cumsum(takes)
+    offsets = np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.uint64) - np.repeat(
+        (ends - takes).astype(np.uint64), takes)
+    return np.split(_splitmix_tokens(np.repeat(bases, takes) + offsets), ends[:-1])
+
+
 class PromptFactory:
     """Deterministic prompt tokens and block hashes for trace requests, memoized per 512-token chunk.
 
     Tokens of chunk c of segment (ns, key) are `chunk_tokens(seed, ns, key, c)`, so a truncated segment is a
-    prefix of the full one and equal keys give equal tokens. Shared chunks are kept as uint16 arrays (1 KiB each).
+    prefix of the full one and equal keys give equal tokens. Shared chunks are kept as uint16 arrays (up to 1 KiB).
     Block hashes follow the workers' recipe (`ext.blockhash`); the memo maps (parent digest, ns, key, chunk) ->
     that chunk's block digests, which is what makes the Mooncake trace cheap (the same 512-token blocks recur
     under the same parents).
@@ -394,24 +432,30 @@ class PromptFactory:
         self.num_hash_memo_misses = 0
 
     # -- tokens
-    def _chunk(self, ns: int, key: int, c: int) -> np.ndarray:
-        k = (ns, key, c)
-        toks = self._chunk_tokens.get(k)
-        if toks is None:
-            toks = chunk_tokens(self.seed, ns, key, c)
-            if ns != NS_UNIQUE:  # unique chunks never recur
-                if len(self._chunk_tokens) >= self._max_token_chunks:
-                    self._chunk_tokens.clear()  # NOTE: crude bound (~400 MiB); trace slices stay well under it
-                self._chunk_tokens[k] = toks
-        return toks
-
     def tokens(self, req: TraceRequest) -> tuple[int, ...]:
-        parts: list[np.ndarray] = []
+        """The prompt's token ids: each chunk from the memo when it holds at least the tokens taken, the others
+        made in one `chunks_tokens` pass and kept (as many as taken: 32 bytes for a 16-token block)."""
+        parts: list[np.ndarray | None] = []
+        missing: list[tuple[int, int, int, int]] = []
+        at: list[int] = []
+        memo = self._chunk_tokens
         for ns, key, n in req.segments:
             for c in range(math.ceil(n / CHUNK_TOKENS)):
                 take = min(CHUNK_TOKENS, n - c * CHUNK_TOKENS)
-                toks = self._chunk(ns, key, c)
-                parts.append(toks if take == CHUNK_TOKENS else toks[:take])
+                toks = memo.get((ns, key, c))
+                if toks is not None and len(toks) >= take:
+                    parts.append(toks if len(toks) == take else toks[:take])
+                else:
+                    at.append(len(parts))
+                    missing.append((ns, key, c, take))
+                    parts.append(None)
+        if missing:
+            for i, piece, toks in zip(at, missing, chunks_tokens(self.seed, missing), strict=True):
+                parts[i] = toks
+                if piece[0] != NS_UNIQUE:  # unique chunks never recur
+                    if len(memo) >= self._max_token_chunks:
+                        memo.clear()  # NOTE: crude bound (<= 400 MiB); trace slices stay well under it
+                    memo[piece[:3]] = toks.copy()  # not a view: it would keep the whole pass alive
         return tuple(np.concatenate(parts).tolist()) if parts else ()
 
     # -- hashes

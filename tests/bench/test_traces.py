@@ -118,6 +118,31 @@ def test_load_trace_sniffs_format(tmp_path):
         load_trace(str(tmp_path / "missing.jsonl"))
 
 
+def test_qwen_bailian_jsonl(tmp_path):
+    # Qwen-Bailian's traces (ATC'25): rows with a chat_id, timestamps in seconds, 16-token hash blocks (or the file
+    # name's blksz_N); a follow-up turn repeats its parent's ids, so its prompt starts with the parent's tokens
+    rows = [
+        {"chat_id": 159, "parent_chat_id": -1, "timestamp": 61.114, "input_length": 40, "output_length": 132,
+         "type": "text", "turn": 1, "hash_ids": [1089, 1090, 1091]},
+        {"chat_id": 160, "parent_chat_id": 159, "timestamp": 62.5, "input_length": 70, "output_length": 9,
+         "type": "text", "turn": 2, "hash_ids": [1089, 1090, 1091, 6326, 6327]},
+    ]
+    text = "\n".join(json.dumps(r) for r in rows) + "\n"
+    p = tmp_path / "qwen_traceA_blksz_16.jsonl"
+    p.write_text(text)
+    t = load_trace(str(p))
+    assert [r.arrival_s for r in t.requests] == pytest.approx([0.0, 1.386])
+    assert t.requests[0].segments == ((NS_MOONCAKE, 1089, 16), (NS_MOONCAKE, 1090, 16), (NS_MOONCAKE, 1091, 8))
+    assert [n for _, _, n in t.requests[1].segments] == [16, 16, 16, 16, 6]
+    pf = PromptFactory(block_size=16)
+    a, b = pf.tokens(t.requests[0]), pf.tokens(t.requests[1])
+    assert len(a) == 40 and len(b) == 70 and b[:40] == a  # the parent's truncated last block is a prefix too
+    assert pf.block_hashes(t.requests[1])[:2] == pf.block_hashes(t.requests[0])  # two full shared blocks
+    q = tmp_path / "qwen_coder_blksz_32.jsonl"
+    q.write_text(text)
+    assert [n for _, _, n in load_trace(str(q)).requests[1].segments] == [32, 32, 6]
+
+
 def test_azure_2024_timestamps_carry_a_utc_offset():
     # Azure's 2024 week traces: 6 digits and "+00:00"; an offset is taken off (read in UTC), so the 01:00 stamp at
     # +01:00 is 2 s after midnight UTC's first; "Z", "T" and whole seconds read as well; a stamp without a zone is
@@ -171,7 +196,7 @@ def test_burstgpt_and_splitwise_csv(tmp_path):
             load_trace(str(bad))
     j = tmp_path / "bad.jsonl"
     j.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1}\n{"timestamp": 1, "input_length": 5}\n')
-    with pytest.raises(ValueError, match="line 2: not a Mooncake trace row"):
+    with pytest.raises(ValueError, match="line 2: not a JSONL trace row"):
         load_trace(str(j))
 
 
