@@ -12,6 +12,8 @@ from switchyard.bench.traces import (
     NS_MOONCAKE,
     NS_UNIQUE,
     PromptFactory,
+    chunk_tokens,
+    chunks_tokens,
     load_trace,
     mooncake_segments,
     parse_azure,
@@ -141,6 +143,15 @@ def test_qwen_bailian_jsonl(tmp_path):
     q = tmp_path / "qwen_coder_blksz_32.jsonl"
     q.write_text(text)
     assert [n for _, _, n in load_trace(str(q)).requests[1].segments] == [32, 32, 6]
+
+
+def test_chunks_made_in_one_pass_are_the_reference_chunks():
+    # `chunks_tokens` makes many chunks' first tokens in one vectorised pass: each must be `chunk_tokens`' prefix
+    pieces = [(NS_MOONCAKE, 7, 0, 16), (NS_UNIQUE, 3, 2, 512), (NS_MOONCAKE, 7, 1, 1), (2, 2**40, 0, 300)]
+    got = chunks_tokens(5, pieces)
+    assert [len(g) for g in got] == [16, 512, 1, 300]
+    for (ns, key, c, take), g in zip(pieces, got, strict=True):
+        assert g.tolist() == chunk_tokens(5, ns, key, c)[:take].tolist()
 
 
 def test_azure_2024_timestamps_carry_a_utc_offset():
