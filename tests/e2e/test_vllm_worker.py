@@ -52,7 +52,9 @@ RESULTS = ROOT / "build" / "vllm-prefix-hits.json"
 
 # a killed worker's group (EngineCore, model runner, guard, resource trackers) is gone within this: 1-2 s as a rule;
 # beside two busy loops (the processes run at nice 10) a frozen worker's took 30.5 s once and over 60 s once (the
-# bound then); with the guard limited to direct children the runner never exits, so a generous bound still fails it
+# bound then). Slow, not stuck: 20 s after a kill the EngineCore (memory already released) and the runner were both
+# running their exit, the resource tracker waiting for them. With the guard limited to direct children the runner
+# never exits, so a generous bound still fails it
 GROUP_EXIT_S = 180
 
 
