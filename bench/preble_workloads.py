@@ -381,7 +381,7 @@ def azure_mix(
 
 
 def _first_stamp_s(name: str) -> float:
-    """Seconds since 0001-01-01 of a named Azure trace's earliest row (parse_azure re-bases each file to 0)."""
+    """Seconds since 0001-01-01 of a named Azure trace's earliest row (load_trace re-bases each file to 0)."""
     _, path = resolve_trace_path(name)
     with open(path, newline="", encoding="utf-8") as f:
         rows = csv.DictReader(f)

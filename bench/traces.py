@@ -287,12 +287,12 @@ def _window(
     return Trace(name=name, requests=tuple(reqs), source=source, has_prefix_identity=rows.hash_ids is not None)
 
 
-def parse_mooncake(lines: Iterable[str], name: str = "mooncake", source: str = "") -> Trace:
+def parse_jsonl(lines: Iterable[str], name: str = "jsonl", source: str = "") -> Trace:
     """A whole JSONL trace, Mooncake's or Qwen-Bailian's (`load_trace` reads a window of a file)."""
     return _window(_read_jsonl(lines, source or name), name, source, 0.0, None, None)
 
 
-def parse_azure(lines: Iterable[str], name: str = "azure", source: str = "") -> Trace:
+def parse_csv(lines: Iterable[str], name: str = "csv", source: str = "") -> Trace:
     """A whole CSV trace of one of `CSV_FORMATS` (Azure's, BurstGPT's, splitwise-sim's). No prefix identity: every
     prompt is unique random tokens."""
     return _window(_read_csv(lines, source or name), name, source, 0.0, None, None)

@@ -16,8 +16,8 @@ from switchyard.bench.traces import (
     chunks_tokens,
     load_trace,
     mooncake_segments,
-    parse_azure,
-    parse_mooncake,
+    parse_csv,
+    parse_jsonl,
     prefix_hit_bound,
     scale_time,
     scale_to_rate,
@@ -34,7 +34,7 @@ MOONCAKE_ROWS = [
 
 
 def _mooncake():
-    return parse_mooncake(io.StringIO("\n".join(json.dumps(r) for r in MOONCAKE_ROWS) + "\n"))
+    return parse_jsonl(io.StringIO("\n".join(json.dumps(r) for r in MOONCAKE_ROWS) + "\n"))
 
 
 def test_mooncake_segments_truncate_the_last_block():
@@ -99,7 +99,7 @@ def test_azure_csv_crlf():
         "2023-11-16 18:15:50.9951690,396,109\r\n"
         "2023-11-16 18:16:00.0000000,0,0\r\n"
     )
-    t = parse_azure(io.StringIO(raw, newline=""))
+    t = parse_csv(io.StringIO(raw, newline=""))
     assert [r.arrival_s for r in t.requests] == pytest.approx([0.0, 4.314579, 13.31941])  # 50.995169 - 46.68059
     assert [r.num_prompt_tokens for r in t.requests] == [374, 396, 1]
     assert [r.num_output_tokens for r in t.requests] == [44, 109, 1]
@@ -166,11 +166,11 @@ def test_azure_2024_timestamps_carry_a_utc_offset():
         "2024-05-10 00:00:03.5,300,11\n"
         "2024-05-09 17:00:04-0700,400,13\n"
     )
-    t = parse_azure(io.StringIO(raw, newline=""))
+    t = parse_csv(io.StringIO(raw, newline=""))
     assert [r.arrival_s for r in t.requests] == pytest.approx([0.0, 0.99007, 1.99007, 3.49007, 3.99007])
     assert [r.num_prompt_tokens for r in t.requests] == [2162, 100, 200, 300, 400]
     with pytest.raises(ValueError, match="line 2"):  # the first data row's stamp is not a time
-        parse_azure(io.StringIO("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10,1,1\n"))
+        parse_csv(io.StringIO("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10,1,1\n"))
 
 
 def test_burstgpt_and_splitwise_csv(tmp_path):
