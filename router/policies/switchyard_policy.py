@@ -31,6 +31,17 @@ output tokens) on worker w:
                  D_in_w = Σ_x decode_marginal_s(m_x, c_x + (m_x − 1)/2)
              The marginal is linear in context, so the sum is one call at the m-weighted mean context. This is
              what predicted lengths buy: a batch that will live long costs a long request more than one draining.
+             Fill level (`decode_fill`, on since 2026-12-07): the batches now are not what r meets. While r
+             decodes, the router's next arrivals go to the lighter workers first, so a worker lighter than the
+             rest does not stay lighter: D_in_w = max(D_in_w, L), where L is the level F seconds of co-running
+             poured over the pool's D_in values reach, the lowest filled first (Σ_w max(0, L − D_in_w) = F):
+                 F = a × D_self × decode_marginal_s(⌊D/2⌋, P + ⌊D/2⌋)
+             (a = the model's arrivals per second, B's rate; each arrival during r's decode shares half of r's
+             iterations at r's context; priced with the first pool worker's profile). Without it a worker's
+             batch pushed r off its cache to an idle worker whose idleness the next arrivals end: follow-ups of a
+             multi-turn conversation spilled at light load, and the fleet recomputed their prefixes. Measured
+             (bench sim; README "Fill level"): 80 cells of the shared-prefix suite ×0.985 (geometric mean, 3
+             seeds), PreServe's ShareGPT near capacity SLO attainment +0.05 to +0.11.
     W_w      KV wait: when r's private prompt does not fit beside U'[0] (below), the iterations j* until
              U'[j*] + P_priv ≤ M_kv, times w's iteration at its batch: r waits for memory, not compute (FCFS
              admission blocks behind a full cache, which Q cannot see).
@@ -129,12 +140,15 @@ in bound order, O(requests on the worker + l) each, until the next bound exceeds
 worker whose cost without M, O and W already exceeds the best is dropped before those are priced. Exact: the
 same pick as pricing every worker (a test replays loaded runs both ways). It cuts most of the pricing where
 misses are dear (R spreads the bounds); where decode co-residency dominates (long answers, busy workers: the
-bound has no D_in) nearly every worker is still priced. bench decisions, 16 workers: see README.
+bound has no D_in) nearly every worker is still priced. The fill level reads every worker's batch once (its D_in:
+`ext/e2_select.decode_in`, O(requests on the worker)) before any is priced; each bound then holds d·L, as every
+cost does. bench decisions, 16 workers: see README.
 
 Ablation keys, one term dropped each: switchyard-no_queue, switchyard-no_prefix (R and M: no prefix awareness),
 switchyard-no_evict, switchyard-no_decode (D_self + D_in + λ·D_out), switchyard-no_interference,
-switchyard-no_behind, switchyard-no_overflow, switchyard-no_kv_wait; switchyard-e2_split (placement "e2"); and
-switchyard-no_mirror (router replicas side by side see only their own requests: `router.peer_mirror`).
+switchyard-no_behind, switchyard-no_overflow, switchyard-no_kv_wait; switchyard-e2_split (placement "e2");
+switchyard-no_fill (D_in without the fill level); and switchyard-no_mirror (router replicas side by side see only
+their own requests: `router.peer_mirror`).
 """
 
 from __future__ import annotations
@@ -153,6 +167,7 @@ from switchyard.ext.e2_select import (
     ArgminEnv,
     argmin_bounds,
     argmin_order,
+    decode_in,
     head_terms,
     raw_bounds,
 )
@@ -200,6 +215,8 @@ class SwitchyardConfig(E2Config):
     # Q_w, I_w: r's prefill joins the prompts queued on w when they fit one iteration (T + m <= B), instead of
     # running in an iteration of its own
     joint_prefill: bool = True
+    # D_in_w: at least the water level L the router's next arrivals fill the lighter workers to while r decodes
+    decode_fill: bool = True
     # T_mem: the KV fraction above which O prices the anticipated occupancy as preempted (PreServe §6: 0.8; why
     # 0.9 here: the module docstring's O)
     t_mem: float = Field(default=0.9, gt=0, le=1)
@@ -436,6 +453,22 @@ class Switchyard(PrebleE2):
         reqs = self.by_worker.get(w)
         return ant.batch(reqs) if reqs else ([], [])  # `ext/anticipator`: the records' loop in C
 
+    def fill_level(
+        self, pool: Sequence[WorkerView], ants: Sequence[Anticipator], p: int, d: int, rate: float
+    ) -> tuple[float, dict[WorkerId, tuple[list[tuple[int, int]], list[tuple[int, int, int]]]]]:
+        """(L, each pool worker's batch): the D_in r meets on any worker once the router's next arrivals have
+        filled the lighter ones (module docstring: D_in). `ants`: the pool's maps, synced now; `rate`: the
+        model's arrivals per second."""
+        batches = {}
+        d_in = []
+        for w, ant in zip(pool, ants, strict=True):
+            b = batches[w.worker_id] = self.batch(w.worker_id, ant)
+            d_in.append(decode_in(b[0], b[1], p, d, self.cost_model(w.worker_id)))
+        cost = self.cost_model(pool[0].worker_id)
+        # arrivals while r decodes alone (D_self), each sharing half of r's iterations at r's context
+        fill = rate * cost.decode_s(d, p + (d - 1) / 2) * cost.decode_marginal_s(max(1, d // 2), p + d // 2)
+        return water_level(d_in, fill), batches
+
     @staticmethod
     def occupancy(ant: Any, queued: list[tuple[int, int]], horizon: int) -> list[int]:
         """U'[j], j < horizon, in tokens: the map plus each queued x holding P_x + j for j < D_x from offset 0.
@@ -527,14 +560,16 @@ class Switchyard(PrebleE2):
     def terms(
         self, w: WorkerView, ctx: RoutingContext, cached_blocks: int, path: list[Any], d: int, now: float,
         beat: float | None = None, ant: Anticipator | None = None, arrivals_per_s: float = 0.0,
-        prefill_load: float = 0.0, load_span_s: float | None = None,
+        prefill_load: float = 0.0, load_span_s: float | None = None, level: float = 0.0,
+        batch: tuple[list[tuple[int, int]], list[tuple[int, int, int]]] | None = None,
     ) -> Terms | None:
         """Every term of w's cost; None when `beat` is given and the cost already exceeds it without M, or without
         M, O and W (M, an LRU eviction simulation, is the dearest term, then O and W's walk over the occupancy;
         all three are >= 0 and rounded float addition is monotone, so each partial sum is <= the total). `ant`:
         w's map already synced at `now` in this select (a second sync at the same `now` and the same Stats
         changes nothing), else it is synced here. `arrivals_per_s`: the requests expected at w per second (B_w;
-        0 prices no arrivals)."""
+        0 prices no arrivals). `level`: the fill level L, D_in's floor (`fill_level`; 0: none). `batch`: w's
+        `batch(w, ant)`, when the caller has it already."""
         cfg = self.sy
         lam = cfg.externality_weight
         wid = w.worker_id
@@ -547,7 +582,7 @@ class Switchyard(PrebleE2):
             m = self._evict_s(w, evict, now, self._protected(path))
         if ant is None:
             ant = self.tracker.sync(w, now)
-        running, queued = self.batch(wid, ant)
+        running, queued = batch if batch is not None else self.batch(wid, ant)
         # Q (batched, or E2's under "sum" pricing), D_self, D_co of the running and the queued, I (r's step gain
         # on each co-runner) and B: the requests that reach w before r's prefill is done wait behind it (FCFS
         # admission), each by its step, and under prefill load ρ they keep arriving until w's backlog drains
@@ -556,6 +591,9 @@ class Switchyard(PrebleE2):
         queue, d_self, d_in, d_out, interference, behind, missed, head, dec, inter = head_terms(
             self._argmin_env, w, cost, running, queued, p, d, cached_blocks, load, r, q, arrivals_per_s,
             prefill_load, load_span_s)
+        if d_in < level:  # the next arrivals fill w to L while r decodes (module docstring: D_in)
+            d_in = level
+            dec = cfg.decode_weight * (d_self + d_in + lam * d_out)
         # the total's sum, left to right: head + λe·M + d·D + λ·(i·I + b·B) + β·O + W (the same float as one
         # expression); the checks against `beat` price the terms not known yet at 0, in the same sum
         ew, ow, kw = lam * cfg.eviction_weight, cfg.overflow_weight, cfg.kv_wait_weight
@@ -586,7 +624,7 @@ class Switchyard(PrebleE2):
 
     # ------------------------------------------------------------------------------------------ select
     def select(self, ctx: RoutingContext, fleet: FleetView, now: float) -> Decision | None:
-        pool = self.pool(ctx, fleet)
+        pool = full = self.pool(ctx, fleet)
         if not pool:
             return None
         self._remember(fleet, pool, ctx.model)
@@ -606,33 +644,44 @@ class Switchyard(PrebleE2):
                 why = "explore"
         d = self.predicted_tokens(ctx)
         n = len(pool)
-        per_worker = self.arrival_rate(ctx.model).rate(now) / n  # B_w: an even share of the model's arrivals
+        rate = self.arrival_rate(ctx.model).rate(now)
+        per_worker = rate / n  # B_w: an even share of the model's arrivals
         turn = self._turn
         ants: list[Anticipator] | list[None]
-        if self.sy.prune:
+        level, batches = 0.0, None
+        if self.sy.decode_fill and rate > 0.0:
+            # L over the whole pool (the arrivals fill every routable worker, held prefix or not)
+            synced = self.tracker.sync_all(full, now)
+            level, batches = self.fill_level(full, synced, ctx.num_prompt_tokens, d, rate)
+            ants = synced if pool is full else self.tracker.sync_all(pool, now)
+        elif self.sy.prune:
             # every clock moves now, priced or not: the anticipator's integration of the iteration rate depends
             # on when it is sampled, so a pruned worker synced later would drift from the reference
             ants = self.tracker.sync_all(pool, now)
-            # (lower bound, E2's rotation (i - turn) mod n, i), ascending: the rotation is a permutation, so no two
-            # keys tie
-            order = argmin_order(self._argmin_env, pool, cached, ctx.num_prompt_tokens, d, turn)
         else:
             ants = [None] * n  # the reference: each worker synced as it is priced
+        if self.sy.prune:
+            # (lower bound, E2's rotation (i - turn) mod n, i), ascending: the rotation is a permutation, so no two
+            # keys tie (the bounds hold under L: it only raises D_in)
+            order = argmin_order(self._argmin_env, pool, cached, ctx.num_prompt_tokens, d, turn)
+        else:
             order = [(0.0, (i - turn) % n, i) for i in range(n)]
         terms: dict[WorkerId, Terms] = {}
         best: tuple[float, int] | None = None
         pick = pool[0]
         busy = self.busy if self.sy.busy_period and per_worker > 0.0 else {}  # B's ρ_w (none: ρ = 0)
+        lift = self.sy.decode_weight * level  # every cost holds d·L (D_in >= L); the bounds hold no D_in
         for bound, r, i in order:
             # exact: an unpriced worker costs >= its bound > the best cost (the margin absorbs float rounding
             # between the bound's and the total's sums, so a tie is always priced and broken by rotation)
             beat = None if best is None else best[0] + 1e-9 * max(1.0, best[0])
-            if beat is not None and bound > beat:
+            if beat is not None and bound + lift > beat:
                 break
             w = pool[i]
             wb = busy.get(w.worker_id)
             got = self.terms(w, ctx, cached[w.worker_id], path, d, now, beat if self.sy.prune else None, ants[i],
-                             per_worker, *(wb.load(now) if wb is not None else (0.0, None)))
+                             per_worker, *(wb.load(now) if wb is not None else (0.0, None)), level,
+                             batches[w.worker_id] if batches is not None else None)
             if got is None:
                 continue  # its cost without M (or M, O and W) already exceeds the best: they are not priced
             t = terms[w.worker_id] = got
@@ -783,6 +832,19 @@ class Switchyard(PrebleE2):
         return b.load(now)[0] if b is not None else 0.0
 
 
+def water_level(values: Sequence[float], fill: float) -> float:
+    """The level L that `fill` poured over `values` reaches, the lowest filled first: Σ max(0, L − v) = fill.
+    fill = 0: min(values)."""
+    s = sorted(values)
+    acc = 0.0
+    for k, v in enumerate(s):
+        acc += v
+        level = (fill + acc) / (k + 1)
+        if k + 1 == len(s) or level <= s[k + 1]:
+            return level
+    return 0.0
+
+
 def _variant(key: str, doc: str, **overrides: Any) -> Callable[[], Policy]:
     """A registry constructor: the default config with `overrides` (one ablated term)."""
 
@@ -809,6 +871,8 @@ ABLATIONS: dict[str, Callable[[], Policy]] = {
     "switchyard-no_behind": _variant("switchyard-no_behind", "without B", behind_weight=0.0),
     "switchyard-no_kv_wait": _variant("switchyard-no_kv_wait", "without W", kv_wait_weight=0.0),
     "switchyard-e2_split": _variant("switchyard-e2_split", "E2's exploit/explore split", placement="e2"),
+    # not a term: D_in as the worker's batch now, without the level L the next arrivals fill the lighter ones to
+    "switchyard-no_fill": _variant("switchyard-no_fill", "D_in without the fill level", decode_fill=False),
     # not a term: other router replicas' requests unseen (each replica knows only its own dispatches)
     "switchyard-no_mirror": _variant("switchyard-no_mirror", "without other replicas' requests", mirror_peers=False),
 }

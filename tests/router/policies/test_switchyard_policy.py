@@ -34,6 +34,7 @@ from switchyard.router.policies.switchyard_policy import (
     Switchyard,
     SwitchyardConfig,
     Terms,
+    water_level,
 )
 from switchyard.workers.engine.profiles import DEFAULT_PROFILE
 
@@ -416,7 +417,7 @@ def test_e2_skew_passes_and_l_run_only_where_they_steer(placement: str) -> None:
 
 
 def test_ablation_registry() -> None:
-    assert set(ABLATIONS) == set(DROPPED) | {"switchyard-e2_split", "switchyard-no_mirror"}
+    assert set(ABLATIONS) == set(DROPPED) | {"switchyard-e2_split", "switchyard-no_mirror", "switchyard-no_fill"}
     assert all(POLICIES[k] is v for k, v in ABLATIONS.items())
     assert make_policy("switchyard").name == "switchyard"
     split = make_policy("switchyard-e2_split")
@@ -879,6 +880,41 @@ def test_a_busy_fleet_keeps_a_follow_up_on_its_prefix_holder(busy_period: bool, 
     assert p.counters()["prefix_spills"] == (1 if expected == W1 else 0)
 
 
+def test_water_level_fills_the_lowest_values_first() -> None:
+    assert water_level([5.0, 0.0, 1.0], 3.0) == 2.0  # 0 and 1 filled to 2 (2 + 1 = 3); 5 stays above
+    assert water_level([5.0, 0.0, 1.0], 0.0) == 0.0  # nothing poured: the lowest
+    assert water_level([5.0, 0.0, 1.0], 12.0) == 6.0  # over every value: their mean + 12 / 3
+    assert water_level([0.2], 0.1) == pytest.approx(0.3)
+    assert water_level([], 1.0) == 0.0
+
+
+@pytest.mark.parametrize(("decode_fill", "expected"), [(False, W1), (True, W0)])
+def test_arrivals_filling_the_idle_worker_keep_a_follow_up_on_its_holder(
+    decode_fill: bool, expected: WorkerId
+) -> None:
+    """w0 holds 1,984 of r's 2,048 tokens and decodes 6 requests with 400 tokens left; w1 is idle. On the batches
+    as they are now, r's 100 tokens are slower on w0 (D_in ~0.15 s) than the 0.1 s of prefix it would recompute on
+    w1, so it spills. But 10 requests a second arrive, and while r decodes the router sends them to the lighter
+    worker: w1 fills past w0's batch (the fill level L > w0's D_in), so r meets the same co-runners either way,
+    and it stays with its prefix."""
+    p, fleet = policy(decode_fill=decode_fill)
+    rate = p.arrival_rate("m")
+    for i in range(93):  # with the 7 dispatches below, 100 arrivals over the last 10 s
+        rate.add(NOW - 10.0 + i * 9.0 / 93)
+    holder(p, fleet, req("a", 2048, shared=1984), W0)
+    for i in range(6):
+        dispatch(p, fleet, req(f"x{i}", 512, predicted=400), W0, running=True)
+    assert rate.rate(NOW) == pytest.approx(10.0)
+    r = req("r", 2048, shared=1984, predicted=100)
+    t = terms(p, fleet, r)  # the terms as the batches are now (no level)
+    assert t[W0].decode_in_s > t[W1].prefill_s - t[W0].prefill_s > 0.0 == t[W1].decode_in_s
+    pool = fleet.routable("m")
+    level, batches = p.fill_level(pool, p.tracker.sync_all(pool, NOW), 2048, 100, rate.rate(NOW))
+    assert level > t[W0].decode_in_s and batches[W1] == ([], [])
+    assert p.select(r, fleet, NOW).worker_id == expected
+    assert p.counters()["prefix_spills"] == (1 if expected == W1 else 0)
+
+
 def test_arrival_rate_counts_first_attempts_over_its_window() -> None:
     p, fleet = policy()
     assert p.arrival_rate("m").rate(NOW) == 0.0
@@ -901,7 +937,7 @@ def test_arrivals_behind_keep_a_follow_up_on_the_worker_prefilling_its_prefix(
     follow-up waits less on w1 even recomputing the prefix, so without B it spills; but its 2,048-token
     recompute there delays every request that reaches w1 meanwhile (13 arrivals/s over 2 workers), so with B it
     waits for the prefix on w0 and the fleet prefills it once."""
-    p, fleet = policy(behind_weight=behind_weight)
+    p, fleet = policy(behind_weight=behind_weight, decode_fill=False)  # B alone (the fill level holds r too)
     dispatch(p, fleet, req("c1", 2048, shared=2048), W0)
     dispatch(p, fleet, req("h", 2048), W0)
     dispatch(p, fleet, req("o", 2048), W1)
@@ -953,7 +989,7 @@ def test_arrivals_behind_count_every_replicas_requests_from_the_workers_stats(
     Then c1's follow-up arrives as in the test above. Read from the workers' Stats counters (every replica's
     requests), the rate is the fleet's, and this replica keeps the follow-up on w0 as one router seeing every
     arrival would; from its own dispatches alone it reads 6 req/s, prices B at half, and spills to w1."""
-    p, fleet = policy()
+    p, fleet = policy(decode_fill=False)  # B alone (the fill level holds r on w0 at either rate)
     start = NOW - 10.0
     p.select(req("first", 64), fleet, start)  # the replica's first select: it learns the model's workers
     p.on_tick(start)  # the workers' counters (0) are the baselines
