@@ -55,6 +55,8 @@ import operator
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+from switchyard.ext.e2_select_py import decode_in as batch_decode_in
+
 MAX_TOKENS = (1 << 31) - 1  # per request: prompt_tokens and predicted_tokens (keeps the C sums in int64)
 MAX_LEN = 1 << 20  # ring slots per worker (8 MiB of int64 in the C build)
 MAX_ITERATION = 1 << 62
@@ -237,6 +239,13 @@ class Anticipator:
             else:
                 queued.append((rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens))
         return running, queued
+
+    def decode_in(self, reqs: dict[Hashable, Any], d: int, cost: Any) -> float:
+        """D_in of a request of d predicted tokens beside `batch(reqs)`: `e2_select_py.decode_in` of that batch
+        (the default policy's fill level reads it for every worker each select; the Cython build sums the records
+        without building the batch)."""
+        running, queued = self.batch(reqs)
+        return batch_decode_in(running, queued, 0, d, cost)  # D_in's formula lives with the other terms
 
     def load_tokens(self, horizon: int) -> list[int]:
         return self._window(horizon)

@@ -141,8 +141,8 @@ worker whose cost without M, O and W already exceeds the best is dropped before 
 same pick as pricing every worker (a test replays loaded runs both ways). It cuts most of the pricing where
 misses are dear (R spreads the bounds); where decode co-residency dominates (long answers, busy workers: the
 bound has no D_in) nearly every worker is still priced. The fill level reads every worker's batch once (its D_in:
-`ext/e2_select.decode_in`, O(requests on the worker)) before any is priced; each bound then holds d·L, as every
-cost does. bench decisions, 16 workers: see README.
+`ext/anticipator.Anticipator.decode_in`, O(requests on the worker), no batch built) before any is priced; each
+bound then holds d·L, as every cost does. bench decisions, 16 workers: see README.
 
 Ablation keys, one term dropped each: switchyard-no_queue, switchyard-no_prefix (R and M: no prefix awareness),
 switchyard-no_evict, switchyard-no_decode (D_self + D_in + λ·D_out), switchyard-no_interference,
@@ -167,7 +167,6 @@ from switchyard.ext.e2_select import (
     ArgminEnv,
     argmin_bounds,
     argmin_order,
-    decode_in,
     head_terms,
     raw_bounds,
 )
@@ -455,19 +454,19 @@ class Switchyard(PrebleE2):
 
     def fill_level(
         self, pool: Sequence[WorkerView], ants: Sequence[Anticipator], p: int, d: int, rate: float
-    ) -> tuple[float, dict[WorkerId, tuple[list[tuple[int, int]], list[tuple[int, int, int]]]]]:
-        """(L, each pool worker's batch): the D_in r meets on any worker once the router's next arrivals have
-        filled the lighter ones (module docstring: D_in). `ants`: the pool's maps, synced now; `rate`: the
-        model's arrivals per second."""
-        batches = {}
+    ) -> float:
+        """L: the D_in r meets on any worker once the router's next arrivals have filled the lighter ones (module
+        docstring: D_in). `ants`: the pool's maps, synced now; `rate`: the model's arrivals per second. Each
+        worker's D_in is the one `terms` prices, summed over its records in C (`Anticipator.decode_in`)."""
+        by_worker, cost_model = self.by_worker, self.cost_model
         d_in = []
         for w, ant in zip(pool, ants, strict=True):
-            b = batches[w.worker_id] = self.batch(w.worker_id, ant)
-            d_in.append(decode_in(b[0], b[1], p, d, self.cost_model(w.worker_id)))
-        cost = self.cost_model(pool[0].worker_id)
+            reqs = by_worker.get(w.worker_id)
+            d_in.append(ant.decode_in(reqs, d, cost_model(w.worker_id)) if reqs else 0.0)
+        cost = cost_model(pool[0].worker_id)
         # arrivals while r decodes alone (D_self), each sharing half of r's iterations at r's context
         fill = rate * cost.decode_s(d, p + (d - 1) / 2) * cost.decode_marginal_s(max(1, d // 2), p + d // 2)
-        return water_level(d_in, fill), batches
+        return water_level(d_in, fill)
 
     @staticmethod
     def occupancy(ant: Any, queued: list[tuple[int, int]], horizon: int) -> list[int]:
@@ -561,15 +560,13 @@ class Switchyard(PrebleE2):
         self, w: WorkerView, ctx: RoutingContext, cached_blocks: int, path: list[Any], d: int, now: float,
         beat: float | None = None, ant: Anticipator | None = None, arrivals_per_s: float = 0.0,
         prefill_load: float = 0.0, load_span_s: float | None = None, level: float = 0.0,
-        batch: tuple[list[tuple[int, int]], list[tuple[int, int, int]]] | None = None,
     ) -> Terms | None:
         """Every term of w's cost; None when `beat` is given and the cost already exceeds it without M, or without
         M, O and W (M, an LRU eviction simulation, is the dearest term, then O and W's walk over the occupancy;
         all three are >= 0 and rounded float addition is monotone, so each partial sum is <= the total). `ant`:
         w's map already synced at `now` in this select (a second sync at the same `now` and the same Stats
         changes nothing), else it is synced here. `arrivals_per_s`: the requests expected at w per second (B_w;
-        0 prices no arrivals). `level`: the fill level L, D_in's floor (`fill_level`; 0: none). `batch`: w's
-        `batch(w, ant)`, when the caller has it already."""
+        0 prices no arrivals). `level`: the fill level L, D_in's floor (`fill_level`; 0: none)."""
         cfg = self.sy
         lam = cfg.externality_weight
         wid = w.worker_id
@@ -582,7 +579,7 @@ class Switchyard(PrebleE2):
             m = self._evict_s(w, evict, now, self._protected(path))
         if ant is None:
             ant = self.tracker.sync(w, now)
-        running, queued = batch if batch is not None else self.batch(wid, ant)
+        running, queued = self.batch(wid, ant)
         # Q (batched, or E2's under "sum" pricing), D_self, D_co of the running and the queued, I (r's step gain
         # on each co-runner) and B: the requests that reach w before r's prefill is done wait behind it (FCFS
         # admission), each by its step, and under prefill load ρ they keep arriving until w's backlog drains
@@ -648,11 +645,11 @@ class Switchyard(PrebleE2):
         per_worker = rate / n  # B_w: an even share of the model's arrivals
         turn = self._turn
         ants: list[Anticipator] | list[None]
-        level, batches = 0.0, None
+        level = 0.0
         if self.sy.decode_fill and rate > 0.0:
             # L over the whole pool (the arrivals fill every routable worker, held prefix or not)
             synced = self.tracker.sync_all(full, now)
-            level, batches = self.fill_level(full, synced, ctx.num_prompt_tokens, d, rate)
+            level = self.fill_level(full, synced, ctx.num_prompt_tokens, d, rate)
             ants = synced if pool is full else self.tracker.sync_all(pool, now)
         elif self.sy.prune:
             # every clock moves now, priced or not: the anticipator's integration of the iteration rate depends
@@ -680,8 +677,7 @@ class Switchyard(PrebleE2):
             w = pool[i]
             wb = busy.get(w.worker_id)
             got = self.terms(w, ctx, cached[w.worker_id], path, d, now, beat if self.sy.prune else None, ants[i],
-                             per_worker, *(wb.load(now) if wb is not None else (0.0, None)), level,
-                             batches[w.worker_id] if batches is not None else None)
+                             per_worker, *(wb.load(now) if wb is not None else (0.0, None)), level)
             if got is None:
                 continue  # its cost without M (or M, O and W) already exceeds the best: they are not priced
             t = terms[w.worker_id] = got

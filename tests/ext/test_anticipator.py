@@ -13,7 +13,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from switchyard.ext import anticipator, anticipator_py
+from switchyard.ext import anticipator, anticipator_py, e2_select_py
+from switchyard.router.policies.preble_cost import profile_cost
+from switchyard.workers.engine.profiles import PROFILES
 
 try:
     from switchyard.ext import _anticipator_c
@@ -242,10 +244,21 @@ def test_drains_to_zero_over_random_ops(impl) -> None:  # type: ignore[no-untype
     assert a.peak(4096) == 0.0 and a.remaining_decode_tokens() == 0 and a.resident_tokens() == 0
 
 
+class MarginalFit:
+    """A cost model without `terms` (a real vLLM worker's online fit): the Cython build must ask it."""
+
+    def decode_marginal_s(self, num_tokens: float, context_tokens: float) -> float:
+        return num_tokens * (1e-4 + context_tokens * 1e-8)
+
+
+COSTS = [*(profile_cost(name) for name in PROFILES), MarginalFit()]
+
+
 def test_batch_is_the_records_split_by_the_map(impl) -> None:  # type: ignore[no-untyped-def]
     """`batch` (the default policy's view of a worker's batch): a running record in the map with decode left is
     (remaining, whole prompt + generated); one running but finished or overrun-free past its end is left out;
-    anything not running or not in the map is queued as (prompt, private prompt, D); `reqs`' order is kept."""
+    anything not running or not in the map is queued as (prompt, private prompt, D); `reqs`' order is kept. And
+    `decode_in`, D_in over that batch (profile and fitted cost models)."""
     from types import SimpleNamespace as Req
 
     rng = random.Random(3)
@@ -270,6 +283,10 @@ def test_batch_is_the_records_split_by_the_map(impl) -> None:  # type: ignore[no
             else:
                 want_queued.append((rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens))
         assert a.batch(reqs) == (want_run, want_queued)
+        # D_in over that batch, summed from the records without building it: the same float as the formula's
+        for d in (1, 60, 400):
+            cost = rng.choice(COSTS)
+            assert a.decode_in(reqs, d, cost) == e2_select_py.decode_in(want_run, want_queued, 0, d, cost)
 
 
 # ---- claim 6: time advance ----------------------------------------------------------------------------------
