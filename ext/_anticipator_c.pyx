@@ -271,59 +271,57 @@ cdef class Anticipator:
         cdef Rec* r = self._get(rid)
         return (r.prompt, r.start, r.predicted, r.end)
 
-    def batch(self, dict reqs):
-        """As the reference's: the records read with the dict C API, each running one's Rec in C."""
-        cdef list running = [], queued = []
-        cdef Py_ssize_t pos = 0
+    cdef int _walk(self, dict reqs, list running, list queued, Py_ssize_t d, Py_ssize_t* m, double* own) except -1:
+        """`reqs`' records split by the map, as the reference's `batch` splits them, in `reqs`' order: appended to
+        `running` / `queued` when given (None: summed instead as `e2_select.decode_in` sums a batch's co-runners of
+        a request of d tokens: m[0], own[0] for the running, m[1], own[1] for the queued)."""
+        cdef Py_ssize_t pos = 0, rem, c, k_m
         cdef PyObject* k
         cdef PyObject* v
         cdef PyObject* got
         cdef Rec* r
         cdef object rq
+        cdef int i
         while PyDict_Next(reqs, &pos, &k, &v):
             rq = <object>v
             got = PyDict_GetItem(self._index, <object>k) if rq.running else NULL
             if got != NULL:
                 r = &self._recs[<Py_ssize_t>(<object>got)]
-                if r.end > self._it:
-                    running.append((r.end - self._it, rq.prompt_tokens + (self._it - r.start)))
+                if r.end <= self._it:
+                    continue
+                rem, c, i = r.end - self._it, rq.prompt_tokens + (self._it - r.start), 0
+                if running is not None:
+                    running.append((rem, c))
+                    continue
             else:
-                queued.append((rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens))
+                if queued is not None:
+                    queued.append((rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens))
+                    continue
+                rem, c, i = rq.predicted_tokens, rq.prompt_tokens, 1
+            k_m = rem if rem < d else d
+            m[i] += k_m
+            own[i] += <double>k_m * (<double>c + <double>(k_m - 1) / 2.0)
+        return 0
+
+    def batch(self, dict reqs):
+        """As the reference's: the records read with the dict C API, each running one's Rec in C."""
+        cdef list running = [], queued = []
+        self._walk(reqs, running, queued, 0, NULL, NULL)
         return running, queued
 
     def decode_in(self, dict reqs, Py_ssize_t d, cost):
         """As the reference's: `batch`'s records summed as `e2_select.decode_in` sums the batch (the same sums in
         the same order, ints below 2^53), without building it."""
-        cdef Py_ssize_t pos = 0, m, rem, c, m_run = 0, m_q = 0
-        cdef double half, own_run = 0.0, own_q = 0.0, in_run = 0.0, in_q = 0.0
-        cdef PyObject* k
-        cdef PyObject* v
-        cdef PyObject* got
-        cdef Rec* r
-        cdef object rq
-        while PyDict_Next(reqs, &pos, &k, &v):
-            rq = <object>v
-            got = PyDict_GetItem(self._index, <object>k) if rq.running else NULL
-            if got != NULL:
-                r = &self._recs[<Py_ssize_t>(<object>got)]
-                if r.end > self._it:
-                    rem = r.end - self._it
-                    c = rq.prompt_tokens + (self._it - r.start)
-                    m = rem if rem < d else d
-                    half = <double>(m - 1) / 2.0
-                    m_run += m
-                    own_run += <double>m * (<double>c + half)
-            else:
-                rem = rq.predicted_tokens
-                c = rq.prompt_tokens
-                m = rem if rem < d else d
-                half = <double>(m - 1) / 2.0
-                m_q += m
-                own_q += <double>m * (<double>c + half)
-        if m_run:
-            in_run = _decode_marginal_s(cost, <double>m_run, own_run / <double>m_run)
-        if m_q:
-            in_q = _decode_marginal_s(cost, <double>m_q, own_q / <double>m_q)
+        cdef Py_ssize_t m[2]
+        cdef double own[2]
+        cdef double in_run = 0.0, in_q = 0.0
+        m[0] = m[1] = 0
+        own[0] = own[1] = 0.0
+        self._walk(reqs, None, None, d, m, own)
+        if m[0]:
+            in_run = _decode_marginal_s(cost, <double>m[0], own[0] / <double>m[0])
+        if m[1]:
+            in_q = _decode_marginal_s(cost, <double>m[1], own[1] / <double>m[1])
         return in_run + in_q
 
     def load_tokens(self, horizon):
