@@ -273,8 +273,8 @@ cdef class Anticipator:
 
     cdef int _walk(self, dict reqs, list running, list queued, Py_ssize_t d, Py_ssize_t* m, double* own) except -1:
         """`reqs`' records split by the map, as the reference's `batch` splits them, in `reqs`' order: appended to
-        `running` / `queued` when given (None: summed instead as `e2_select.decode_in` sums a batch's co-runners of
-        a request of d tokens: m[0], own[0] for the running, m[1], own[1] for the queued)."""
+        `running` / `queued` when given (None: summed instead as `e2_select_py.decode_in` sums a batch's co-runners
+        of a request of d tokens: m[0], own[0] for the running, m[1], own[1] for the queued)."""
         cdef Py_ssize_t pos = 0, rem, c, k_m
         cdef PyObject* k
         cdef PyObject* v
@@ -310,8 +310,8 @@ cdef class Anticipator:
         return running, queued
 
     def decode_in(self, dict reqs, Py_ssize_t d, cost):
-        """As the reference's: `batch`'s records summed as `e2_select.decode_in` sums the batch (the same sums in
-        the same order, ints below 2^53), without building it."""
+        """As the reference's: `batch`'s records summed as `e2_select_py.decode_in` sums the batch (the same sums
+        in the same order, ints below 2^53), without building it."""
         cdef Py_ssize_t m[2]
         cdef double own[2]
         cdef double in_run = 0.0, in_q = 0.0

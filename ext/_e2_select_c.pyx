@@ -894,19 +894,6 @@ def head_terms(ArgminEnv env, w, cost, list running, list queued, Py_ssize_t p, 
             lam * (env.interference_term_weight * interference + env.behind_weight * behind))
 
 
-def decode_in(list running, list queued, Py_ssize_t p, Py_ssize_t d, cost):
-    """As `e2_select_py.decode_in`: `head_terms`' D_in, the same sums in the same order."""
-    cdef Py_ssize_t m_sum
-    cdef double own_ctx, pair_ctx, in_run = 0.0, in_q = 0.0
-    _co_sums(running, 0, 1, p, d, &m_sum, &own_ctx, &pair_ctx)
-    if m_sum:
-        in_run = _decode_marginal_s(cost, <double>m_sum, own_ctx / <double>m_sum)
-    _co_sums(queued, 2, 0, p, d, &m_sum, &own_ctx, &pair_ctx)
-    if m_sum:
-        in_q = _decode_marginal_s(cost, <double>m_sum, own_ctx / <double>m_sum)
-    return in_run + in_q
-
-
 def prefill(cost, Py_ssize_t missed, Py_ssize_t cached):
     """As `e2_select_py.prefill`."""
     return _prefill_s(cost, missed, cached)

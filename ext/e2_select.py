@@ -21,7 +21,6 @@ from switchyard.ext.e2_select_py import (
     cheapest,
     co_residency,
     decode,
-    decode_in,
     decode_marginal,
     exploit_set,
     head_terms,
@@ -45,7 +44,6 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
             cheapest,
             co_residency,
             decode,
-            decode_in,
             decode_marginal,
             exploit_set,
             head_terms,
@@ -61,6 +59,6 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
 
 __all__ = [
     "IMPLEMENTATION", "ArgminEnv", "BoundsEnv", "HeadTerms", "Outstanding", "Priced", "SelectEnv", "argmin_bounds",
-    "argmin_order", "cheapest", "co_residency", "decode", "decode_in", "decode_marginal", "exploit_set", "head_terms", "m_is_zero",
+    "argmin_order", "cheapest", "co_residency", "decode", "decode_marginal", "exploit_set", "head_terms", "m_is_zero",
     "prefill", "raw_bounds", "select_e2",
 ]

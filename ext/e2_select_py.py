@@ -17,8 +17,9 @@ Reference build (obviously correct); `_e2_select_c.pyx` is the Cython build, `e2
   DECODERATIO, the DEBUG line) and for M.
 - `argmin_bounds` / `argmin_order`: the default policy's (`switchyard`, placement "argmin") lower bound of each
   pool worker's cost, and the order its branch and bound prices them in (an `ArgminEnv` holds what they read);
-  `head_terms`, the terms it prices per worker before M, O and W; `decode_in`, its D_in alone (read for every
-  worker: the water level); `co_residency`, `decode`, `decode_marginal` and `prefill`, the formulas inside them.
+  `head_terms`, the terms it prices per worker before M, O and W; `co_residency`, `decode`, `decode_marginal` and
+  `prefill`, the formulas inside them; `decode_in`, head_terms' D_in alone (the definition the anticipator's
+  `decode_in` sums in C, for the default policy's fill level).
 
 Duck-typed (nothing here imports from `router/`): a worker view has `worker_id`, `kv_usage_frac`, `block_size`
 and `kv_capacity_blocks`; a cost model `prefill_s(missed, cached)` (the Cython build computes it in C from
@@ -456,7 +457,7 @@ def decode_in(
     running: Sequence[tuple[int, int]], queued: Sequence[tuple[int, int, int]], prompt_tokens: int, d: int, cost: Any
 ) -> float:
     """D_in alone, the float `head_terms` prices for the same batch (its running [(remaining, context)] and queued
-    [(prompt, private prompt, D)]): the default policy's water level reads it for every worker, pricing none."""
+    [(prompt, private prompt, D)]): the definition `Anticipator.decode_in` sums from its records."""
     return (co_residency(running, prompt_tokens, d, cost)[0]
             + co_residency([(dx, px) for px, _, dx in queued], prompt_tokens, d, cost)[0])
 

@@ -40,8 +40,9 @@ output tokens) on worker w:
              iterations at r's context; priced with the first pool worker's profile). Without it a worker's
              batch pushed r off its cache to an idle worker whose idleness the next arrivals end: follow-ups of a
              multi-turn conversation spilled at light load, and the fleet recomputed their prefixes. Measured
-             (bench sim; README "Fill level"): 80 cells of the shared-prefix suite ×0.985 (geometric mean, 3
-             seeds), PreServe's ShareGPT near capacity SLO attainment +0.05 to +0.11.
+             (bench sim, seeds 0-2, the same runs without it; README "Fill level"): ours ÷ the best peer at 8
+             workers and the peers' knee ×0.916 → ×0.871 (TTFT mean, p99, warm p99 of 8 workloads), over the
+             suite's 80 cells on 4 workers ×0.914 → ×0.900; PreServe's ShareGPT near capacity SLO +0.05 to +0.11.
     W_w      KV wait: when r's private prompt does not fit beside U'[0] (below), the iterations j* until
              U'[j*] + P_priv ≤ M_kv, times w's iteration at its batch: r waits for memory, not compute (FCFS
              admission blocks behind a full cache, which Q cannot see).
