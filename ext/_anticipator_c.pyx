@@ -19,6 +19,7 @@ from cpython.long cimport PyLong_Check
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.number cimport PyNumber_Index
 from cpython.object cimport PyObject
+from cpython.pycapsule cimport PyCapsule_New
 from libc.math cimport ceil, isfinite
 from libc.stdint cimport INT64_MAX, int64_t
 from libc.string cimport memset
@@ -36,6 +37,7 @@ ctypedef struct Rec:
     int64_t predicted   # D
     int64_t end         # absolute effective end (grows with overrun extensions, <= start + max_len)
     int64_t ext         # tokens per extension: max(1, ceil(ext_frac * D)), at most max_len
+    int64_t context     # tokens its decode attends to at its start (decode_in; default P)
 
 
 cdef int64_t _C_MAX_TOKENS = MAX_TOKENS
@@ -153,9 +155,10 @@ cdef class Anticipator:
 
     # ---- updates -----------------------------------------------------------------------------------------
 
-    def add(self, rid, prompt_tokens, predicted_tokens):
+    def add(self, rid, prompt_tokens, predicted_tokens, context_tokens=None):
         cdef int64_t p = _count(prompt_tokens, "prompt_tokens", _C_MAX_TOKENS)
         cdef int64_t d = _count(predicted_tokens, "predicted_tokens", _C_MAX_TOKENS)
+        cdef int64_t c = p if context_tokens is None else _count(context_tokens, "context_tokens", _C_MAX_TOKENS)
         if rid in self._index:
             raise ValueError(f"request {rid!r} is already in the map")
         cdef Rec* grown
@@ -181,6 +184,7 @@ cdef class Anticipator:
         r.predicted = d
         r.end = self._it + (d if d < self._max_len else self._max_len)
         r.ext = ext
+        r.context = c
         self._index[rid] = self._n
         self._rids.append(rid)
         self._n += 1
@@ -271,57 +275,59 @@ cdef class Anticipator:
         cdef Rec* r = self._get(rid)
         return (r.prompt, r.start, r.predicted, r.end)
 
-    cdef int _walk(self, dict reqs, list running, list queued, Py_ssize_t d, Py_ssize_t* m, double* own) except -1:
-        """`reqs`' records split by the map, as the reference's `batch` splits them, in `reqs`' order: appended to
-        `running` / `queued` when given (None: summed instead as `e2_select_py.decode_in` sums a batch's co-runners
-        of a request of d tokens: m[0], own[0] for the running, m[1], own[1] for the queued)."""
-        cdef Py_ssize_t pos = 0, rem, c, k_m
+    def batch(self, dict reqs):
+        """As the reference's: `reqs` read with the dict C API, each running one's Rec in C."""
+        cdef list running = [], queued = []
+        cdef Py_ssize_t pos = 0
         cdef PyObject* k
         cdef PyObject* v
         cdef PyObject* got
         cdef Rec* r
         cdef object rq
-        cdef int i
         while PyDict_Next(reqs, &pos, &k, &v):
             rq = <object>v
             got = PyDict_GetItem(self._index, <object>k) if rq.running else NULL
             if got != NULL:
                 r = &self._recs[<Py_ssize_t>(<object>got)]
-                if r.end <= self._it:
-                    continue
-                rem, c, i = r.end - self._it, rq.prompt_tokens + (self._it - r.start), 0
-                if running is not None:
-                    running.append((rem, c))
-                    continue
+                if r.end > self._it:
+                    running.append((r.end - self._it, rq.prompt_tokens + (self._it - r.start)))
             else:
-                if queued is not None:
-                    queued.append((rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens))
-                    continue
-                rem, c, i = rq.predicted_tokens, rq.prompt_tokens, 1
-            k_m = rem if rem < d else d
-            m[i] += k_m
-            own[i] += <double>k_m * (<double>c + <double>(k_m - 1) / 2.0)
-        return 0
-
-    def batch(self, dict reqs):
-        """As the reference's: the records read with the dict C API, each running one's Rec in C."""
-        cdef list running = [], queued = []
-        self._walk(reqs, running, queued, 0, NULL, NULL)
+                queued.append((rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens))
         return running, queued
 
-    def decode_in(self, dict reqs, Py_ssize_t d, cost):
-        """As the reference's: `batch`'s records summed as `e2_select_py.decode_in` sums the batch (the same sums
-        in the same order, ints below 2^53), without building it."""
-        cdef Py_ssize_t m[2]
-        cdef double own[2]
-        cdef double in_run = 0.0, in_q = 0.0
-        m[0] = m[1] = 0
-        own[0] = own[1] = 0.0
-        self._walk(reqs, None, None, d, m, own)
-        if m[0]:
-            in_run = _decode_marginal_s(cost, <double>m[0], own[0] / <double>m[0])
-        if m[1]:
-            in_q = _decode_marginal_s(cost, <double>m[1], own[1] / <double>m[1])
+    def decode_in(self, dict queued, Py_ssize_t d, cost):
+        """As the reference's: the records summed in C, then `queued` read with the dict C API. Each term
+        m·(c + (m - 1)/2) is a multiple of 1/2, so the sums equal the reference's in any order below 2^53."""
+        return self._decode_in(queued, d, cost)
+
+    cdef double _decode_in(self, dict queued, Py_ssize_t d, object cost) except? -1.0:
+        cdef int64_t it = self._it, rem, k_m, m_run = 0, m_q = 0
+        cdef double own_run = 0.0, own_q = 0.0, in_run = 0.0, in_q = 0.0
+        cdef Py_ssize_t i, pos = 0
+        cdef Rec* r
+        cdef PyObject* key
+        cdef PyObject* v
+        cdef object rq
+        with nogil:
+            for i in range(self._n):
+                r = &self._recs[i]
+                if r.end <= it:
+                    continue
+                rem = r.end - it
+                k_m = rem if rem < d else d
+                m_run += k_m
+                own_run += <double>k_m * (<double>(r.context + (it - r.start)) + <double>(k_m - 1) / 2.0)
+        while PyDict_Next(queued, &pos, &key, &v):
+            rq = <object>v
+            rem = rq.predicted_tokens
+            k_m = rem if rem < d else d
+            m_q += k_m
+            rem = rq.prompt_tokens
+            own_q += <double>k_m * (<double>rem + <double>(k_m - 1) / 2.0)
+        if m_run:
+            in_run = _decode_marginal_s(cost, <double>m_run, own_run / <double>m_run)
+        if m_q:
+            in_q = _decode_marginal_s(cost, <double>m_q, own_q / <double>m_q)
         return in_run + in_q
 
     def load_tokens(self, horizon):
@@ -526,3 +532,12 @@ def sync_known(dict states, pool, double now):
         (<IterationClock>clock)._advance(ant, now)
         out.append(ant)
     return out
+
+
+cdef double _decode_in_of(object ant, dict queued, Py_ssize_t d, object cost) except? -1.0:
+    return (<Anticipator>ant)._decode_in(queued, d, cost)
+
+
+# `Anticipator.decode_in` for `_e2_select_c.fill_level`, a C call per pool worker where a method call parsed three
+# arguments and boxed the float; the capsule's name is the contract: `DecodeInFn`, the same typedef in both modules
+DECODE_IN_C = PyCapsule_New(<void*>_decode_in_of, "switchyard.ext._anticipator_c.DecodeInFn", NULL)

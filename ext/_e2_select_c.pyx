@@ -23,6 +23,7 @@ from cpython.pycapsule cimport PyCapsule_GetPointer
 from cpython.tuple cimport PyTuple_CheckExact, PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from libc.math cimport frexp, ldexp, signbit
 from libc.stdint cimport uint64_t
+from libc.stdlib cimport qsort
 
 include "_profile_cost.pxi"  # _prefill_s, PyFloat_AsDouble
 
@@ -48,6 +49,25 @@ if _PRICE_C is not None:
     _order_c = _EvictionOrder
     _cold_covers_c = <ColdCoversFn>PyCapsule_GetPointer(_COLD_COVERS_C, "switchyard.ext._lru_order_c.ColdCoversFn")
     _index_c = _LruIndexCore
+
+
+# `Anticipator.decode_in` as a C call (`_anticipator_c.DECODE_IN_C`, typedef `DecodeInFn`) for `fill_level` on the
+# Cython build's anticipators; any other (the reference's) is called through Python
+ctypedef double (*DecodeInFn)(object, dict, Py_ssize_t, object) except? -1.0
+cdef DecodeInFn _decode_in_c = NULL
+cdef object _anticipator_c = None
+try:
+    from switchyard.ext._anticipator_c import Anticipator as _Anticipator, DECODE_IN_C as _DECODE_IN_C
+except ImportError:  # pragma: no cover - a build without it calls `decode_in` through Python
+    _DECODE_IN_C = None
+if _DECODE_IN_C is not None:
+    _decode_in_c = <DecodeInFn>PyCapsule_GetPointer(_DECODE_IN_C, "switchyard.ext._anticipator_c.DecodeInFn")
+    _anticipator_c = _Anticipator
+
+
+def c_decode_in_type():
+    """The anticipator type whose `decode_in` `fill_level` reads with a C call (None: every one through Python)."""
+    return _anticipator_c if _decode_in_c != NULL else None
 
 
 def c_priced_order_type():
@@ -927,3 +947,74 @@ def co_residency(list batch, Py_ssize_t prompt_tokens, Py_ssize_t d, cost):
         return 0.0, 0.0
     return (_decode_marginal_s(cost, <double>m_sum, own_ctx / <double>m_sum),
             _decode_marginal_s(cost, <double>m_sum, pair_ctx / <double>m_sum))
+
+
+cdef dict _NO_QUEUED = {}  # a worker with no queued requests (read only)
+
+
+cdef int _cmp_double(const void* a, const void* b) noexcept nogil:
+    cdef double x = (<const double*>a)[0], y = (<const double*>b)[0]
+    return (x > y) - (x < y)
+
+
+cdef double _water_level(double* s, Py_ssize_t n, double fill) noexcept nogil:
+    """As `e2_select_py.water_level` over s[0..n), sorted here in place (equal values sum alike in any order)."""
+    cdef double acc = 0.0, level
+    cdef Py_ssize_t k
+    qsort(s, n, sizeof(double), _cmp_double)
+    for k in range(n):
+        acc += s[k]
+        level = (fill + acc) / <double>(k + 1)
+        if k + 1 == n or level <= s[k + 1]:
+            return level
+    return 0.0
+
+
+def water_level(values, double fill):
+    """As `e2_select_py.water_level`."""
+    cdef Py_ssize_t n = len(values), i
+    cdef double* s = <double*>PyMem_Malloc((n if n else 1) * sizeof(double))
+    if s == NULL:
+        raise MemoryError()
+    try:
+        for i in range(n):
+            s[i] = values[i]
+        return _water_level(s, n, fill)
+    finally:
+        PyMem_Free(s)
+
+
+def fill_level(ArgminEnv env, pool, ants, dict queued, Py_ssize_t p, Py_ssize_t d, double rate):
+    """As `e2_select_py.fill_level`: the pool read once in C (the cost memo, `queued`), each worker's `decode_in` a
+    C call on the Cython build's anticipators (`DECODE_IN_C`), F's two formulas and the water level in C."""
+    cdef Py_ssize_t n = len(pool), i = 0
+    if len(ants) != n:
+        raise ValueError("fill_level: the pool and its anticipators differ in length")
+    if n == 0:
+        return 0.0
+    cdef double* s = <double*>PyMem_Malloc(n * sizeof(double))
+    if s == NULL:
+        raise MemoryError()
+    cdef object wid, cost, cost0 = None, q
+    cdef PyObject* got
+    cdef Py_ssize_t half = d // 2
+    cdef double fill
+    try:
+        for w, ant in zip(pool, ants):
+            wid = w.worker_id
+            cost = _cost_of(env.cost_memo, env.cost_model, wid)
+            if i == 0:
+                cost0 = cost
+            got = PyDict_GetItem(queued, wid)
+            q = <object>got if got is not NULL else _NO_QUEUED
+            if _decode_in_c != NULL and type(ant) is _anticipator_c and type(q) is dict:
+                s[i] = _decode_in_c(ant, <dict>q, d, cost)
+            else:
+                s[i] = PyFloat_AsDouble(ant.decode_in(q, d, cost))
+            i += 1
+        # arrivals while r decodes alone (D_self), each sharing half of r's iterations at r's context
+        fill = (rate * _decode_s(cost0, d, <double>p + <double>(d - 1) / 2.0)
+                * _decode_marginal_s(cost0, <double>(half if half > 1 else 1), <double>(p + half)))
+        return _water_level(s, n, fill)
+    finally:
+        PyMem_Free(s)

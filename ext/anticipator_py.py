@@ -8,9 +8,12 @@ to hold. Offset 0 is absolute iteration `iteration` (the next decode iteration);
 map bit for bit (no float drift, claim 5); only the queries divide by `capacity_tokens`.
 
     a = Anticipator(capacity_tokens, max_len=4096, ext_frac=0.2)
-    a.add(rid, prompt_tokens, predicted_tokens)  # after prefill: record {P, start=iteration, predicted=D,
+    a.add(rid, prompt_tokens, predicted_tokens, context_tokens=None)
+                                                 # after prefill: record {P, start=iteration, predicted=D,
                                                  # end=start+min(D, max_len)}; offset i in [0, end-start) gets
-                                                 # += P + i. Duplicate rid -> ValueError
+                                                 # += P + i. Duplicate rid -> ValueError. context_tokens (default
+                                                 # P): the tokens its decode attends to at the start, shared
+                                                 # prefix included (read by decode_in alone, not the map)
     a.advance_to(iteration)                      # offset 0 moves forward (never back: ValueError); moved-over
                                                  # slots are dropped. A live record with end <= iteration has
                                                  # overrun its prediction: it gets extensions of
@@ -25,6 +28,9 @@ map bit for bit (no float drift, claim 5); only the queries divide by `capacity_
     a.iteration -> int                           # absolute index of offset 0
     a.generated(rid) -> int                      # iteration - start: tokens decoded as the map assumes
     a.record(rid) -> (prompt_tokens, start, predicted_tokens, end)   # end = effective end (absolute)
+    a.decode_in(queued, D, cost) -> float        # D_in of a request of D predicted tokens beside the records
+                                                 # with decode left (remaining end - iteration, context +
+                                                 # generated) and `queued` ({rid: request not yet running})
     a.load_tokens(horizon) -> list[int]          # U[0..h) in tokens (exact)
     a.occupancy(offset) -> float                 # U[offset] / capacity (0.0 beyond the map)
     a.peak(horizon=100) -> float                 # max_{j<h} U[j] / capacity (0.0 for h = 0)
@@ -35,7 +41,7 @@ map bit for bit (no float drift, claim 5); only the queries divide by `capacity_
     a.resident_tokens() -> int                   # U[0] in tokens
 
 Validation (both builds): token counts and iterations are ints (operator.index: floats raise TypeError);
-tokens in [0, MAX_TOKENS], iterations in [0, MAX_ITERATION], 1 <= capacity_tokens <= MAX_CAPACITY,
+tokens (context_tokens too) in [0, MAX_TOKENS], iterations in [0, MAX_ITERATION], 1 <= capacity_tokens <= MAX_CAPACITY,
 1 <= max_len <= MAX_LEN, ext_frac finite and >= 0, horizon and offset >= 0; otherwise ValueError. A horizon is
 clamped to max_len: no record reaches past offset max_len - 1, and `overload_fraction` divides by the clamped
 horizon. An unknown rid in generated/record -> KeyError. `predicted_tokens = 0` is allowed: such a record holds
@@ -45,7 +51,7 @@ the current iteration; it runs the overrun check).
 Cost (R records, h horizon, D predicted): add O(min(D, max_len)); finish O(end - iteration); advance_to O(1)
 when no record reached its end (a lower bound on the earliest end is kept), else O(R + extension lengths),
 plus O(moved slots) capped at the ring size; peak / virtual_peak / overload_fraction O(h);
-remaining_decode_tokens O(R).
+remaining_decode_tokens O(R); decode_in O(R + queued) (in C, no Python object per record).
 """
 
 from __future__ import annotations
@@ -74,14 +80,15 @@ def _count(value: object, name: str, upper: int = MAX_TOKENS) -> int:
 class _Record:
     """One request past prefill. `end` is absolute and grows with each overrun extension."""
 
-    __slots__ = ("prompt", "start", "predicted", "end", "ext")
+    __slots__ = ("prompt", "start", "predicted", "end", "ext", "context")
 
-    def __init__(self, prompt: int, start: int, predicted: int, end: int, ext: int) -> None:
+    def __init__(self, prompt: int, start: int, predicted: int, end: int, ext: int, context: int) -> None:
         self.prompt = prompt
         self.start = start
         self.predicted = predicted
         self.end = end
         self.ext = ext  # tokens per overrun extension: max(1, ceil(ext_frac * predicted)), at most max_len
+        self.context = context  # the tokens its decode attends to at its start (decode_in), shared ones included
 
 
 class Anticipator:
@@ -158,9 +165,10 @@ class Anticipator:
 
     # ---- updates -----------------------------------------------------------------------------------------
 
-    def add(self, rid: Hashable, prompt_tokens: int, predicted_tokens: int) -> None:
+    def add(self, rid: Hashable, prompt_tokens: int, predicted_tokens: int, context_tokens: int | None = None) -> None:
         p = _count(prompt_tokens, "prompt_tokens")
         d = _count(predicted_tokens, "predicted_tokens")
+        c = p if context_tokens is None else _count(context_tokens, "context_tokens")
         if rid in self._records:
             raise ValueError(f"request {rid!r} is already in the map")
         start = self._it
@@ -168,7 +176,7 @@ class Anticipator:
         x = self._ext_frac * d
         # an extension longer than max_len would be capped anyway (and this keeps C's cast in range)
         ext = self._max_len if x >= self._max_len else max(1, math.ceil(x))
-        self._records[rid] = _Record(p, start, d, end, ext)
+        self._records[rid] = _Record(p, start, d, end, ext, c)
         self._add_range(start, end, p, +1)
         if end < start + self._max_len:
             self._min_end = min(self._min_end, end)
@@ -240,12 +248,19 @@ class Anticipator:
                 queued.append((rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens))
         return running, queued
 
-    def decode_in(self, reqs: dict[Hashable, Any], d: int, cost: Any) -> float:
-        """D_in of a request of d predicted tokens beside `batch(reqs)`: `e2_select_py.decode_in` of that batch
-        (the default policy's fill level reads it for every worker each select; the Cython build sums the records
-        without building the batch)."""
-        running, queued = self.batch(reqs)
-        return batch_decode_in(running, queued, 0, d, cost)  # D_in's formula lives with the other terms
+    def decode_in(self, queued: dict[Hashable, Any], d: int, cost: Any) -> float:
+        """D_in of a request of d predicted tokens on this worker: `e2_select_py.decode_in` over the records with
+        decode left as the running batch ((end - iteration, context + generated), the map's order) and `queued`
+        ({rid: request with `prompt_tokens`, `kv_prompt_tokens`, `predicted_tokens`}, none of them in the map).
+
+        The default policy's fill level reads it for every worker each select. Where a router keeps the map and
+        its requests in lockstep (the anticipation tracker: a request is in the map exactly while it runs, with
+        its whole prompt as context), this equals D_in over `batch` of all its requests, which a test checks; the
+        Cython build sums the records in C, with no Python object per record."""
+        it = self._it
+        running = [(r.end - it, r.context + it - r.start) for r in self._records.values() if r.end > it]
+        waiting = [(rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens) for rq in queued.values()]
+        return batch_decode_in(running, waiting, 0, d, cost)  # D_in's formula lives with the other terms
 
     def load_tokens(self, horizon: int) -> list[int]:
         return self._window(horizon)

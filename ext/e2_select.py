@@ -1,5 +1,5 @@
-"""Selects E2's per-select loops and the default policy's bound pass and per-worker terms: the Cython build when
-present, else the Python reference.
+"""Selects E2's per-select loops and the default policy's bound pass, fill level and per-worker terms: the Cython
+build when present, else the Python reference.
 
 SWITCHYARD_NO_EXTENSIONS=1 forces the reference. `IMPLEMENTATION` says which one loaded. The contract is the
 docstring of `e2_select_py`.
@@ -23,11 +23,13 @@ from switchyard.ext.e2_select_py import (
     decode,
     decode_marginal,
     exploit_set,
+    fill_level,
     head_terms,
     m_is_zero,
     prefill,
     raw_bounds,
     select_e2,
+    water_level,
 )
 
 IMPLEMENTATION = "py"
@@ -46,11 +48,13 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
             decode,
             decode_marginal,
             exploit_set,
+            fill_level,
             head_terms,
             m_is_zero,
             prefill,
             raw_bounds,
             select_e2,
+            water_level,
         )
 
         IMPLEMENTATION = "c"
@@ -59,6 +63,6 @@ if not os.environ.get("SWITCHYARD_NO_EXTENSIONS"):
 
 __all__ = [
     "IMPLEMENTATION", "ArgminEnv", "BoundsEnv", "HeadTerms", "Outstanding", "Priced", "SelectEnv", "argmin_bounds",
-    "argmin_order", "cheapest", "co_residency", "decode", "decode_marginal", "exploit_set", "head_terms", "m_is_zero",
-    "prefill", "raw_bounds", "select_e2",
+    "argmin_order", "cheapest", "co_residency", "decode", "decode_marginal", "exploit_set", "fill_level", "head_terms",
+    "m_is_zero", "prefill", "raw_bounds", "select_e2", "water_level",
 ]

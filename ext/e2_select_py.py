@@ -19,7 +19,8 @@ Reference build (obviously correct); `_e2_select_c.pyx` is the Cython build, `e2
   pool worker's cost, and the order its branch and bound prices them in (an `ArgminEnv` holds what they read);
   `head_terms`, the terms it prices per worker before M, O and W; `co_residency`, `decode`, `decode_marginal` and
   `prefill`, the formulas inside them; `decode_in`, head_terms' D_in alone (the definition the anticipator's
-  `decode_in` sums in C, for the default policy's fill level).
+  `decode_in` sums in C); `fill_level`, the level the default policy raises every D_in to before pricing
+  (every pool worker's `decode_in`, then `water_level`).
 
 Duck-typed (nothing here imports from `router/`): a worker view has `worker_id`, `kv_usage_frac`, `block_size`
 and `kv_capacity_blocks`; a cost model `prefill_s(missed, cached)` (the Cython build computes it in C from
@@ -460,6 +461,46 @@ def decode_in(
     [(prompt, private prompt, D)]): the definition `Anticipator.decode_in` sums from its records."""
     return (co_residency(running, prompt_tokens, d, cost)[0]
             + co_residency([(dx, px) for px, _, dx in queued], prompt_tokens, d, cost)[0])
+
+
+_NO_QUEUED: dict[Any, Any] = {}  # a worker with no queued requests (read only)
+
+
+def fill_level(
+    env: ArgminEnv, pool: Sequence[Any], ants: Sequence[Any], queued: dict[Any, dict[Any, Any]], p: int, d: int,
+    rate: float,
+) -> float:
+    """The default policy's fill level L for a request of p prompt tokens and d predicted tokens, `rate` arrivals
+    a second: the D_in it meets on any pool worker once the next arrivals have filled the lighter ones.
+
+    Each worker's D_in is its anticipator's `decode_in` (`ants`, in pool order: its records and `queued[w]`, the
+    requests dispatched to it without a first token), with its cost model; F = rate × D_self × the marginal of
+    sharing half of r's iterations, ⌊d/2⌋ tokens at context p + ⌊d/2⌋ (the first pool worker's cost model);
+    L = `water_level` of the D_in values and F. 0.0 for an empty pool."""
+    if not pool:
+        return 0.0
+    d_in = []
+    for w, ant in zip(pool, ants, strict=True):
+        wid = w.worker_id
+        d_in.append(ant.decode_in(queued.get(wid, _NO_QUEUED), d, env.cost_memo.get(wid) or env.cost_model(wid)))
+    wid = pool[0].worker_id
+    cost = env.cost_memo.get(wid) or env.cost_model(wid)
+    # arrivals while r decodes alone (D_self), each sharing half of r's iterations at r's context
+    fill = rate * cost.decode_s(d, p + (d - 1) / 2) * cost.decode_marginal_s(max(1, d // 2), p + d // 2)
+    return water_level(d_in, fill)
+
+
+def water_level(values: Sequence[float], fill: float) -> float:
+    """The level L that `fill` poured over `values` reaches, the lowest filled first: Σ max(0, L − v) = fill.
+    fill = 0: min(values); no values: 0.0."""
+    s = sorted(values)
+    acc = 0.0
+    for k, v in enumerate(s):
+        acc += v
+        level = (fill + acc) / (k + 1)
+        if k + 1 == len(s) or level <= s[k + 1]:
+            return level
+    return 0.0
 
 
 def co_residency(batch: Sequence[tuple[int, int]], prompt_tokens: int, d: int, cost: Any) -> tuple[float, float]:

@@ -8,7 +8,9 @@ same in the daemon and in `bench/sim.py`:
                      └──────────── finish / abort ───────────────────────┴──> dropped (Anticipator.finish)
 
 A request enters the map once its prefill completes (the paper's rule, §5.5: queued requests are the router's
-L_p term, not the map's), and leaves it at finish or abort (an early finish drops its unused tail, §5.2).
+L_p term, not the map's), and leaves it at finish or abort (an early finish drops its unused tail, §5.2). Its
+record holds the KV it adds (the caller's `prompt_tokens`: its private part) and, as its context, its whole prompt:
+what its decode attends to, which the default policy's D_in reads from the map (`Anticipator.decode_in`).
 
 Iteration clock (§5.3 [inferred]; the paper does not say how the map moves): the map's offset 0 must track the
 worker's next decode iteration. The router sees the worker's iteration counter only in Stats (every ~0.2 s), so
@@ -52,6 +54,7 @@ class _Request:
     worker_id: WorkerId
     prompt_tokens: int
     predicted_tokens: int
+    context_tokens: int = 0  # its whole prompt, shared prefix included: what its decode attends to
     running: bool = False  # past its first token: in the anticipator (or deferred until the worker is synced)
 
 
@@ -97,7 +100,8 @@ class AnticipationTracker:
             old = self._requests[ctx.request_id]
             self.on_abort(ctx.request_id, old.worker_id, now)
         d = max(1, min(int(predicted_tokens), self.max_len))
-        req = _Request(worker_id, ctx.num_prompt_tokens if prompt_tokens is None else prompt_tokens, d)
+        req = _Request(worker_id, ctx.num_prompt_tokens if prompt_tokens is None else prompt_tokens, d,
+                       ctx.num_prompt_tokens)
         self._requests[ctx.request_id] = req
         st = self._worker(worker_id)
         st.queued_prefill_tokens += req.prompt_tokens
@@ -117,7 +121,7 @@ class AnticipationTracker:
             st.deferred[request_id] = req
             return
         self._advance(st, now)  # the batch is about to change: integrate the clock up to now first
-        ant.add(request_id, req.prompt_tokens, req.predicted_tokens)
+        ant.add(request_id, req.prompt_tokens, req.predicted_tokens, req.context_tokens)
 
     def on_finish(self, request_id: str, worker_id: WorkerId, now: float) -> None:
         """Done (early, on time or after extensions): its future contribution leaves the map."""
@@ -228,7 +232,7 @@ class AnticipationTracker:
         # counts from 0 at first sight
         st.clock = IterationClock(profile_cost(name) if name else None, self._default_cost, now)
         for rid, req in st.deferred.items():
-            ant.add(rid, req.prompt_tokens, req.predicted_tokens)
+            ant.add(rid, req.prompt_tokens, req.predicted_tokens, req.context_tokens)
         st.deferred.clear()
         return ant
 

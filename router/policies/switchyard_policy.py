@@ -141,9 +141,10 @@ in bound order, O(requests on the worker + l) each, until the next bound exceeds
 worker whose cost without M, O and W already exceeds the best is dropped before those are priced. Exact: the
 same pick as pricing every worker (a test replays loaded runs both ways). It cuts most of the pricing where
 misses are dear (R spreads the bounds); where decode co-residency dominates (long answers, busy workers: the
-bound has no D_in) nearly every worker is still priced. The fill level reads every worker's batch once (its D_in:
-`ext/anticipator.Anticipator.decode_in`, O(requests on the worker), no batch built) before any is priced; each
-bound then holds d·L, as every cost does. bench decisions, 16 workers: see README.
+bound has no D_in) nearly every worker is still priced. The fill level reads every worker's D_in once before any
+is priced (`ext/e2_select.fill_level`: each worker's `Anticipator.decode_in` sums its map's records in C, O(records),
+and its requests without a first token, `queued`); each bound then holds d·L, as every cost does. bench
+decisions, 16 workers: see README.
 
 Ablation keys, one term dropped each: switchyard-no_queue, switchyard-no_prefix (R and M: no prefix awareness),
 switchyard-no_evict, switchyard-no_decode (D_self + D_in + λ·D_out), switchyard-no_interference,
@@ -168,6 +169,7 @@ from switchyard.ext.e2_select import (
     ArgminEnv,
     argmin_bounds,
     argmin_order,
+    fill_level,
     head_terms,
     raw_bounds,
 )
@@ -406,6 +408,7 @@ class Switchyard(PrebleE2):
         self.reqs: dict[str, _Req] = {}
         self.by_worker: dict[WorkerId, dict[str, _Req]] = {}
         self.num_queued: dict[WorkerId, int] = {}  # requests of by_worker[w] without a first token yet
+        self.queued: dict[WorkerId, dict[str, _Req]] = {}  # those requests (the rest of by_worker[w] is w's map)
         self.busy: dict[WorkerId, BusyFraction] = {}  # when num_queued[w] > 0, for B's busy period
         self.arrivals: dict[str, ArrivalRate] = {}  # per model, for B_w
         # selects that left a prefix's best holder where E2 would have exploited it (`counters`)
@@ -452,22 +455,6 @@ class Switchyard(PrebleE2):
         """
         reqs = self.by_worker.get(w)
         return ant.batch(reqs) if reqs else ([], [])  # `ext/anticipator`: the records' loop in C
-
-    def fill_level(
-        self, pool: Sequence[WorkerView], ants: Sequence[Anticipator], p: int, d: int, rate: float
-    ) -> float:
-        """L: the D_in r meets on any worker once the router's next arrivals have filled the lighter ones (module
-        docstring: D_in). `ants`: the pool's maps, synced now; `rate`: the model's arrivals per second. Each
-        worker's D_in is the one `terms` prices, summed over its records in C (`Anticipator.decode_in`)."""
-        by_worker, cost_model = self.by_worker, self.cost_model
-        d_in = []
-        for w, ant in zip(pool, ants, strict=True):
-            reqs = by_worker.get(w.worker_id)
-            d_in.append(ant.decode_in(reqs, d, cost_model(w.worker_id)) if reqs else 0.0)
-        cost = cost_model(pool[0].worker_id)
-        # arrivals while r decodes alone (D_self), each sharing half of r's iterations at r's context
-        fill = rate * cost.decode_s(d, p + (d - 1) / 2) * cost.decode_marginal_s(max(1, d // 2), p + d // 2)
-        return water_level(d_in, fill)
 
     @staticmethod
     def occupancy(ant: Any, queued: list[tuple[int, int]], horizon: int) -> list[int]:
@@ -650,7 +637,7 @@ class Switchyard(PrebleE2):
         if self.sy.decode_fill and rate > 0.0:
             # L over the whole pool (the arrivals fill every routable worker, held prefix or not)
             synced = self.tracker.sync_all(full, now)
-            level = self.fill_level(full, synced, ctx.num_prompt_tokens, d, rate)
+            level = fill_level(self._argmin_env, full, synced, self.queued, ctx.num_prompt_tokens, d, rate)
             ants = synced if pool is full else self.tracker.sync_all(pool, now)
         elif self.sy.prune:
             # every clock moves now, priced or not: the anticipator's integration of the iteration rate depends
@@ -752,6 +739,7 @@ class Switchyard(PrebleE2):
         )
         self.reqs[ctx.request_id] = rq
         self.by_worker.setdefault(w, {})[ctx.request_id] = rq
+        self.queued.setdefault(w, {})[ctx.request_id] = rq
         self._queued(w, 1, now)
 
     def on_first_token(self, request_id: str, worker_id: WorkerId, now: float) -> None:
@@ -760,6 +748,7 @@ class Switchyard(PrebleE2):
         rq = self.reqs.get(request_id)
         if rq is not None and rq.worker == worker_id and not rq.running:
             rq.running = True
+            del self.queued[worker_id][request_id]
             self._queued(worker_id, -1, now)
 
     def on_finish(self, request_id: str, worker_id: WorkerId, now: float, num_output_tokens: int) -> None:
@@ -785,6 +774,7 @@ class Switchyard(PrebleE2):
             for rid in list(self.by_worker.pop(worker_id, {})):
                 self.reqs.pop(rid, None)
             self.num_queued.pop(worker_id, None)
+            self.queued.pop(worker_id, None)
             self.busy.pop(worker_id, None)
             for a in self.arrivals.values():
                 a.forget(worker_id)
@@ -813,6 +803,7 @@ class Switchyard(PrebleE2):
         if rq is None or self.by_worker.get(rq.worker, {}).pop(request_id, None) is None:
             return
         if not rq.running:
+            del self.queued[rq.worker][request_id]
             self._queued(rq.worker, -1, now)
 
     def _queued(self, w: WorkerId, k: int, now: float) -> None:
@@ -827,19 +818,6 @@ class Switchyard(PrebleE2):
         """ρ_w for B's busy period: the fraction of the window w's prefill queue was busy (0 if never seen)."""
         b = self.busy.get(w)
         return b.load(now)[0] if b is not None else 0.0
-
-
-def water_level(values: Sequence[float], fill: float) -> float:
-    """The level L that `fill` poured over `values` reaches, the lowest filled first: Σ max(0, L − v) = fill.
-    fill = 0: min(values)."""
-    s = sorted(values)
-    acc = 0.0
-    for k, v in enumerate(s):
-        acc += v
-        level = (fill + acc) / (k + 1)
-        if k + 1 == len(s) or level <= s[k + 1]:
-            return level
-    return 0.0
 
 
 def _variant(key: str, doc: str, **overrides: Any) -> Callable[[], Policy]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 from ext_testlib import NO_EXTENSIONS, impl_params
@@ -257,10 +258,7 @@ COSTS = [*(profile_cost(name) for name in PROFILES), MarginalFit()]
 def test_batch_is_the_records_split_by_the_map(impl) -> None:  # type: ignore[no-untyped-def]
     """`batch` (the default policy's view of a worker's batch): a running record in the map with decode left is
     (remaining, whole prompt + generated); one running but finished or overrun-free past its end is left out;
-    anything not running or not in the map is queued as (prompt, private prompt, D); `reqs`' order is kept. And
-    `decode_in`, D_in over that batch (profile and fitted cost models)."""
-    from types import SimpleNamespace as Req
-
+    anything not running or not in the map is queued as (prompt, private prompt, D); `reqs`' order is kept."""
     rng = random.Random(3)
     for _ in range(40):
         a = impl.Anticipator(100_000, max_len=512)
@@ -271,7 +269,8 @@ def test_batch_is_the_records_split_by_the_map(impl) -> None:  # type: ignore[no
             running = rng.random() < 0.7
             if running and rng.random() < 0.85:
                 a.add(rid, private, d)
-            reqs[rid] = Req(running=running, prompt_tokens=prompt, kv_prompt_tokens=private, predicted_tokens=d)
+            reqs[rid] = SimpleNamespace(running=running, prompt_tokens=prompt, kv_prompt_tokens=private,
+                                        predicted_tokens=d)
             if rng.random() < 0.3:
                 a.advance_to(a.iteration + rng.randint(1, 120))
         want_run, want_queued = [], []
@@ -283,10 +282,56 @@ def test_batch_is_the_records_split_by_the_map(impl) -> None:  # type: ignore[no
             else:
                 want_queued.append((rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens))
         assert a.batch(reqs) == (want_run, want_queued)
-        # D_in over that batch, summed from the records without building it: the same float as the formula's
+
+
+def test_decode_in_is_d_in_over_the_records_and_the_queued(impl) -> None:  # type: ignore[no-untyped-def]
+    """`decode_in` (the fill level's D_in, read for every worker each select): `e2_select_py.decode_in` over the
+    records with decode left as the running batch, each (remaining, context + generated), and the queued requests
+    given; records finished, overrun-free past their end or at the cap are left out; the context defaults to the
+    private prompt. The same float (profile and fitted cost models), and equal to D_in over `batch` when the
+    requests and the map are in lockstep (every running request in the map with its whole prompt as context)."""
+    rng = random.Random(4)
+    seen = {"running": 0, "queued": 0, "left_out": 0}
+    for _ in range(60):
+        a = impl.Anticipator(100_000, max_len=rng.choice((64, 512)), ext_frac=rng.choice((0.0, 0.2)))
+        reqs, ctx = {}, {}
+        for k in range(rng.randint(0, 30)):
+            rid = f"r{k}"
+            prompt, d = rng.randint(1, 2000), rng.randint(0, 300)
+            private = rng.randint(0, prompt)
+            running = rng.random() < 0.7
+            if running:
+                if rng.random() < 0.2:
+                    a.add(rid, private, d)  # no context: its private prompt
+                    ctx[rid] = private
+                else:
+                    a.add(rid, private, d, prompt)
+                    ctx[rid] = prompt
+            reqs[rid] = SimpleNamespace(running=running, prompt_tokens=ctx.get(rid, prompt), kv_prompt_tokens=private,
+                            predicted_tokens=d)
+            if rng.random() < 0.3:
+                a.advance_to(a.iteration + rng.randint(1, 120))
+            if reqs and rng.random() < 0.1:
+                gone = rng.choice(list(reqs))
+                a.finish(gone)
+                del reqs[gone]
+        queued = {rid: rq for rid, rq in reqs.items() if not rq.running}
+        want_run = []
+        for rid in ctx.keys() & reqs.keys():
+            _, start, _, end = a.record(rid)
+            if end > a.iteration:
+                want_run.append((end - a.iteration, ctx[rid] + a.iteration - start))
+            else:
+                seen["left_out"] += 1
+        want_queued = [(rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens) for rq in queued.values()]
+        seen["running"] += bool(want_run)
+        seen["queued"] += bool(want_queued)
         for d in (1, 60, 400):
             cost = rng.choice(COSTS)
-            assert a.decode_in(reqs, d, cost) == e2_select_py.decode_in(want_run, want_queued, 0, d, cost)
+            got = a.decode_in(queued, d, cost)
+            assert got == e2_select_py.decode_in(want_run, want_queued, 0, d, cost)
+            assert got == e2_select_py.decode_in(*a.batch(reqs), 0, d, cost)  # lockstep: the policy's batch
+    assert all(seen.values()), seen
 
 
 # ---- claim 6: time advance ----------------------------------------------------------------------------------
@@ -363,12 +408,16 @@ def test_validation(impl) -> None:  # type: ignore[no-untyped-def]
         ("s", 1, -5),
         ("s", 2**31, 5),
         ("s", 1, 2**70),
+        ("s", 1, 2, -1),
+        ("s", 1, 2, 2**31),
         ("r", 1, 2),
     ):  # last: duplicate
         with pytest.raises(ValueError):
             a.add(*args)
     with pytest.raises(TypeError):
         a.add("s", 1.5, 2)
+    with pytest.raises(TypeError):
+        a.add("s", 1, 2, 3.0)
     with pytest.raises(ValueError):
         a.virtual_peak(-1, 2)
     for q in (a.peak, a.load_tokens, a.overload_fraction, a.occupancy):
@@ -414,12 +463,12 @@ class SideBySide(RuleBasedStateMachine):
         for r in results[1:]:
             assert r == results[0]
 
-    @rule(rid=RIDS, p=st.integers(0, 5000), d=st.integers(0, 150))
-    def add(self, rid: str, p: int, d: int) -> None:
+    @rule(rid=RIDS, p=st.integers(0, 5000), d=st.integers(0, 150), shared=st.none() | st.integers(0, 5000))
+    def add(self, rid: str, p: int, d: int, shared: int | None) -> None:
         outcomes = []
         for m in self.maps:
             try:
-                m.add(rid, p, d)
+                m.add(rid, p, d) if shared is None else m.add(rid, p, d, p + shared)
                 outcomes.append("ok")
             except ValueError:
                 outcomes.append("duplicate")
@@ -443,6 +492,9 @@ class SideBySide(RuleBasedStateMachine):
         for thr in (0.0, 0.5, 0.95):
             self.same([m.overload_fraction(h, thr) for m in self.maps])
         self.same([[m.occupancy(j) for j in (0, 1, 6, 99, 100)] for m in self.maps])
+        queued = {"q": SimpleNamespace(prompt_tokens=p, kv_prompt_tokens=p, predicted_tokens=h % 97 + 1)}
+        for cost in COSTS[-2:]:
+            self.same([[m.decode_in(q, max(1, d), cost) for q in ({}, queued)] for m in self.maps])
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())

@@ -38,6 +38,10 @@ def test_c_extension_loaded() -> None:
     # M on the Cython build's eviction orders is a C call into it (`_lru_order_c.PRICE_C`), not `order.price`
     assert _e2_select_c.c_priced_order_type() is _lru_order_c.EvictionOrder
     assert _e2_select_c.c_read_index_type() is _lru_order_c.LruIndexCore  # and M's early exit reads it in C
+    from switchyard.ext import _anticipator_c
+
+    # the fill level reads each Cython anticipator's D_in with a C call (`_anticipator_c.DECODE_IN_C`)
+    assert _e2_select_c.c_decode_in_type() is _anticipator_c.Anticipator
     # the policy keeps the records whose fields the selects read in C
     assert e2_select.Outstanding is _e2_select_c.Outstanding is preble_e2.Outstanding
 
@@ -502,6 +506,73 @@ def test_cython_head_terms_equal_reference(seed: int) -> None:
         seen["over"] += rho >= 1.0
         seen["span"] += span is not None and rho > 0.0
     assert all(seen.values()), seen
+
+
+@pytest.mark.parametrize("mod", ["py", "c"])
+def test_water_level_fills_the_lowest_values_first(mod: str) -> None:
+    impl = e2_select_py if mod == "py" else _e2_select_c
+    if impl is None:
+        pytest.skip("Cython extension not built")
+    assert impl.water_level([5.0, 0.0, 1.0], 3.0) == 2.0  # 0 and 1 filled to 2 (2 + 1 = 3); 5 stays above
+    assert impl.water_level([5.0, 0.0, 1.0], 0.0) == 0.0  # nothing poured: the lowest
+    assert impl.water_level([5.0, 0.0, 1.0], 12.0) == 6.0  # over every value: their mean + 12 / 3
+    assert impl.water_level([1.0, 1.0, 4.0], 2.0) == 2.0  # equal values fill together
+    assert impl.water_level([0.2], 0.1) == pytest.approx(0.3)
+    assert impl.water_level([], 1.0) == 0.0
+
+
+@pytest.mark.c_extension
+@pytest.mark.skipif(_e2_select_c is None, reason="Cython extension not built")
+@pytest.mark.parametrize("seed", range(3))
+def test_cython_fill_level_equals_reference(seed: int) -> None:
+    """The default policy's fill level: the Cython build returns the reference's float over random pools (each
+    worker's map with running records, overrun and capped ones, its queued requests, profile and fitted cost
+    models from the memo or through `cost_model`, with either anticipator build), and L is the water level of
+    the workers' `decode_in` values with F from the first worker's cost model."""
+    from types import SimpleNamespace
+
+    from switchyard.ext import _anticipator_c, anticipator_py
+
+    rng = random.Random(200 + seed)
+    seen = {"queued": 0, "records": 0, "idle": 0, "fit": 0, "raised": 0, "c_ants": 0, "py_ants": 0}
+    for _ in range(200):
+        ids = rng.sample(range(40), rng.randint(1, 16))
+        ref_env, c_env, _ = _argmin_envs(rng, ids)
+        pool = [SyView(WorkerId(f"w{i}"), 16) for i in ids]
+        mod = rng.choice([_anticipator_c, anticipator_py])
+        seen["c_ants" if mod is _anticipator_c else "py_ants"] += 1
+        ants, queued = [], {}
+        for v in pool:
+            a = mod.Anticipator(10**6, max_len=rng.choice([64, 4096]))
+            for k in range(rng.choice([0, 0, 1, 4, 30])):
+                p = rng.randint(1, 8000)
+                a.add(f"{v.worker_id}-{k}", rng.randint(0, p), rng.randint(0, 600), p)
+                if rng.random() < 0.2:
+                    a.advance_to(a.iteration + rng.randint(1, 200))
+            if rng.random() < 0.5:
+                queued[v.worker_id] = {
+                    f"q{k}": SimpleNamespace(prompt_tokens=rng.randint(1, 8000), kv_prompt_tokens=0,
+                                             predicted_tokens=rng.randint(1, 600))
+                    for k in range(rng.randint(0, 4))}
+            ants.append(a)
+            seen["records"] += len(a) > 0
+            seen["queued"] += bool(queued.get(v.worker_id))
+            seen["fit"] += isinstance(ref_env.cost_model(v.worker_id), FitCost)  # type: ignore[attr-defined]
+        p, d = rng.choice([1, 17, 700, 5000]), rng.choice([1, 2, 50, 900])
+        rate = rng.choice([0.0, 0.5, 12.0, 300.0])
+        got = _e2_select_c.fill_level(c_env, pool, ants, queued, p, d, rate)  # type: ignore[union-attr]
+        want = e2_select_py.fill_level(ref_env, pool, ants, queued, p, d, rate)  # type: ignore[arg-type]
+        assert got == want and type(got) is float
+        costs = [ref_env.cost_model(v.worker_id) for v in pool]  # type: ignore[attr-defined]
+        d_in = [a.decode_in(queued.get(v.worker_id, {}), d, c) for v, a, c in zip(pool, ants, costs, strict=True)]
+        f = rate * costs[0].decode_s(d, p + (d - 1) / 2) * costs[0].decode_marginal_s(max(1, d // 2), p + d // 2)
+        assert want == e2_select_py.water_level(d_in, f)
+        seen["idle"] += min(d_in) == 0.0
+        seen["raised"] += want > min(d_in)
+    assert all(seen.values()), seen
+    with pytest.raises(ValueError):
+        _e2_select_c.fill_level(c_env, pool, ants[:-1], queued, 10, 10, 1.0)  # type: ignore[union-attr]
+    assert _e2_select_c.fill_level(c_env, [], [], {}, 10, 10, 1.0) == 0.0  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("mod", ["py", "c"])

@@ -23,7 +23,7 @@ from factories import make_fleet, make_requests, make_worker_info
 from switchyard.bench.sim import SimConfig, Simulator
 from switchyard.bench.workloads import WorkloadSpec, make_workload
 from switchyard.ext import e2_select_py
-from switchyard.ext.e2_select import argmin_order, head_terms, raw_bounds
+from switchyard.ext.e2_select import argmin_order, fill_level, head_terms, raw_bounds
 from switchyard.router.fleet import Fleet, StatsSample, WorkerState
 from switchyard.router.policies.base import Decision, FleetView, RoutingContext, WorkerId, WorkerView
 from switchyard.router.policies.preble_cost import profile_cost
@@ -34,7 +34,6 @@ from switchyard.router.policies.switchyard_policy import (
     Switchyard,
     SwitchyardConfig,
     Terms,
-    water_level,
 )
 from switchyard.workers.engine.profiles import DEFAULT_PROFILE
 
@@ -541,6 +540,41 @@ def test_finish_and_abort_release_the_anticipated_load() -> None:
     assert not p.reqs and p.tracker.remaining_decode_tokens(W0) == 0
 
 
+def test_fill_level_reads_the_batch_terms_prices_through_every_hook() -> None:
+    """The fill level's per-worker D_in (`Anticipator.decode_in`: the map's records and `queued`) equals D_in over
+    `batch` (what `terms` prices) after each hook: dispatch, first token (twice), a retry on another worker, a
+    finish from the stale attempt, an abort, and finishes."""
+    p, fleet = policy()
+    seen = []
+
+    def check() -> None:
+        for w in (W0, W1):
+            ant = p.tracker.sync(fleet.get(w), NOW)
+            got = ant.decode_in(p.queued.get(w, {}), 80, COST)
+            assert got == e2_select_py.decode_in(*p.batch(w, ant), 0, 80, COST)
+            seen.append(got)
+
+    dispatch(p, fleet, req("a", 700, predicted=120), W0)
+    dispatch(p, fleet, req("b", 300, predicted=40), W0)
+    check()
+    p.on_first_token("a", W0, NOW)
+    p.on_first_token("a", W0, NOW)  # a duplicate: no change
+    check()
+    retry = dataclasses.replace(req("b", 300, predicted=40), attempt=1)
+    dispatch(p, fleet, retry, W1, running=True)
+    p.on_finish("b", W0, NOW, 40)  # the stale attempt's finish: ignored
+    check()
+    dispatch(p, fleet, req("c", 900, predicted=60), W1)
+    p.on_abort("c", W1, NOW)
+    check()
+    p.on_finish("a", W0, NOW, 120)
+    p.on_finish("b", W1, NOW, 40)
+    check()
+    # w0 queued, then running a; w1 nothing, then the retry running; both empty at the end
+    assert [x > 0 for x in seen] == [True, False, True, False, True, True, True, True, False, False]
+    assert not p.queued.get(W0) and not p.queued.get(W1)
+
+
 def test_runs_in_the_simulator() -> None:
     trace = make_workload(
         WorkloadSpec(
@@ -711,7 +745,8 @@ def test_bound_pass_equals_the_terms_it_bounds(overrides: dict) -> None:  # type
     term methods (R, D_self, Q's prefill part, I over the queued requests) on the states of a loaded run, every
     bound is at most the worker's full cost, the select's order is the bounds sorted with E2's rotation, and the
     per-worker terms' kernel (`ext/e2_select.head_terms`, in Cython, and its reference) gives, float for float,
-    what the term methods it inlines compose to (Q, D_self, D_co, I, B and their weighted sums)."""
+    what the term methods it inlines compose to (Q, D_self, D_co, I, B and their weighted sums), whose D_in is the
+    fill level's (`Anticipator.decode_in` over the map and the queued requests: the hooks keep them in lockstep)."""
     seen = {"queued_tokens": 0, "queued_requests": 0, "selects": 0, "batch": 0, "busy": 0}
 
     class Checked(Switchyard):
@@ -739,6 +774,8 @@ def test_bound_pass_equals_the_terms_it_bounds(overrides: dict) -> None:  # type
                     head = head_terms(self._argmin_env, w, self.cost_model(wid), *batch, *args)
                     assert head == _head_from_terms(self, w, ctx, cb, batch, d, (load, r, q), arrivals, rho, span)
                     assert head == e2_select_py.head_terms(self._argmin_env, w, self.cost_model(wid), *batch, *args)
+                    # the fill level's D_in (the map's records and the queued requests) is the D_in priced here
+                    assert ant.decode_in(self.queued.get(wid, {}), d, self.cost_model(wid)) == head[2]
                     seen["batch"] += bool(batch[0]) and bool(batch[1])
                     seen["busy"] += rho > 0.0 and arrivals > 0.0
                 n, turn = len(pool), self._turn
@@ -880,14 +917,6 @@ def test_a_busy_fleet_keeps_a_follow_up_on_its_prefix_holder(busy_period: bool, 
     assert p.counters()["prefix_spills"] == (1 if expected == W1 else 0)
 
 
-def test_water_level_fills_the_lowest_values_first() -> None:
-    assert water_level([5.0, 0.0, 1.0], 3.0) == 2.0  # 0 and 1 filled to 2 (2 + 1 = 3); 5 stays above
-    assert water_level([5.0, 0.0, 1.0], 0.0) == 0.0  # nothing poured: the lowest
-    assert water_level([5.0, 0.0, 1.0], 12.0) == 6.0  # over every value: their mean + 12 / 3
-    assert water_level([0.2], 0.1) == pytest.approx(0.3)
-    assert water_level([], 1.0) == 0.0
-
-
 @pytest.mark.parametrize(("decode_fill", "expected"), [(False, W1), (True, W0)])
 def test_arrivals_filling_the_idle_worker_keep_a_follow_up_on_its_holder(
     decode_fill: bool, expected: WorkerId
@@ -909,7 +938,7 @@ def test_arrivals_filling_the_idle_worker_keep_a_follow_up_on_its_holder(
     t = terms(p, fleet, r)  # the terms as the batches are now (no level)
     assert t[W0].decode_in_s > t[W1].prefill_s - t[W0].prefill_s > 0.0 == t[W1].decode_in_s
     pool = fleet.routable("m")
-    level = p.fill_level(pool, p.tracker.sync_all(pool, NOW), 2048, 100, rate.rate(NOW))
+    level = fill_level(p._argmin_env, pool, p.tracker.sync_all(pool, NOW), p.queued, 2048, 100, rate.rate(NOW))
     assert level > t[W0].decode_in_s
     assert p.select(r, fleet, NOW).worker_id == expected
     assert p.counters()["prefix_spills"] == (1 if expected == W1 else 0)
