@@ -54,7 +54,7 @@ class _Request:
     worker_id: WorkerId
     prompt_tokens: int
     predicted_tokens: int
-    context_tokens: int = 0  # its whole prompt, shared prefix included: what its decode attends to
+    context_tokens: int  # its whole prompt, shared prefix included: what its decode attends to
     running: bool = False  # past its first token: in the anticipator (or deferred until the worker is synced)
 
 
