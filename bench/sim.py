@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from switchyard.bench import conversations, report
 from switchyard.bench import preble_workloads as preble
-from switchyard.bench import report
 from switchyard.bench.metrics import (
     INCOMPLETE,
     NO_WORKER,
@@ -671,7 +671,8 @@ TRACE_DEFAULTS: dict[str, dict[str, float]] = {
     "azurellminferencetrace-conv-1week": {"duration": 300.0},
 }
 LARGE_SLICE = 100_000  # requests: past this a run without --duration or --max-requests gets a hint
-SYNTHETIC = (*ARRIVALS, *preble.GENERATORS)  # generated at --rate, so --rate is not a rescale for them
+# generated at --rate, so --rate is not a rescale for them
+SYNTHETIC = (*ARRIVALS, *preble.GENERATORS, conversations.NAME)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -680,7 +681,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace",
         default="mooncake-conversation",
         help="mooncake-conversation | azure-code | azure-conv | poisson | gamma | "
-        f"{' | '.join(preble.TRACE_NAMES)} | PATH (.jsonl/.csv)",
+        f"{' | '.join(preble.TRACE_NAMES)} | {conversations.NAME} | PATH (.jsonl/.csv)",
     )
     p.add_argument("--workers", type=int, default=8)
     p.add_argument(
@@ -741,7 +742,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--priority-group-quota", type=int, default=None, help="preble_groups: k (default 10)")
     g = p.add_argument_group("synthetic workloads (--trace poisson|gamma|preble-*)")
     g.add_argument(
-        "--num-requests", type=int, default=None, help="requests to generate (default 200; preble-*: 2000)"
+        "--num-requests", type=int, default=None,
+        help="requests to generate (default 200; preble-*: 2000; conversations: 5000)"
     )
     g.add_argument("--cv", type=float, default=2.0, help="gamma inter-arrival CV")
     g.add_argument("--prompt-len", default="lognormal:1024:0.6")
@@ -763,6 +765,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="preble-programming: a problem's samples arrive as separate Poisson arrivals, not at one instant",
     )
+    g = p.add_argument_group("multi-turn conversations (--trace conversations, Bailian-shaped: bench/conversations.py)")
+    g.add_argument("--follow-frac", type=float, default=0.5, help="share of requests that continue an earlier one")
+    g.add_argument("--recent", type=int, default=0,
+                   help="a follow-up continues one of the last N requests (default 0: any earlier one)")
+    g.add_argument("--output-max", type=int, default=500, help="outputs uniform in [1, N)")
     g = p.add_argument_group("report")
     g.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO, s")
     g.add_argument("--slo-tpot", type=float, default=0.1, help="TPOT SLO, s")
@@ -799,6 +806,16 @@ def load_workload(args: argparse.Namespace) -> Trace:
         if duration is None and args.max_requests is None:
             duration = TRACE_DEFAULTS[preble.AZURE_MIX]["duration"]
         return preble.azure_mix(_preble_spec(args), args.seed, args.start, duration, args.max_requests)
+    if args.trace == conversations.NAME:
+        conv = conversations.ConversationSpec(
+            num_requests=args.max_requests or args.num_requests or 5000,
+            rate=args.rate or 8.0,
+            follow_frac=args.follow_frac,
+            recent=args.recent,
+            output_max=args.output_max,
+        )
+        return take_slice(conversations.make_conversations(conv, seed=args.seed), args.start, args.duration,
+                          args.max_requests)
     if args.trace in ARRIVALS:
         spec = WorkloadSpec(
             arrival=args.trace,
