@@ -275,25 +275,23 @@ cdef class Anticipator:
         cdef Rec* r = self._get(rid)
         return (r.prompt, r.start, r.predicted, r.end)
 
-    def batch(self, dict reqs):
-        """As the reference's: `reqs` read with the dict C API, each running one's Rec in C."""
-        cdef list running = [], queued = []
-        cdef Py_ssize_t pos = 0
-        cdef PyObject* k
-        cdef PyObject* v
-        cdef PyObject* got
+    def batch(self, dict queued):
+        """As the reference's: the records read in C (in the array's order), `queued` with the dict C API."""
+        cdef list running = [], waiting = []
+        cdef int64_t it = self._it
+        cdef Py_ssize_t i, pos = 0
         cdef Rec* r
+        cdef PyObject* key
+        cdef PyObject* v
         cdef object rq
-        while PyDict_Next(reqs, &pos, &k, &v):
+        for i in range(self._n):
+            r = &self._recs[i]
+            if r.end > it:
+                running.append((r.end - it, r.context + (it - r.start)))
+        while PyDict_Next(queued, &pos, &key, &v):
             rq = <object>v
-            got = PyDict_GetItem(self._index, <object>k) if rq.running else NULL
-            if got != NULL:
-                r = &self._recs[<Py_ssize_t>(<object>got)]
-                if r.end > self._it:
-                    running.append((r.end - self._it, rq.prompt_tokens + (self._it - r.start)))
-            else:
-                queued.append((rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens))
-        return running, queued
+            waiting.append((rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens))
+        return running, waiting
 
     def decode_in(self, dict queued, Py_ssize_t d, cost):
         """As the reference's: the records summed in C, then `queued` read with the dict C API. Each term

@@ -28,9 +28,10 @@ map bit for bit (no float drift, claim 5); only the queries divide by `capacity_
     a.iteration -> int                           # absolute index of offset 0
     a.generated(rid) -> int                      # iteration - start: tokens decoded as the map assumes
     a.record(rid) -> (prompt_tokens, start, predicted_tokens, end)   # end = effective end (absolute)
-    a.decode_in(queued, D, cost) -> float        # D_in of a request of D predicted tokens beside the records
-                                                 # with decode left (remaining end - iteration, context +
-                                                 # generated) and `queued` ({rid: request not yet running})
+    a.batch(queued) -> (running, queued)         # running [(end - iteration, context + generated)] of the
+                                                 # records with decode left; queued [(P, private P, D)] of
+                                                 # `queued` ({rid: request not yet running})
+    a.decode_in(queued, D, cost) -> float        # D_in of a request of D predicted tokens beside batch(queued)
     a.load_tokens(horizon) -> list[int]          # U[0..h) in tokens (exact)
     a.occupancy(offset) -> float                 # U[offset] / capacity (0.0 beyond the map)
     a.peak(horizon=100) -> float                 # max_{j<h} U[j] / capacity (0.0 for h = 0)
@@ -51,7 +52,7 @@ the current iteration; it runs the overrun check).
 Cost (R records, h horizon, D predicted): add O(min(D, max_len)); finish O(end - iteration); advance_to O(1)
 when no record reached its end (a lower bound on the earliest end is kept), else O(R + extension lengths),
 plus O(moved slots) capped at the ring size; peak / virtual_peak / overload_fraction O(h);
-remaining_decode_tokens O(R); decode_in O(R + queued) (in C, no Python object per record).
+remaining_decode_tokens O(R); batch and decode_in O(R + queued) (decode_in in C, no Python object per record).
 """
 
 from __future__ import annotations
@@ -230,37 +231,23 @@ class Anticipator:
         r = self._records[rid]
         return (r.prompt, r.start, r.predicted, r.end)
 
-    def batch(self, reqs: dict[Hashable, Any]) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
-        """A router's anticipated batch on this worker, from its records `reqs` ({rid: request with `running`,
-        `prompt_tokens`, `kv_prompt_tokens`, `predicted_tokens`}), in `reqs`' order: running [(remaining
-        predicted tokens, prompt_tokens + generated)] for each running one in this map with decode left, queued
-        [(prompt_tokens, kv_prompt_tokens, predicted_tokens)] for every one not running or not in the map (the
-        default policy's `Switchyard.batch`, priced per worker per select)."""
-        running: list[tuple[int, int]] = []
-        queued: list[tuple[int, int, int]] = []
-        it = self._it
-        for rid, rq in reqs.items():
-            if rq.running and rid in self._records:
-                r = self._records[rid]
-                if r.end > it:
-                    running.append((r.end - it, rq.prompt_tokens + it - r.start))
-            else:
-                queued.append((rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens))
-        return running, queued
-
-    def decode_in(self, queued: dict[Hashable, Any], d: int, cost: Any) -> float:
-        """D_in of a request of d predicted tokens on this worker: `e2_select_py.decode_in` over the records with
-        decode left as the running batch ((end - iteration, context + generated), the map's order) and `queued`
-        ({rid: request with `prompt_tokens`, `kv_prompt_tokens`, `predicted_tokens`}, none of them in the map).
-
-        The default policy's fill level reads it for every worker each select. Where a router keeps the map and
-        its requests in lockstep (the anticipation tracker: a request is in the map exactly while it runs, with
-        its whole prompt as context), this equals D_in over `batch` of all its requests, which a test checks; the
-        Cython build sums the records in C, with no Python object per record."""
+    def batch(self, queued: dict[Hashable, Any]) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
+        """A router's anticipated batch on this worker (the default policy's `Switchyard.batch`, priced per worker
+        per select): running [(remaining predicted tokens, context + generated)] for each record with decode left,
+        in the map's order (the Cython build's differs after a finish: the sums over it are of ints and halves,
+        the same in any order), and queued [(prompt_tokens, kv_prompt_tokens, predicted_tokens)] for each request
+        of `queued` ({rid: a request dispatched here without its first token}, none of them in the map), in its
+        order. A router whose requests enter the map at their first token with their whole prompt as context (the
+        anticipation tracker) gets the batch its own records describe."""
         it = self._it
         running = [(r.end - it, r.context + it - r.start) for r in self._records.values() if r.end > it]
-        waiting = [(rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens) for rq in queued.values()]
-        return batch_decode_in(running, waiting, 0, d, cost)  # D_in's formula lives with the other terms
+        return running, [(rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens) for rq in queued.values()]
+
+    def decode_in(self, queued: dict[Hashable, Any], d: int, cost: Any) -> float:
+        """D_in of a request of d predicted tokens beside `batch(queued)`: `e2_select_py.decode_in` of that batch
+        (the default policy's fill level reads it for every worker each select; the Cython build sums the records
+        in C without building the batch)."""
+        return batch_decode_in(*self.batch(queued), 0, d, cost)  # D_in's formula lives with the other terms
 
     def load_tokens(self, horizon: int) -> list[int]:
         return self._window(horizon)

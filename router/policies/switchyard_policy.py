@@ -449,12 +449,12 @@ class Switchyard(PrebleE2):
         """w's anticipated batch: running [(remaining predicted tokens, context)] and queued [(prompt, private
         prompt, D)].
 
-        Running = in the anticipator (its record, overrun extensions included); queued = dispatched without a
-        first token yet (not in the map, PreServe §5.5), assumed to start decoding before r, its prompt as context.
-        Contexts are whole prompts (decode attention reads shared blocks too); the map's are private ones.
+        Running = in the anticipator (its record, overrun extensions included; the tracker adds r there at its
+        first token, with its whole prompt as context: decode attention reads shared blocks too, while the map's
+        tokens are the private ones); queued = dispatched without a first token yet (`queued`: not in the map,
+        PreServe §5.5), assumed to start decoding before r, its prompt as context.
         """
-        reqs = self.by_worker.get(w)
-        return ant.batch(reqs) if reqs else ([], [])  # `ext/anticipator`: the records' loop in C
+        return ant.batch(self.queued.get(w, {}))  # `ext/anticipator`: the records' loop in C
 
     @staticmethod
     def occupancy(ant: Any, queued: list[tuple[int, int]], horizon: int) -> list[int]:

@@ -255,43 +255,16 @@ class MarginalFit:
 COSTS = [*(profile_cost(name) for name in PROFILES), MarginalFit()]
 
 
-def test_batch_is_the_records_split_by_the_map(impl) -> None:  # type: ignore[no-untyped-def]
-    """`batch` (the default policy's view of a worker's batch): a running record in the map with decode left is
-    (remaining, whole prompt + generated); one running but finished or overrun-free past its end is left out;
-    anything not running or not in the map is queued as (prompt, private prompt, D); `reqs`' order is kept."""
-    rng = random.Random(3)
-    for _ in range(40):
-        a = impl.Anticipator(100_000, max_len=512)
-        reqs = {}
-        for k in range(rng.randint(0, 30)):
-            rid = f"r{k}"
-            prompt, private, d = rng.randint(1, 2000), rng.randint(0, 2000), rng.randint(1, 300)
-            running = rng.random() < 0.7
-            if running and rng.random() < 0.85:
-                a.add(rid, private, d)
-            reqs[rid] = SimpleNamespace(running=running, prompt_tokens=prompt, kv_prompt_tokens=private,
-                                        predicted_tokens=d)
-            if rng.random() < 0.3:
-                a.advance_to(a.iteration + rng.randint(1, 120))
-        want_run, want_queued = [], []
-        for rid, rq in reqs.items():  # the definition, from the public records
-            if rq.running and rid in a:
-                _, start, _, end = a.record(rid)
-                if end > a.iteration:
-                    want_run.append((end - a.iteration, rq.prompt_tokens + a.iteration - start))
-            else:
-                want_queued.append((rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens))
-        assert a.batch(reqs) == (want_run, want_queued)
-
-
-def test_decode_in_is_d_in_over_the_records_and_the_queued(impl) -> None:  # type: ignore[no-untyped-def]
-    """`decode_in` (the fill level's D_in, read for every worker each select): `e2_select_py.decode_in` over the
-    records with decode left as the running batch, each (remaining, context + generated), and the queued requests
-    given; records finished, overrun-free past their end or at the cap are left out; the context defaults to the
-    private prompt. The same float (profile and fitted cost models), and equal to D_in over `batch` when the
-    requests and the map are in lockstep (every running request in the map with its whole prompt as context)."""
+def test_batch_and_decode_in_read_the_records_and_the_queued(impl) -> None:  # type: ignore[no-untyped-def]
+    """`batch` (the default policy's view of a worker's batch): each record with decode left is running as
+    (remaining, context + generated), the context defaulting to its private prompt; records finished,
+    overrun-free past their end or at the cap are left out; the requests of `queued` follow as (prompt, private
+    prompt, D), in its order. `decode_in` (the fill level's D_in, read for every worker each select) is
+    `e2_select_py.decode_in` over that batch, the same float (profile and fitted cost models), and equal to D_in
+    over the batch as a router's own records of its requests describe it when it keeps them in lockstep with the
+    map (every running request in the map, its whole prompt as context)."""
     rng = random.Random(4)
-    seen = {"running": 0, "queued": 0, "left_out": 0}
+    seen = {"running": 0, "queued": 0, "left_out": 0, "default_context": 0}
     for _ in range(60):
         a = impl.Anticipator(100_000, max_len=rng.choice((64, 512)), ext_frac=rng.choice((0.0, 0.2)))
         reqs, ctx = {}, {}
@@ -304,11 +277,12 @@ def test_decode_in_is_d_in_over_the_records_and_the_queued(impl) -> None:  # typ
                 if rng.random() < 0.2:
                     a.add(rid, private, d)  # no context: its private prompt
                     ctx[rid] = private
+                    seen["default_context"] += 1
                 else:
                     a.add(rid, private, d, prompt)
                     ctx[rid] = prompt
             reqs[rid] = SimpleNamespace(running=running, prompt_tokens=ctx.get(rid, prompt), kv_prompt_tokens=private,
-                            predicted_tokens=d)
+                                        predicted_tokens=d)
             if rng.random() < 0.3:
                 a.advance_to(a.iteration + rng.randint(1, 120))
             if reqs and rng.random() < 0.1:
@@ -316,21 +290,26 @@ def test_decode_in_is_d_in_over_the_records_and_the_queued(impl) -> None:  # typ
                 a.finish(gone)
                 del reqs[gone]
         queued = {rid: rq for rid, rq in reqs.items() if not rq.running}
-        want_run = []
-        for rid in ctx.keys() & reqs.keys():
+        want_run, lockstep = [], []
+        for rid, rq in reqs.items():  # the definitions: from the public records, and from the router's requests
+            if not rq.running:
+                continue
             _, start, _, end = a.record(rid)
             if end > a.iteration:
                 want_run.append((end - a.iteration, ctx[rid] + a.iteration - start))
+                lockstep.append((end - a.iteration, rq.prompt_tokens + a.iteration - start))
             else:
                 seen["left_out"] += 1
         want_queued = [(rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens) for rq in queued.values()]
+        running, waiting = a.batch(queued)
+        assert sorted(running) == sorted(want_run) and waiting == want_queued
         seen["running"] += bool(want_run)
         seen["queued"] += bool(want_queued)
         for d in (1, 60, 400):
             cost = rng.choice(COSTS)
             got = a.decode_in(queued, d, cost)
             assert got == e2_select_py.decode_in(want_run, want_queued, 0, d, cost)
-            assert got == e2_select_py.decode_in(*a.batch(reqs), 0, d, cost)  # lockstep: the policy's batch
+            assert got == e2_select_py.decode_in(lockstep, want_queued, 0, d, cost)
     assert all(seen.values()), seen
 
 
@@ -493,6 +472,7 @@ class SideBySide(RuleBasedStateMachine):
             self.same([m.overload_fraction(h, thr) for m in self.maps])
         self.same([[m.occupancy(j) for j in (0, 1, 6, 99, 100)] for m in self.maps])
         queued = {"q": SimpleNamespace(prompt_tokens=p, kv_prompt_tokens=p, predicted_tokens=h % 97 + 1)}
+        self.same([(sorted(m.batch(queued)[0]), m.batch(queued)[1]) for m in self.maps])
         for cost in COSTS[-2:]:
             self.same([[m.decode_in(q, max(1, d), cost) for q in ({}, queued)] for m in self.maps])
 

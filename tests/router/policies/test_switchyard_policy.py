@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import zlib
+from typing import Any
 
 import pytest
 from factories import make_fleet, make_requests, make_worker_info
@@ -540,21 +541,38 @@ def test_finish_and_abort_release_the_anticipated_load() -> None:
     assert not p.reqs and p.tracker.remaining_decode_tokens(W0) == 0
 
 
-def test_fill_level_reads_the_batch_terms_prices_through_every_hook() -> None:
-    """The fill level's per-worker D_in (`Anticipator.decode_in`: the map's records and `queued`) equals D_in over
-    `batch` (what `terms` prices) after each hook: dispatch, first token (twice), a retry on another worker, a
-    finish from the stale attempt, an abort, and finishes."""
+def _own_view(p: Switchyard, w: WorkerId, ant: Any) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
+    """w's batch as the policy's own records of its requests describe it (`by_worker`): the running ones with
+    decode left in the map, each with its whole prompt as context; the rest queued."""
+    running, queued = [], []
+    for rid, rq in p.by_worker.get(w, {}).items():
+        if rq.running:
+            _, start, _, end = ant.record(rid)  # KeyError: a running request missing from the map
+            if end > ant.iteration:
+                running.append((end - ant.iteration, rq.prompt_tokens + ant.iteration - start))
+        else:
+            queued.append((rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens))
+    assert len(ant) == sum(rq.running for rq in p.by_worker.get(w, {}).values())  # no record of another request
+    return sorted(running), queued
+
+
+def test_batch_is_the_policys_requests_through_every_hook() -> None:
+    """The batch `terms` prices and the fill level reads (the map's records and `queued`) is the one the policy's
+    own records of its requests describe, after each hook: dispatch, first token (twice), a retry on another
+    worker, a finish from the stale attempt, an abort, and finishes; and the fill level's D_in is its D_in."""
     p, fleet = policy()
     seen = []
 
     def check() -> None:
         for w in (W0, W1):
             ant = p.tracker.sync(fleet.get(w), NOW)
+            running, queued = p.batch(w, ant)
+            assert (sorted(running), queued) == _own_view(p, w, ant)
             got = ant.decode_in(p.queued.get(w, {}), 80, COST)
-            assert got == e2_select_py.decode_in(*p.batch(w, ant), 0, 80, COST)
+            assert got == e2_select_py.decode_in(running, queued, 0, 80, COST)
             seen.append(got)
 
-    dispatch(p, fleet, req("a", 700, predicted=120), W0)
+    dispatch(p, fleet, req("a", 700, shared=512, predicted=120), W0)
     dispatch(p, fleet, req("b", 300, predicted=40), W0)
     check()
     p.on_first_token("a", W0, NOW)
@@ -774,8 +792,10 @@ def test_bound_pass_equals_the_terms_it_bounds(overrides: dict) -> None:  # type
                     head = head_terms(self._argmin_env, w, self.cost_model(wid), *batch, *args)
                     assert head == _head_from_terms(self, w, ctx, cb, batch, d, (load, r, q), arrivals, rho, span)
                     assert head == e2_select_py.head_terms(self._argmin_env, w, self.cost_model(wid), *batch, *args)
-                    # the fill level's D_in (the map's records and the queued requests) is the D_in priced here
+                    # the fill level's D_in (the map's records and the queued requests) is the D_in priced here,
+                    # and that batch is the one the policy's own records of its requests describe
                     assert ant.decode_in(self.queued.get(wid, {}), d, self.cost_model(wid)) == head[2]
+                    assert (sorted(batch[0]), batch[1]) == _own_view(self, wid, ant)
                     seen["batch"] += bool(batch[0]) and bool(batch[1])
                     seen["busy"] += rho > 0.0 and arrivals > 0.0
                 n, turn = len(pool), self._turn
