@@ -696,18 +696,18 @@ def select_e2(SelectEnv env, ctx, fleet, double now):
 cdef class ArgminEnv:
     """As `e2_select_py.ArgminEnv`."""
 
-    cdef public dict cost_memo, outstanding, num_queued
+    cdef public dict cost_memo, outstanding, queued
     cdef public object cost_model, batched_tokens
     cdef public double queue_weight, prefix_weight, decode_weight, interference_weight
     cdef public double externality_weight, interference_term_weight, behind_weight, window_s
     cdef public bint queue_by_sum, joint_prefill
 
-    def __init__(self, *, dict cost_memo, cost_model, dict outstanding, dict num_queued, batched_tokens,
+    def __init__(self, *, dict cost_memo, cost_model, dict outstanding, dict queued, batched_tokens,
                  double queue_weight, double prefix_weight, double decode_weight, double interference_weight,
                  bint queue_by_sum, bint joint_prefill, double externality_weight, double interference_term_weight,
                  double behind_weight, double window_s):
         self.cost_memo, self.cost_model, self.outstanding = cost_memo, cost_model, outstanding
-        self.num_queued, self.batched_tokens = num_queued, batched_tokens
+        self.queued, self.batched_tokens = queued, batched_tokens
         self.queue_weight, self.prefix_weight, self.decode_weight = queue_weight, prefix_weight, decode_weight
         self.interference_weight, self.queue_by_sum, self.joint_prefill = (interference_weight, queue_by_sum,
                                                                           joint_prefill)
@@ -791,8 +791,8 @@ cdef int _argmin_fill(ArgminEnv env, object pool, dict cached, Py_ssize_t p, Py_
             t = _queued_tokens(o)
             if t > 0:
                 q = _queued_prefill(env, w, cost, t, missed, &k)
-        got = PyDict_GetItem(env.num_queued, wid)
-        nq = <Py_ssize_t>(<object>got) if got is not NULL else 0
+        got = PyDict_GetItem(env.queued, wid)
+        nq = len(<object>got) if got is not NULL else 0
         interference = 0.0
         if nq:
             interference = <double>nq * _step_gain(env, w, cost, o, r, missed)
@@ -984,8 +984,8 @@ def water_level(values, double fill):
         PyMem_Free(s)
 
 
-def fill_level(ArgminEnv env, pool, ants, dict queued, Py_ssize_t p, Py_ssize_t d, double rate):
-    """As `e2_select_py.fill_level`: the pool read once in C (the cost memo, `queued`), each worker's `decode_in` a
+def fill_level(ArgminEnv env, pool, ants, Py_ssize_t p, Py_ssize_t d, double rate):
+    """As `e2_select_py.fill_level`: the pool read once in C (the cost memo, `env.queued`), each worker's `decode_in` a
     C call on the Cython build's anticipators (`DECODE_IN_C`), F's two formulas and the water level in C."""
     cdef Py_ssize_t n = len(pool), i = 0
     if len(ants) != n:
@@ -1005,7 +1005,7 @@ def fill_level(ArgminEnv env, pool, ants, dict queued, Py_ssize_t p, Py_ssize_t 
             cost = _cost_of(env.cost_memo, env.cost_model, wid)
             if i == 0:
                 cost0 = cost
-            got = PyDict_GetItem(queued, wid)
+            got = PyDict_GetItem(env.queued, wid)
             q = <object>got if got is not NULL else _NO_QUEUED
             if _decode_in_c != NULL and type(ant) is _anticipator_c and type(q) is dict:
                 s[i] = _decode_in_c(ant, <dict>q, d, cost)

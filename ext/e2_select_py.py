@@ -259,32 +259,36 @@ def select_e2(env: SelectEnv, ctx: Any, fleet: Any, now: float) -> Any:
     return env.policy.select_steps(ctx, fleet, now)
 
 
+_NO_QUEUED: dict[Any, Any] = {}  # a worker with no queued requests (read only)
+
+
 class ArgminEnv:
     """What the default policy's bounds (`argmin_order`) read of it: its dicts by reference, its fallbacks and its
     weights (`router/policies/switchyard_policy.py`, `Switchyard.lower_bounds` has the terms).
 
     - `cost_memo[w]`, else `cost_model(w)`: w's cost model.
     - `outstanding[w]`: `queued_s` (E2's Σ PT of queued prefills) and `queued_tokens` (their missed tokens).
-    - `num_queued[w]`: w's requests without a first token yet.
+    - `queued[w]`: w's requests without a first token yet ({rid: request}; only their number and, for the fill
+      level, their `prompt_tokens`, `kv_prompt_tokens` and `predicted_tokens` are read).
     - `batched_tokens(view)`: w's max_num_batched_tokens B (read only when tokens are queued on w).
     - The weights: the bound's `interference_weight` is i·λ; `head_terms` weighs I and B as λ·(i·I + b·B), with
       `externality_weight` λ, `interference_term_weight` i and `behind_weight` b, and `window_s` is the span the
       arrival rates are measured over (B's busy period at most).
     """
 
-    __slots__ = ("cost_memo", "cost_model", "outstanding", "num_queued", "batched_tokens", "queue_weight",
+    __slots__ = ("cost_memo", "cost_model", "outstanding", "queued", "batched_tokens", "queue_weight",
                  "prefix_weight", "decode_weight", "interference_weight", "queue_by_sum", "joint_prefill",
                  "externality_weight", "interference_term_weight", "behind_weight", "window_s")
 
     def __init__(
         self, *, cost_memo: dict[Any, Any], cost_model: Callable[[Any], Any], outstanding: dict[Any, Any],
-        num_queued: dict[Any, int], batched_tokens: Callable[[Any], int], queue_weight: float,
+        queued: dict[Any, dict[Any, Any]], batched_tokens: Callable[[Any], int], queue_weight: float,
         prefix_weight: float, decode_weight: float, interference_weight: float, queue_by_sum: bool,
         joint_prefill: bool, externality_weight: float, interference_term_weight: float, behind_weight: float,
         window_s: float,
     ) -> None:
         self.cost_memo, self.cost_model, self.outstanding = cost_memo, cost_model, outstanding
-        self.num_queued, self.batched_tokens = num_queued, batched_tokens
+        self.queued, self.batched_tokens = queued, batched_tokens
         self.queue_weight, self.prefix_weight, self.decode_weight = queue_weight, prefix_weight, decode_weight
         self.interference_weight, self.queue_by_sum, self.joint_prefill = (interference_weight, queue_by_sum,
                                                                           joint_prefill)
@@ -366,7 +370,7 @@ def argmin_bounds(env: ArgminEnv, pool: Sequence[Any], cached: dict[Any, int], p
                 q = max(0.0, o.queued_s)
         elif o is not None and o.queued_tokens > 0:
             q = queued_prefill(env, w, cost, o.queued_tokens, missed)[0]
-        nq = env.num_queued.get(wid, 0)
+        nq = len(env.queued.get(wid, _NO_QUEUED))
         interference = 0.0
         if nq:
             interference = nq * step_gain(env, w, cost, o, r, missed)
@@ -463,17 +467,11 @@ def decode_in(
             + co_residency([(dx, px) for px, _, dx in queued], prompt_tokens, d, cost)[0])
 
 
-_NO_QUEUED: dict[Any, Any] = {}  # a worker with no queued requests (read only)
-
-
-def fill_level(
-    env: ArgminEnv, pool: Sequence[Any], ants: Sequence[Any], queued: dict[Any, dict[Any, Any]], p: int, d: int,
-    rate: float,
-) -> float:
+def fill_level(env: ArgminEnv, pool: Sequence[Any], ants: Sequence[Any], p: int, d: int, rate: float) -> float:
     """The default policy's fill level L for a request of p prompt tokens and d predicted tokens, `rate` arrivals
     a second: the D_in it meets on any pool worker once the next arrivals have filled the lighter ones.
 
-    Each worker's D_in is its anticipator's `decode_in` (`ants`, in pool order: its records and `queued[w]`, the
+    Each worker's D_in is its anticipator's `decode_in` (`ants`, in pool order: its records and `env.queued[w]`, the
     requests dispatched to it without a first token), with its cost model; F = rate × D_self × the marginal of
     sharing half of r's iterations, ⌊d/2⌋ tokens at context p + ⌊d/2⌋ (the first pool worker's cost model);
     L = `water_level` of the D_in values and F. 0.0 for an empty pool."""
@@ -482,7 +480,8 @@ def fill_level(
     d_in = []
     for w, ant in zip(pool, ants, strict=True):
         wid = w.worker_id
-        d_in.append(ant.decode_in(queued.get(wid, _NO_QUEUED), d, env.cost_memo.get(wid) or env.cost_model(wid)))
+        cost = env.cost_memo.get(wid) or env.cost_model(wid)
+        d_in.append(ant.decode_in(env.queued.get(wid, _NO_QUEUED), d, cost))
     wid = pool[0].worker_id
     cost = env.cost_memo.get(wid) or env.cost_model(wid)
     # arrivals while r decodes alone (D_self), each sharing half of r's iterations at r's context

@@ -407,15 +407,15 @@ class Switchyard(PrebleE2):
         self.fallback = LengthFallback(prior=cfg.fallback_prior_tokens)
         self.reqs: dict[str, _Req] = {}
         self.by_worker: dict[WorkerId, dict[str, _Req]] = {}
-        self.num_queued: dict[WorkerId, int] = {}  # requests of by_worker[w] without a first token yet
-        self.queued: dict[WorkerId, dict[str, _Req]] = {}  # those requests (the rest of by_worker[w] is w's map)
-        self.busy: dict[WorkerId, BusyFraction] = {}  # when num_queued[w] > 0, for B's busy period
+        # the requests of by_worker[w] without a first token yet (the rest are in w's map)
+        self.queued: dict[WorkerId, dict[str, _Req]] = {}
+        self.busy: dict[WorkerId, BusyFraction] = {}  # when queued[w] is not empty, for B's busy period
         self.arrivals: dict[str, ArrivalRate] = {}  # per model, for B_w
         # selects that left a prefix's best holder where E2 would have exploited it (`counters`)
         self.num_prefix_spills = 0
         self._argmin_env = ArgminEnv(  # what the bound pass reads, by reference (`lower_bounds`)
             cost_memo=self._cost_memo, cost_model=self.cost_model, outstanding=self.outstanding,
-            num_queued=self.num_queued, batched_tokens=self.batched_tokens, queue_weight=cfg.queue_weight,
+            queued=self.queued, batched_tokens=self.batched_tokens, queue_weight=cfg.queue_weight,
             prefix_weight=cfg.prefix_weight, decode_weight=cfg.decode_weight,
             interference_weight=cfg.interference_weight * cfg.externality_weight,
             queue_by_sum=cfg.queue_pricing == "sum", joint_prefill=cfg.joint_prefill,
@@ -637,7 +637,7 @@ class Switchyard(PrebleE2):
         if self.sy.decode_fill and rate > 0.0:
             # L over the whole pool (the arrivals fill every routable worker, held prefix or not)
             synced = self.tracker.sync_all(full, now)
-            level = fill_level(self._argmin_env, full, synced, self.queued, ctx.num_prompt_tokens, d, rate)
+            level = fill_level(self._argmin_env, full, synced, ctx.num_prompt_tokens, d, rate)
             ants = synced if pool is full else self.tracker.sync_all(pool, now)
         elif self.sy.prune:
             # every clock moves now, priced or not: the anticipator's integration of the iteration rate depends
@@ -740,7 +740,7 @@ class Switchyard(PrebleE2):
         self.reqs[ctx.request_id] = rq
         self.by_worker.setdefault(w, {})[ctx.request_id] = rq
         self.queued.setdefault(w, {})[ctx.request_id] = rq
-        self._queued(w, 1, now)
+        self._queued_changed(w, now)
 
     def on_first_token(self, request_id: str, worker_id: WorkerId, now: float) -> None:
         super().on_first_token(request_id, worker_id, now)
@@ -749,7 +749,7 @@ class Switchyard(PrebleE2):
         if rq is not None and rq.worker == worker_id and not rq.running:
             rq.running = True
             del self.queued[worker_id][request_id]
-            self._queued(worker_id, -1, now)
+            self._queued_changed(worker_id, now)
 
     def on_finish(self, request_id: str, worker_id: WorkerId, now: float, num_output_tokens: int) -> None:
         super().on_finish(request_id, worker_id, now, num_output_tokens)
@@ -773,7 +773,6 @@ class Switchyard(PrebleE2):
             self.tracker.forget_worker(worker_id)
             for rid in list(self.by_worker.pop(worker_id, {})):
                 self.reqs.pop(rid, None)
-            self.num_queued.pop(worker_id, None)
             self.queued.pop(worker_id, None)
             self.busy.pop(worker_id, None)
             for a in self.arrivals.values():
@@ -804,15 +803,14 @@ class Switchyard(PrebleE2):
             return
         if not rq.running:
             del self.queued[rq.worker][request_id]
-            self._queued(rq.worker, -1, now)
+            self._queued_changed(rq.worker, now)
 
-    def _queued(self, w: WorkerId, k: int, now: float) -> None:
-        """num_queued[w] += k, and w's busy intervals when it leaves or reaches 0."""
-        n = self.num_queued[w] = self.num_queued.get(w, 0) + k
+    def _queued_changed(self, w: WorkerId, now: float) -> None:
+        """queued[w] gained or lost a request: w's busy intervals (busy while it holds any)."""
         b = self.busy.get(w)
         if b is None:
             b = self.busy[w] = BusyFraction(self.sy.arrival_window_s, now)
-        b.set_busy(n > 0, now)
+        b.set_busy(bool(self.queued.get(w)), now)
 
     def prefill_load(self, w: WorkerId, now: float) -> float:
         """ρ_w for B's busy period: the fraction of the window w's prefill queue was busy (0 if never seen)."""

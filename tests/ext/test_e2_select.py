@@ -8,6 +8,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 from ext_testlib import NO_EXTENSIONS
@@ -407,17 +408,19 @@ class Queued:
 
 def _argmin_envs(rng: random.Random, ids: list[int]) -> tuple[object, object, dict[WorkerId, int]]:
     """(reference env, Cython env, batched tokens per worker) over one random state: profile and fitted cost
-    models, queued prefills (some over B, some not), queued request counts, both queue pricings and both
+    models, queued prefills (some over B, some not), queued requests, both queue pricings and both
     `joint_prefill` settings."""
     models: list[object] = [profile_cost(name) for name in PROFILES] + [FitCost(1.0), FitCost(3.0)]
     by_worker = {WorkerId(f"w{i}"): rng.choice(models) for i in ids}
     memo = {w: c for w, c in by_worker.items() if rng.random() < 0.6}  # the rest through cost_model
     outstanding = {w: _record(rng, rng.choice([0.0, -1e-12, rng.random()]), rng.choice([0, 0, 16, 500, 3000, 9000]))
                    for w in by_worker if rng.random() < 0.7}
-    num_queued = {w: rng.randint(0, 6) for w in by_worker if rng.random() < 0.7}
+    queued = {w: {f"{w}-q{k}": SimpleNamespace(prompt_tokens=rng.randint(1, 8000), kv_prompt_tokens=0,
+                                             predicted_tokens=rng.randint(1, 600)) for k in range(rng.randint(0, 6))}
+              for w in by_worker if rng.random() < 0.7}
     batched = {w: rng.choice([512, 2048, 8192]) for w in by_worker}
     kw = dict(
-        cost_memo=memo, cost_model=by_worker.__getitem__, outstanding=outstanding, num_queued=num_queued,
+        cost_memo=memo, cost_model=by_worker.__getitem__, outstanding=outstanding, queued=queued,
         batched_tokens=lambda v: batched[v.worker_id], queue_weight=rng.choice([0.0, 1.0, 0.7]),
         prefix_weight=rng.choice([1.0, 0.5]), decode_weight=rng.choice([1.0, 0.0]),
         interference_weight=rng.choice([0.1, 0.0, 0.25]), queue_by_sum=rng.random() < 0.3,
@@ -458,7 +461,7 @@ def test_cython_argmin_bounds_equal_reference(seed: int) -> None:
             if o is not None and o.queued_tokens > 0 and not ref_env.queue_by_sum:  # type: ignore[attr-defined]
                 fits = o.queued_tokens + p <= batched[v.worker_id]
                 seen["joint" if fits and ref_env.joint_prefill else "chunked"] += 1  # type: ignore[attr-defined]
-            seen["interference"] += ref_env.num_queued.get(v.worker_id, 0) > 0  # type: ignore[attr-defined]
+            seen["interference"] += bool(ref_env.queued.get(v.worker_id))  # type: ignore[attr-defined]
             seen["fit"] += isinstance(ref_env.cost_model(v.worker_id), FitCost)  # type: ignore[attr-defined]
         seen["tie"] += len(set(want)) < len(want)
         seen["by_sum"] += ref_env.queue_by_sum  # type: ignore[attr-defined]
@@ -529,8 +532,6 @@ def test_cython_fill_level_equals_reference(seed: int) -> None:
     worker's map with running records, overrun and capped ones, its queued requests, profile and fitted cost
     models from the memo or through `cost_model`, with either anticipator build), and L is the water level of
     the workers' `decode_in` values with F from the first worker's cost model."""
-    from types import SimpleNamespace
-
     from switchyard.ext import _anticipator_c, anticipator_py
 
     rng = random.Random(200 + seed)
@@ -541,7 +542,8 @@ def test_cython_fill_level_equals_reference(seed: int) -> None:
         pool = [SyView(WorkerId(f"w{i}"), 16) for i in ids]
         mod = rng.choice([_anticipator_c, anticipator_py])
         seen["c_ants" if mod is _anticipator_c else "py_ants"] += 1
-        ants, queued = [], {}
+        ants, queued = [], ref_env.queued  # type: ignore[attr-defined]
+        assert c_env.queued is queued  # type: ignore[attr-defined]
         for v in pool:
             a = mod.Anticipator(10**6, max_len=rng.choice([64, 4096]))
             for k in range(rng.choice([0, 0, 1, 4, 30])):
@@ -549,19 +551,14 @@ def test_cython_fill_level_equals_reference(seed: int) -> None:
                 a.add(f"{v.worker_id}-{k}", rng.randint(0, p), rng.randint(0, 600), p)
                 if rng.random() < 0.2:
                     a.advance_to(a.iteration + rng.randint(1, 200))
-            if rng.random() < 0.5:
-                queued[v.worker_id] = {
-                    f"q{k}": SimpleNamespace(prompt_tokens=rng.randint(1, 8000), kv_prompt_tokens=0,
-                                             predicted_tokens=rng.randint(1, 600))
-                    for k in range(rng.randint(0, 4))}
             ants.append(a)
             seen["records"] += len(a) > 0
             seen["queued"] += bool(queued.get(v.worker_id))
             seen["fit"] += isinstance(ref_env.cost_model(v.worker_id), FitCost)  # type: ignore[attr-defined]
         p, d = rng.choice([1, 17, 700, 5000]), rng.choice([1, 2, 50, 900])
         rate = rng.choice([0.0, 0.5, 12.0, 300.0])
-        got = _e2_select_c.fill_level(c_env, pool, ants, queued, p, d, rate)  # type: ignore[union-attr]
-        want = e2_select_py.fill_level(ref_env, pool, ants, queued, p, d, rate)  # type: ignore[arg-type]
+        got = _e2_select_c.fill_level(c_env, pool, ants, p, d, rate)  # type: ignore[union-attr]
+        want = e2_select_py.fill_level(ref_env, pool, ants, p, d, rate)  # type: ignore[arg-type]
         assert got == want and type(got) is float
         costs = [ref_env.cost_model(v.worker_id) for v in pool]  # type: ignore[attr-defined]
         d_in = [a.decode_in(queued.get(v.worker_id, {}), d, c) for v, a, c in zip(pool, ants, costs, strict=True)]
@@ -571,8 +568,8 @@ def test_cython_fill_level_equals_reference(seed: int) -> None:
         seen["raised"] += want > min(d_in)
     assert all(seen.values()), seen
     with pytest.raises(ValueError):
-        _e2_select_c.fill_level(c_env, pool, ants[:-1], queued, 10, 10, 1.0)  # type: ignore[union-attr]
-    assert _e2_select_c.fill_level(c_env, [], [], {}, 10, 10, 1.0) == 0.0  # type: ignore[union-attr]
+        _e2_select_c.fill_level(c_env, pool, ants[:-1], 10, 10, 1.0)  # type: ignore[union-attr]
+    assert _e2_select_c.fill_level(c_env, [], [], 10, 10, 1.0) == 0.0  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("mod", ["py", "c"])
@@ -585,7 +582,7 @@ def test_head_terms_price_each_term(mod: str) -> None:
     cost = FitCost(1.0)
     a = WorkerId("a")
     env = impl.ArgminEnv(
-        cost_memo={}, cost_model=lambda w: cost, outstanding={a: Queued(0.3, 3000)}, num_queued={a: 1},
+        cost_memo={}, cost_model=lambda w: cost, outstanding={a: Queued(0.3, 3000)}, queued={a: {"x": None}},
         batched_tokens=lambda v: 2048, queue_weight=1.0, prefix_weight=1.0, decode_weight=0.5,
         interference_weight=0.1, queue_by_sum=False, joint_prefill=True, externality_weight=0.1,
         interference_term_weight=2.0, behind_weight=1.0, window_s=10.0,
@@ -620,7 +617,7 @@ def test_argmin_bounds_price_each_term(mod: str) -> None:
     a, b, c = WorkerId("a"), WorkerId("b"), WorkerId("c")
     out = {a: Queued(0.3, 3000), b: Queued(0.2, 100)}
     env = impl.ArgminEnv(
-        cost_memo={}, cost_model=lambda w: cost, outstanding=out, num_queued={b: 2}, batched_tokens=lambda v: 2048,
+        cost_memo={}, cost_model=lambda w: cost, outstanding=out, queued={b: {"x": None, "y": None}}, batched_tokens=lambda v: 2048,
         queue_weight=1.0, prefix_weight=1.0, decode_weight=0.5, interference_weight=0.1, queue_by_sum=False,
         joint_prefill=True, externality_weight=0.1, interference_term_weight=1.0, behind_weight=1.0, window_s=10.0,
     )

@@ -97,15 +97,15 @@ def test_peer_requests_load_the_policy_until_they_end() -> None:
     key = peer_key("a", "r1")
     mirror.apply(W[0], "m", [admitted(ctx), admitted(ctx)], 1.0)  # the second is a replay
     mirror.apply(W[0], "m", [admitted(request("mine", 512, 0), "b")], 1.0)  # B's own: the dispatcher told it
-    assert (mirror.count(W[0]), policy.num_queued[W[0]], set(policy.reqs)) == (1, 1, {key})
+    assert (mirror.count(W[0]), len(policy.queued[W[0]]), set(policy.reqs)) == (1, 1, {key})
     assert policy.reqs[key].prompt_tokens == 512
     mirror.apply(W[0], "m", [RequestFirstToken("r1", "a"), RequestFirstToken("never-seen", "a")], 1.5)
-    assert policy.num_queued[W[0]] == 0 and policy.reqs[key].running
+    assert not policy.queued[W[0]] and policy.reqs[key].running
     mirror.apply(W[0], "m", [RequestEnded("r1", "a", 40, True), RequestEnded("never-seen", "a", 1, True)], 2.0)
     assert (mirror.count(W[0]), key in policy.reqs, key in policy.in_flight) == (0, False, False)
     mirror.apply(W[1], "m", [admitted(request("r2", 512, 0))], 3.0)
     mirror.forget_worker(W[1], 3.5)  # lost: aborted, as the router's own requests there
-    assert (len(mirror), peer_key("a", "r2") in policy.reqs, policy.num_queued.get(W[1], 0)) == (0, False, 0)
+    assert (len(mirror), peer_key("a", "r2") in policy.reqs, len(policy.queued.get(W[1], {}))) == (0, False, 0)
 
 
 def test_a_policy_that_does_not_mirror_sees_nothing() -> None:

@@ -713,7 +713,7 @@ def _bound_from_terms(pol: Switchyard, w: WorkerView, ctx: RoutingContext, cache
     t = max(0, o.queued_tokens) if o is not None else 0
     q = (pol.queue_s(wid) if cfg.queue_pricing == "sum"
          else e2_select_py.queued_prefill(pol._argmin_env, w, cost, t, missed)[0] if t else 0.0)
-    nq = pol.num_queued.get(wid, 0)
+    nq = len(pol.queued.get(wid, {}))
     interference = nq * e2_select_py.step_gain(pol._argmin_env, w, cost, o, r, missed) if nq else 0.0
     return (cfg.queue_weight * q + cfg.prefix_weight * r + cfg.decode_weight * d_self
             + cfg.interference_weight * cfg.externality_weight * interference)
@@ -804,7 +804,7 @@ def test_bound_pass_equals_the_terms_it_bounds(overrides: dict) -> None:  # type
                 seen["selects"] += 1
                 seen["queued_tokens"] += sum(1 for w in pool if (o := self.outstanding.get(w.worker_id)) is not None
                                              and o.queued_tokens > 0)
-                seen["queued_requests"] += sum(1 for w in pool if self.num_queued.get(w.worker_id, 0) > 0)
+                seen["queued_requests"] += sum(1 for w in pool if bool(self.queued.get(w.worker_id)))
             return super().select(ctx, fleet, now)
 
     trace = make_workload(
@@ -958,7 +958,7 @@ def test_arrivals_filling_the_idle_worker_keep_a_follow_up_on_its_holder(
     t = terms(p, fleet, r)  # the terms as the batches are now (no level)
     assert t[W0].decode_in_s > t[W1].prefill_s - t[W0].prefill_s > 0.0 == t[W1].decode_in_s
     pool = fleet.routable("m")
-    level = fill_level(p._argmin_env, pool, p.tracker.sync_all(pool, NOW), p.queued, 2048, 100, rate.rate(NOW))
+    level = fill_level(p._argmin_env, pool, p.tracker.sync_all(pool, NOW), 2048, 100, rate.rate(NOW))
     assert level > t[W0].decode_in_s
     assert p.select(r, fleet, NOW).worker_id == expected
     assert p.counters()["prefix_spills"] == (1 if expected == W1 else 0)
