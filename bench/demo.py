@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from switchyard.bench import procs
 from switchyard.bench.metrics import dist
-from switchyard.bench.traces import PromptFactory, load_trace
+from switchyard.bench.traces import PromptFactory, load_trace, parse_where
 from switchyard.router.client import AsyncRouterClient, make_request
 from switchyard.router.policies.registry import DEFAULT_POLICY, POLICIES
 
@@ -134,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default="mooncake-conversation")
     p.add_argument("--start", type=float, default=0.0, help="trace second the slice starts at")
     p.add_argument("--duration", type=float, default=90.0, help="trace seconds replayed per policy")
+    p.add_argument("--where", action="append", default=[], metavar="COLUMN=VALUE",
+                   help="only the trace's rows with this value in this column or field (as bench sim's)")
     p.add_argument("--speedup", type=float, default=4.0, help="time compression of arrivals and engine alike")
     p.add_argument(
         "--arrival-stretch",
@@ -153,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or not policies:
         raise SystemExit(f"switchyard demo: unknown policies {unknown or args.policies!r}; known: {', '.join(sorted(POLICIES))}")
-    trace = load_trace(args.trace, start_s=args.start, duration_s=args.duration)
+    try:
+        trace = load_trace(args.trace, start_s=args.start, duration_s=args.duration, where=parse_where(args.where))
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"switchyard demo: {e}") from None
     requests = list(trace.requests)  # re-based: the slice's first arrival is at 0
     if not requests:
         raise SystemExit(f"switchyard demo: no request of {trace.name} arrives in the slice")

@@ -45,6 +45,7 @@ from switchyard.bench.traces import (
     Trace,
     TraceRequest,
     load_trace,
+    parse_where,
     resolve_trace_path,
     scale_time,
     scale_to_rate,
@@ -709,6 +710,12 @@ def build_parser() -> argparse.ArgumentParser:
         "file is read)",
     )
     g.add_argument("--max-requests", type=int, default=None)
+    g.add_argument(
+        "--where", action="append", default=[], metavar="COLUMN=VALUE",
+        help="a trace file's rows with this value in this column (CSV) or field (JSONL), before slicing; again for "
+        "another column, or the same column for either value: e.g. --where Model=ChatGPT --where 'Log Type=API "
+        "log' (BurstGPT), --where type=text (Qwen-Bailian)",
+    )
     g = p.add_argument_group("router model")
     g.add_argument("--stats-interval", type=float, default=0.2, help="Stats poll period, s")
     g.add_argument("--event-lag", type=float, default=0.005, help="KV event delivery lag, s")
@@ -798,6 +805,9 @@ def _preble_spec(args: argparse.Namespace) -> preble.PrebleSpec:
 
 
 def load_workload(args: argparse.Namespace) -> Trace:
+    where = parse_where(args.where)
+    if where and args.trace in SYNTHETIC:
+        raise ValueError(f"--where selects rows of a trace file; {args.trace} is generated")
     if args.trace in preble.GENERATORS:
         trace = preble.make_preble_trace(args.trace, _preble_spec(args), seed=args.seed)
         return take_slice(trace, args.start, args.duration, args.max_requests)
@@ -832,7 +842,7 @@ def load_workload(args: argparse.Namespace) -> Trace:
     duration = args.duration
     if duration is None and args.max_requests is None:
         duration = TRACE_DEFAULTS.get(resolve_trace_path(args.trace)[0], {}).get("duration")
-    return load_trace(args.trace, args.start, duration, args.max_requests)
+    return load_trace(args.trace, args.start, duration, args.max_requests, where)
 
 
 def parse_policies(spec: str) -> list[str]:
@@ -1005,6 +1015,7 @@ def run_sweep(args: argparse.Namespace, base: Trace, floor: bool = True) -> dict
             "num_requests": len(base.requests),
             "slice_duration_s": base.duration_s,
             "mean_rate_req_s": base.mean_rate,
+            "where": parse_where(args.where),
         },
         "config": {
             "workers": args.workers,

@@ -1,6 +1,7 @@
 """Request traces for the simulator: parse JSONL traces with block hashes (Mooncake's, Qwen-Bailian's) and CSV
-traces (Azure's, BurstGPT's, splitwise-sim's), slice and rescale them in time, and turn each request's prompt
-description into deterministic token ids and chained block hashes.
+traces (Azure's, BurstGPT's, splitwise-sim's), gzip-compressed or not, keep the rows whose columns have given
+values (BurstGPT's one model, Qwen-Bailian's text requests), slice and rescale them in time, and turn each
+request's prompt description into deterministic token ids and chained block hashes.
 
 A prompt is described by *segments* `(namespace, key, length)`: equal `(namespace, key)` give identical tokens,
 so prefix sharing in a trace (Mooncake's 512-token `hash_ids`, Bailian's 16-token ones, synthetic shared-prefix
@@ -10,13 +11,14 @@ groups) becomes real prefix sharing in the engines' caches. Tokens are drawn laz
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import math
 import os
 import re
 from array import array
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import date
 from functools import lru_cache
@@ -107,7 +109,8 @@ def resolve_trace_path(name_or_path: str) -> tuple[str, Path]:
     for name, rel in NAMED_TRACES.items():
         if data_dir is not None and path.resolve() == data_dir / rel:
             return name, path
-    return path.stem.replace("_", "-").lower(), path
+    stem = Path(path.stem).stem if path.suffix.lower() == ".gz" else path.stem
+    return stem.replace("_", "-").lower(), path
 
 
 # ---------------------------------------------------------------------------------------------------- parsing
@@ -123,6 +126,49 @@ CSV_FORMATS = {"Azure": AZURE_COLUMNS, "BurstGPT": BURSTGPT_COLUMNS, "splitwise-
 # ISO 8601 as the Azure traces write it: '2023-11-16 18:15:46.6805900' (2023: no zone, 7 digits) or
 # '2024-05-10 00:00:00.009930+00:00' (2024: a UTC offset); 'T', 'Z', '+0000' and whole seconds are read too
 _TIMESTAMP = re.compile(r"(\d{4}-\d{2}-\d{2})[ T](\d{2}):(\d{2}):(\d{2}(?:\.\d*)?)\s*(Z|[+-]\d{2}(?::?\d{2})?)?")
+
+
+Where = Mapping[str, Collection[str]]  # column (CSV) or field (JSONL) -> the values a kept row has there
+
+
+def parse_where(items: Iterable[str]) -> dict[str, list[str]]:
+    """The benches' `--where KEY=VALUE` items -> `Where`; a key given twice keeps a row with either value."""
+    out: dict[str, list[str]] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--where {item!r}: expected COLUMN=VALUE (e.g. Model=ChatGPT, type=text)")
+        out.setdefault(key.strip(), []).append(value.strip())
+    return out
+
+
+class _RowFilter:
+    """Keeps a row when each `where` column's value (stripped; a JSON value as `str`) is one of its values. It
+    counts the values it saw, so a filter that keeps nothing names what the file has instead."""
+
+    def __init__(self, where: Where | None, source: str) -> None:
+        self.where = {k: frozenset(v) for k, v in (where or {}).items()}
+        self.source = source
+        self.seen: dict[str, Counter[str]] = {k: Counter() for k in self.where}
+        self.kept = 0
+
+    def keep(self, values: Sequence[str]) -> bool:
+        """`values` in the order of `self.where`'s keys."""
+        ok = True
+        for (key, allowed), v in zip(self.where.items(), values, strict=True):
+            self.seen[key][v] += 1
+            ok = ok and v in allowed
+        self.kept += ok
+        return ok
+
+    def check(self) -> None:
+        """Raises if the filter kept no row of a file that had some."""
+        if self.where and not self.kept and any(self.seen.values()):
+            have = "; ".join(
+                f"{k}: {', '.join(repr(v) for v, _ in c.most_common(8))}" for k, c in self.seen.items()
+            )
+            asked = "; ".join(f"{k} in {sorted(v)}" for k, v in self.where.items())
+            raise ValueError(f"{self.source}: no row has {asked} (most common values: {have})")
 
 
 @dataclass(slots=True)
@@ -166,22 +212,32 @@ def mooncake_segments(
     return tuple(segs)
 
 
-def _read_jsonl(lines: Iterable[str], source: str) -> _Rows:
+def _read_jsonl(lines: Iterable[str], source: str, where: Where | None = None) -> _Rows:
     """A JSONL trace of input_length, output_length, hash_ids and timestamp: Mooncake's (FAST'25: ms, 512-token
     blocks), or Qwen-Bailian's (ATC'25, rows with a `chat_id`: seconds, 16-token blocks, or N where the file name
-    says `blksz_N`), told apart by the first row."""
+    says `blksz_N`), told apart by the first row; only the rows `where` keeps (a row without one of its fields is
+    an error)."""
     rows = _Rows(hash_ids=[])
+    rf = _RowFilter(where, source)
     per_ms = True
+    first = True
     for lineno, line in enumerate(lines, 1):
         line = line.strip()
         if not line:
             continue
         try:
             row = json.loads(line)
-            if not rows.arrival_s and ("chat_id" in row or "parent_chat_id" in row):  # Qwen-Bailian
+            if first and ("chat_id" in row or "parent_chat_id" in row):  # Qwen-Bailian
                 per_ms = False
                 named = re.search(r"blksz_(\d+)", Path(source).name)
                 rows.block_tokens = int(named.group(1)) if named else BAILIAN_BLOCK_TOKENS
+            first = False
+            if rf.where:
+                missing = [k for k in rf.where if k not in row]
+                if missing:
+                    raise KeyError(f"no field {missing[0]!r} to select on")
+                if not rf.keep([str(row[k]).strip() for k in rf.where]):
+                    continue
             t = float(row["timestamp"])
             rows.add(t / 1000.0 if per_ms else t, int(row["input_length"]), int(row["output_length"]))
             rows.hash_ids.append(row.get("hash_ids", ()))
@@ -189,6 +245,7 @@ def _read_jsonl(lines: Iterable[str], source: str) -> _Rows:
             raise ValueError(f"{source}: line {lineno}: not a JSONL trace row ({e!r}): {line[:120]!r}") from None
     if rows.block_tokens < 1:
         raise ValueError(f"{source}: blocks of {rows.block_tokens} tokens")
+    rf.check()
     return rows
 
 
@@ -218,10 +275,11 @@ def _day_and_offset(day: str, zone: str | None) -> tuple[int, int]:
     return date.fromisoformat(day).toordinal(), offset
 
 
-def _read_csv(lines: Iterable[str], source: str) -> _Rows:
+def _read_csv(lines: Iterable[str], source: str, where: Where | None = None) -> _Rows:
     """An Azure LLM inference trace (`AZURE_COLUMNS`: 2023's or 2024's, arrivals relative to the earliest row),
-    BurstGPT (`BURSTGPT_COLUMNS`) or splitwise-sim / SageServe (`SPLITWISE_COLUMNS`), both in relative seconds,
-    their other columns not read; CRLF or LF line ends."""
+    BurstGPT (`BURSTGPT_COLUMNS`) or splitwise-sim / SageServe (`SPLITWISE_COLUMNS`), both in relative seconds;
+    CRLF or LF line ends. Other columns are read only to keep the rows `where` selects (BurstGPT's `Model` and
+    `Log Type`)."""
     reader = csv.reader(lines)
     header = [h.strip() for h in next(reader, [])]
     for columns in CSV_FORMATS.values():
@@ -231,6 +289,11 @@ def _read_csv(lines: Iterable[str], source: str) -> _Rows:
     else:
         expected = "; ".join(f"{', '.join(c)} ({name})" for name, c in CSV_FORMATS.items())
         raise ValueError(f"{source}: unknown CSV columns {header}: expected {expected}")
+    rf = _RowFilter(where, source)
+    unknown = [k for k in rf.where if k not in header]
+    if unknown:
+        raise ValueError(f"{source}: no column {unknown[0]!r} to select on; the columns are {header}")
+    sel = [header.index(k) for k in rf.where]
     rows = _Rows()
     azure = columns == AZURE_COLUMNS
     days, secs = array("q"), array("d")
@@ -238,6 +301,8 @@ def _read_csv(lines: Iterable[str], source: str) -> _Rows:
         if not row:
             continue
         try:
+            if sel and not rf.keep([row[i].strip() for i in sel]):
+                continue
             if azure:
                 day, sec = _parse_azure_timestamp(row[t])
                 days.append(day)
@@ -251,6 +316,7 @@ def _read_csv(lines: Iterable[str], source: str) -> _Rows:
     if azure and days:
         day0, sec0 = min(zip(days, secs, strict=True))
         rows.arrival_s = array("d", (round((d - day0) * 86400 + (s - sec0), 7) for d, s in zip(days, secs, strict=True)))
+    rf.check()
     return rows
 
 
@@ -287,39 +353,56 @@ def _window(
     return Trace(name=name, requests=tuple(reqs), source=source, has_prefix_identity=rows.hash_ids is not None)
 
 
-def parse_jsonl(lines: Iterable[str], name: str = "jsonl", source: str = "") -> Trace:
+def parse_jsonl(lines: Iterable[str], name: str = "jsonl", source: str = "", where: Where | None = None) -> Trace:
     """A whole JSONL trace, Mooncake's or Qwen-Bailian's (`load_trace` reads a window of a file)."""
-    return _window(_read_jsonl(lines, source or name), name, source, 0.0, None, None)
+    return _window(_read_jsonl(lines, source or name, where), name, source, 0.0, None, None)
 
 
-def parse_csv(lines: Iterable[str], name: str = "csv", source: str = "") -> Trace:
+def parse_csv(lines: Iterable[str], name: str = "csv", source: str = "", where: Where | None = None) -> Trace:
     """A whole CSV trace of one of `CSV_FORMATS` (Azure's, BurstGPT's, splitwise-sim's). No prefix identity: every
     prompt is unique random tokens."""
-    return _window(_read_csv(lines, source or name), name, source, 0.0, None, None)
+    return _window(_read_csv(lines, source or name, where), name, source, 0.0, None, None)
 
 
 def load_trace(
-    name_or_path: str, start_s: float = 0.0, duration_s: float | None = None, max_requests: int | None = None
+    name_or_path: str,
+    start_s: float = 0.0,
+    duration_s: float | None = None,
+    max_requests: int | None = None,
+    where: Where | None = None,
 ) -> Trace:
-    """A named trace or a file, sliced as `take_slice` would (the whole trace by default); the format is taken from
-    the extension, else sniffed from the first line (a JSON object: Mooncake; else a CSV header)."""
+    """A named trace or a file, sliced as `take_slice` would (the whole trace by default) after `where` kept its
+    rows (`_RowFilter`: every key a column or field, the row's value one of the key's). A gzip file (by its magic
+    bytes) is read as the file it holds; the format is taken from the extension (less `.gz`), else sniffed from the
+    first line (a JSON object: Mooncake; else a CSV header)."""
     name, path = resolve_trace_path(name_or_path)
+    with open(path, "rb") as raw:
+        packed = raw.read(2) == b"\x1f\x8b"
+    suffixes = [x.lower() for x in path.suffixes]
+    suffix = suffixes[-2] if packed and len(suffixes) > 1 and suffixes[-1] == ".gz" else path.suffix.lower()
     # newline="" keeps the CRLF handling to the csv module (and JSON ignores a trailing \r anyway); utf-8-sig
     # drops a byte-order mark
-    with open(path, newline="", encoding="utf-8-sig") as f:
+    opener = gzip.open if packed else open
+    with opener(path, "rt", encoding="utf-8-sig", newline="") as f:
         first = f.readline()
-        f.seek(0)
-        suffix = path.suffix.lower()
+        lines = _chain_first(first, f)
         if suffix in (".jsonl", ".json") or first.lstrip().startswith("{"):
-            rows = _read_jsonl(f, str(path))
+            rows = _read_jsonl(lines, str(path), where)
         elif suffix == ".csv" or any(all(c in first for c in cols) for cols in CSV_FORMATS.values()):
-            rows = _read_csv(f, str(path))
+            rows = _read_csv(lines, str(path), where)
         else:
             raise ValueError(
                 f"cannot tell the format of {path}: expected a JSONL trace (Mooncake, Qwen-Bailian) or a CSV of "
                 f"{', '.join(CSV_FORMATS)}"
             )
     return _window(rows, name, str(path), start_s, duration_s, max_requests)
+
+
+def _chain_first(first: str, rest: Iterable[str]) -> Iterable[str]:
+    """The first line, read to sniff the format, then the rest: a gzip stream is not seeked back."""
+    if first:
+        yield first
+    yield from rest
 
 
 # ---------------------------------------------------------------------------------------------------- time

@@ -84,6 +84,23 @@ def test_a_large_slice_gets_a_hint(tmp_path, capsys, monkeypatch):
     assert "replays a part" not in capsys.readouterr().err
 
 
+def test_where_replays_one_model_of_a_mixed_trace(tmp_path, capsys):
+    f = tmp_path / "t.csv"
+    f.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                 "0,ChatGPT,50,2,52,x\n1,GPT-4,60,2,62,x\n2,ChatGPT,70,2,72,x\n")
+    out = tmp_path / "o"
+    argv = ["--trace", str(f), "--workers", "1", "--policies", "round_robin", "--out", str(out), "--no-plots"]
+    assert sim.main([*argv, "--where", "Model=ChatGPT"]) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["trace"]["num_requests"] == 2 and data["trace"]["where"] == {"Model": ["ChatGPT"]}
+    assert data["runs"][0]["metrics"]["num_completed"] == 2
+    capsys.readouterr()
+    assert sim.main([*argv, "--where", "Model=gpt4"]) == 2  # a value no row has: an error, not an empty replay
+    assert "no row has Model in ['gpt4']" in capsys.readouterr().err
+    assert sim.main(["--trace", "poisson", "--where", "Model=ChatGPT", "--out", str(out)]) == 2
+    assert "--where selects rows of a trace file; poisson is generated" in capsys.readouterr().err
+
+
 def test_the_report_says_what_became_of_requests_not_completed(tmp_path, capsys):
     # a prompt over the model's length is rejected at admission: the table's "done" counts 2/3, and the line
     # under it (printed and in results.md) names the outcome

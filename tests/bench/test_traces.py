@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import random
@@ -18,6 +19,7 @@ from switchyard.bench.traces import (
     mooncake_segments,
     parse_csv,
     parse_jsonl,
+    parse_where,
     prefix_hit_bound,
     scale_time,
     scale_to_rate,
@@ -143,6 +145,78 @@ def test_qwen_bailian_jsonl(tmp_path):
     q = tmp_path / "qwen_coder_blksz_32.jsonl"
     q.write_text(text)
     assert [n for _, _, n in load_trace(str(q)).requests[1].segments] == [32, 32, 6]
+
+
+BURSTGPT = (
+    "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\r\n"
+    "5,ChatGPT,472,18,490,Conversation log\r\n"
+    "45,GPT-4,1087,30,1117,API log\r\n"
+    "46,ChatGPT,20,7,27,API log\r\n"
+    "50,GPT-4,300,9,309,Conversation log\r\n"
+)
+
+
+def test_where_keeps_the_rows_with_the_values_asked_before_the_slice(tmp_path):
+    # BurstGPT mixes two models and two kinds of log: one fleet serves one model, so a replay picks its rows. The
+    # kept rows are re-based from the first kept one, and the window applies to them
+    p = tmp_path / "BurstGPT_1.csv"
+    p.write_text(BURSTGPT, newline="")
+    t = load_trace(str(p), where={"Model": ["ChatGPT"]})
+    assert [(r.arrival_s, r.num_prompt_tokens) for r in t.requests] == [(0.0, 472), (41.0, 20)]
+    t = load_trace(str(p), where={"Model": ["GPT-4"], "Log Type": ["API log", "Conversation log"]})
+    assert [(r.arrival_s, r.num_prompt_tokens) for r in t.requests] == [(0.0, 1087), (5.0, 300)]
+    t = load_trace(str(p), where={"Model": ["ChatGPT", "GPT-4"], "Log Type": ["API log"]}, start_s=0.5)
+    assert [(r.arrival_s, r.num_prompt_tokens) for r in t.requests] == [(0.0, 20)]  # 45 s and 46 s; from 45.5
+    assert parse_csv(io.StringIO(BURSTGPT), where={"Model": ["GPT-4"]}).requests == load_trace(
+        str(p), where={"Model": ["GPT-4"]}).requests
+    # a column the file lacks, or a value no row has, is an error naming what the file has (not an empty trace)
+    with pytest.raises(ValueError, match="no column 'model'.*'Log Type'"):
+        load_trace(str(p), where={"model": ["ChatGPT"]})
+    with pytest.raises(ValueError, match="no row has Model in \\['chatgpt'\\].*'ChatGPT', 'GPT-4'"):
+        load_trace(str(p), where={"Model": ["chatgpt"]})
+    # Qwen-Bailian: JSON fields, compared as text; a Mooncake row has no `type` to select on
+    rows = [
+        {"chat_id": 1, "parent_chat_id": -1, "timestamp": 10.0, "input_length": 40, "output_length": 5,
+         "type": "image", "turn": 1, "hash_ids": [1, 2, 3]},
+        {"chat_id": 2, "parent_chat_id": -1, "timestamp": 11.0, "input_length": 20, "output_length": 6,
+         "type": "text", "turn": 1, "hash_ids": [4, 5]},
+        {"chat_id": 3, "parent_chat_id": 2, "timestamp": 13.0, "input_length": 50, "output_length": 7,
+         "type": "text", "turn": 2, "hash_ids": [4, 5, 6, 7]},
+    ]
+    q = tmp_path / "qwen_traceA_blksz_16.jsonl"
+    q.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = load_trace(str(q), where={"type": ["text"]})
+    assert [(r.arrival_s, r.num_output_tokens) for r in t.requests] == [(0.0, 6), (2.0, 7)]
+    assert [n for _, _, n in t.requests[1].segments] == [16, 16, 16, 2]  # still Bailian's 16-token blocks
+    assert [r.num_output_tokens for r in load_trace(str(q), where={"turn": ["2"]}).requests] == [7]
+    m = tmp_path / "m.jsonl"
+    m.write_text("\n".join(json.dumps(r) for r in MOONCAKE_ROWS) + "\n")
+    with pytest.raises(ValueError, match="line 1: .*no field 'type' to select on"):
+        load_trace(str(m), where={"type": ["text"]})
+    assert parse_where(["Model=ChatGPT", " Log Type = API log", "Model=GPT-4"]) == {
+        "Model": ["ChatGPT", "GPT-4"], "Log Type": ["API log"]}
+    for bad in ("Model", "=x"):
+        with pytest.raises(ValueError, match="COLUMN=VALUE"):
+            parse_where([bad])
+
+
+def test_gzip_traces_read_as_the_files_they_hold(tmp_path):
+    # the Azure 2024 week files and the 2025 multimodal trace are published gzip-compressed: the same requests,
+    # told by the magic bytes, the format from the suffix under .gz (or sniffed), the name without .gz
+    plain = tmp_path / "BurstGPT_1.csv"
+    plain.write_text(BURSTGPT, newline="")
+    packed = tmp_path / "BurstGPT_1.csv.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    odd = tmp_path / "burst.data"  # no telling suffix: the header is sniffed through the decompression
+    odd.write_bytes(packed.read_bytes())
+    want = load_trace(str(plain))
+    for f in (packed, odd):
+        got = load_trace(str(f), where={"Model": ["ChatGPT", "GPT-4"]})
+        assert got.requests == want.requests and len(got.requests) == 4
+    assert load_trace(str(packed)).name == "burstgpt-1"
+    j = tmp_path / "m.jsonl.gz"
+    j.write_bytes(gzip.compress(("\n".join(json.dumps(r) for r in MOONCAKE_ROWS) + "\n").encode()))
+    assert load_trace(str(j)).requests == parse_jsonl(json.dumps(r) for r in MOONCAKE_ROWS).requests
 
 
 def test_chunks_made_in_one_pass_are_the_reference_chunks():
