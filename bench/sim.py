@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from switchyard.bench import conversations, report
 from switchyard.bench import preble_workloads as preble
 from switchyard.bench.metrics import (
@@ -40,6 +42,7 @@ from switchyard.bench.metrics import (
     summarize,
     warm_start_s,
 )
+from switchyard.bench.micro.revision import policy_at
 from switchyard.bench.traces import (
     PromptFactory,
     Trace,
@@ -94,7 +97,7 @@ class SimConfig:
 
     policy: str = "round_robin"
     num_workers: int = 8
-    profile: str = DEFAULT_PROFILE
+    profile: str = DEFAULT_PROFILE  # every worker's, or a mixed fleet's `NAME:COUNT,...` (`fleet_profiles`)
     block_size: int = 16
     stats_interval_s: float = 0.2  # the daemon's Stats poll period (router.config WorkersConfig default)
     event_lag_s: float = 0.005  # step end -> KV events ingested by the router
@@ -219,17 +222,56 @@ class SimResult:
 
     def load_imbalance(self, window_s: float, threshold: float) -> dict[str, float]:
         """Preble's per-worker load imbalance in this run (`metrics.load_imbalance`), each request's work priced as
-        Alg 2 prices L: PREFILLTIME of its uncached tokens + single-request DECODETIME, on the run's profile."""
-        cost = profile_cost(self.config.profile)
-        return load_imbalance(
-            self.records, self.worker_ids,
-            lambda r: cost.prefill_s(r.num_prompt_tokens - r.num_cached_tokens, r.num_cached_tokens)
-            + cost.decode_s(r.num_output_tokens, r.num_prompt_tokens + r.num_output_tokens / 2),
-            window_s, threshold,
-        )
+        Alg 2 prices L: PREFILLTIME of its uncached tokens + single-request DECODETIME, on its worker's profile."""
+        names = fleet_profiles(self.config.profile, len(self.worker_ids))
+        costs = {w: profile_cost(n) for w, n in zip(self.worker_ids, names, strict=True)}
+
+        def work_s(r: RequestRecord) -> float:
+            cost = costs[r.worker_id]
+            return cost.prefill_s(r.num_prompt_tokens - r.num_cached_tokens, r.num_cached_tokens) + cost.decode_s(
+                r.num_output_tokens, r.num_prompt_tokens + r.num_output_tokens / 2)
+
+        return load_imbalance(self.records, self.worker_ids, work_s, window_s, threshold)
 
 
 # ---------------------------------------------------------------------------------------------------- engine
+def fleet_profiles(spec: str, num_workers: int | None = None) -> list[str]:
+    """Each worker's profile name, w0 first: `NAME` for every worker (`num_workers` of them, default 8), or a
+    mixed fleet `NAME:COUNT,NAME:COUNT,...` in that order (`num_workers`, if given, must be their sum). A fleet
+    serves one model, so its profiles must share one; ValueError otherwise, or for an unknown name."""
+    from switchyard.workers.engine.profiles import get_profile
+
+    parts = [x.strip() for x in spec.split(",") if x.strip()]
+    if not parts:
+        raise ValueError("--profile is empty")
+    if len(parts) == 1 and ":" not in parts[0]:
+        names = [parts[0]] * (8 if num_workers is None else num_workers)
+    else:
+        names = []
+        for part in parts:
+            name, sep, count = part.partition(":")
+            if not sep or not count.strip().isdigit() or int(count) < 1:
+                raise ValueError(f"--profile {spec!r}: expected NAME or NAME:COUNT,NAME:COUNT,... (got {part!r})")
+            names += [name.strip()] * int(count)
+        if num_workers is not None and num_workers != len(names):
+            raise ValueError(f"--profile {spec!r} makes {len(names)} workers, --workers says {num_workers}")
+    models = {get_profile(n).model.name for n in names}
+    if len(models) > 1:
+        raise ValueError(f"--profile {spec!r}: a fleet serves one model; these profiles are of {sorted(models)}")
+    return names
+
+
+def describe_fleet(names: Sequence[str]) -> str:
+    """'8 x llama3-8b-a100', or '4 x llama2-70b-h100-tp4 + 4 x llama2-70b-a100-tp4' for a mixed fleet."""
+    runs: list[list[Any]] = []
+    for n in names:
+        if runs and runs[-1][1] == n:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, n])
+    return " + ".join(f"{k} x {n}" for k, n in runs)
+
+
 def make_engine(profile_name: str, block_size: int, overrides: dict[str, Any]) -> Any:
     """One EngineCore with the named profile (the same construction the simulated worker uses)."""
     from switchyard.workers.engine.core import EngineConfig, EngineCore
@@ -301,7 +343,7 @@ class Simulator:
         self.prompts = prompts or PromptFactory(cfg.block_size, seed=cfg.seed)
         self.routers: list[RouterReplica] = []
         for i in range(cfg.router_replicas):
-            pol = policy if policy is not None else make_policy(cfg.policy, cfg.policy_params)
+            pol = policy if policy is not None else build_policy(cfg.policy, cfg.policy_params)
             if isinstance(pol, OraclePartition):  # the baseline's offline oracle: this very trace's key portions
                 pol.set_partition(preble.oracle_partition_table(trace))
             fleet = Fleet()
@@ -316,8 +358,9 @@ class Simulator:
         self.clock = VirtualClock()  # the routers' clock; advanced by the event loop
         self.cores: list[Any] = []
         self.worker_ids: list[WorkerId] = []
-        for i in range(cfg.num_workers):
-            core = make_engine(cfg.profile, cfg.block_size, cfg.engine_overrides)
+        self.profiles = fleet_profiles(cfg.profile, cfg.num_workers)
+        for i, profile in enumerate(self.profiles):
+            core = make_engine(profile, cfg.block_size, cfg.engine_overrides)
             wid = WorkerId(f"w{i}")
             c = core.config
             info = WorkerInfo(
@@ -330,7 +373,7 @@ class Simulator:
                 block_hash_seed=core.block_hash_seed,
                 max_num_seqs=c.max_num_seqs,
                 max_num_batched_tokens=c.max_num_batched_tokens,
-                perf_profile=cfg.profile,
+                perf_profile=profile,
             )
             for r in self.routers:
                 r.fleet.add_worker(info)
@@ -677,6 +720,8 @@ SYNTHETIC = (*ARRIVALS, *preble.GENERATORS, conversations.NAME)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from switchyard.workers.engine.profiles import PROFILES
+
     p = argparse.ArgumentParser(prog="switchyard bench sim", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--trace",
@@ -684,13 +729,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="mooncake-conversation | azure-code | azure-conv | poisson | gamma | "
         f"{' | '.join(preble.TRACE_NAMES)} | {conversations.NAME} | PATH (.jsonl/.csv)",
     )
-    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--workers", type=int, default=None, help="default 8, or the sum of a mixed --profile's counts")
     p.add_argument(
         "--policies",
         default="round_robin,least_request,power_of_two",
         help=f"comma-separated, the first is the baseline; known: {','.join(sorted(POLICIES))}",
     )
-    p.add_argument("--profile", default=DEFAULT_PROFILE, help="engine performance profile")
+    p.add_argument(
+        "--profile", default=DEFAULT_PROFILE,
+        help="every worker's performance profile, or a mixed fleet of one model, NAME:COUNT,... in worker order "
+        "(e.g. llama2-70b-h100-tp4:4,llama2-70b-a100-tp4:4); known: " + ", ".join(sorted(PROFILES)),
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("load and slice")
@@ -795,9 +844,8 @@ def _preble_spec(args: argparse.Namespace) -> preble.PrebleSpec:
     return preble.PrebleSpec(
         num_requests=args.max_requests or args.num_requests or 2000,
         rate=args.rate or 4.0,
-        max_model_len=get_profile(
-            args.profile
-        ).max_model_len,  # prompt + output never exceed the engines' limit
+        # prompt + output never exceed any engine's limit
+        max_model_len=min(get_profile(n).max_model_len for n in set(fleet_profiles(args.profile, args.workers))),
         num_tools=args.num_tools,
         zipf=args.zipf,
         samples_together=not args.samples_apart,
@@ -845,11 +893,26 @@ def load_workload(args: argparse.Namespace) -> Trace:
     return load_trace(args.trace, args.start, duration, args.max_requests, where)
 
 
+def build_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy:
+    """A registry policy, or `NAME@REV`: NAME as git revision REV's `router/policies/` (and `ext/`) wrote it
+    (`bench/micro/revision.py`, as `bench decisions` takes it), so a change's placement is measured against the
+    code it replaced in one run."""
+    if "@" in name:
+        base, rev = name.split("@", 1)
+        return policy_at(base, rev, params)
+    return make_policy(name, params)
+
+
 def parse_policies(spec: str) -> list[str]:
+    """--policies: registry names or `NAME@REV`; each revision's copy is built here, before any run forks."""
     policies = [p.strip() for p in spec.split(",") if p.strip()]
     for name in policies:
-        if name not in POLICIES:
-            raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
+        if name.split("@", 1)[0] not in POLICIES:
+            raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))} (or NAME@REV)")
+        if "@" in name:
+            build_policy(name)
+    if len(set(policies)) != len(policies):
+        raise ValueError(f"--policies lists a policy twice: {spec}")
     if not policies:
         raise ValueError("--policies is empty")
     return policies
@@ -864,7 +927,7 @@ def parse_params(items: Sequence[str], policies: Sequence[str]) -> dict[str, dic
             raise ValueError(f"--param {item!r}: {policy!r} is not one of --policies ({', '.join(policies)})")
         out.setdefault(policy, {})[key] = raw.strip()
     for policy, params in out.items():
-        make_policy(policy, params)
+        build_policy(policy, params)
     return out
 
 
@@ -904,11 +967,12 @@ def ttft_floor(
     from switchyard.workers.engine.profiles import get_profile
 
     engine = EngineConfig(block_size=args.block_size, **engine_overrides(args))
-    profile = get_profile(args.profile)
+    profiles = [get_profile(n) for n in sorted(set(fleet_profiles(args.profile, args.workers)))]
     prompts = prompts or PromptFactory(args.block_size, seed=args.seed)
-    floors = ttft_floors(trace, prompts, profile, engine.max_num_batched_tokens)
+    # a mixed fleet: each request on its fastest profile
+    floors = np.min([ttft_floors(trace, prompts, p, engine.max_num_batched_tokens) for p in profiles], axis=0)
     # over the requests the admission lets through, as the runs' TTFT is; the warm-up by every arrival, as theirs
-    limit = engine.max_model_len or profile.max_model_len
+    limit = engine.max_model_len or min(p.max_model_len for p in profiles)
     t_warm = warm_start_s(trace.requests)
     kept = [(f, r) for f, r in zip(floors, trace.requests, strict=True) if r.num_prompt_tokens <= limit]
     return {"ttft_s": dist([f for f, _ in kept]), "ttft_warm_s": dist([f for f, r in kept if r.arrival_s >= t_warm])}
@@ -1041,6 +1105,7 @@ def run_sweep(args: argparse.Namespace, base: Trace, floor: bool = True) -> dict
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        args.workers = len(fleet_profiles(args.profile, args.workers))
         parse_params(args.param, parse_policies(args.policies))
         parse_replicas(args.router_replicas)
         base = load_workload(args)
@@ -1053,7 +1118,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or f"results/sim-{base.name}")
     print(
         f"bench sim: trace {base.name} ({len(base.requests)} requests over {base.duration_s:.0f} s, "
-        f"{base.mean_rate:.2f} req/s), {args.workers} x {args.profile}, policies {args.policies}",
+        f"{base.mean_rate:.2f} req/s), {describe_fleet(fleet_profiles(args.profile, args.workers))}, policies "
+        f"{args.policies}",
         flush=True,
     )
     if len(base.requests) > LARGE_SLICE and args.duration is None and args.max_requests is None:

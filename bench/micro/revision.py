@@ -25,7 +25,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -157,8 +157,9 @@ def package_at(rev: str) -> str:
     return name
 
 
-def policy_at(name: str, rev: str) -> Any:
-    """Registry policy `name` built by `router/policies/` as it was at git revision `rev`."""
+def policy_at(name: str, rev: str, params: Mapping[str, Any] | None = None) -> Any:
+    """Registry policy `name` built by `router/policies/` as it was at git revision `rev`, its config's fields
+    overridden by `params` (that revision's `make_policy`)."""
     try:
         registry = importlib.import_module(f"{package_at(rev)}.registry")
     except ImportError as e:  # e.g. a name that revision imports from outside router/policies and ext/
@@ -166,4 +167,4 @@ def policy_at(name: str, rev: str) -> Any:
             f"router/policies at {rev!r} does not import beside today's tree (router/policies and ext/ are that "
             f"revision's, the rest today's): {e}"
         ) from e
-    return registry.make_policy(name)
+    return registry.make_policy(name, params) if params else registry.make_policy(name)

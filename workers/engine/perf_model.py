@@ -204,13 +204,15 @@ def load_batch_table(
     name: str,
     exclude: dict[tuple[int, int, int], str] | None = None,
     exclude_decode: dict[tuple[int, int, int], str] | None = None,
+    batch1_reason: str = "prompt_time is not a whole-batch prefill (README 6)",
 ) -> tuple[Table, Table]:
     """A Splitwise-format table as (prefill table, decode table).
 
     Args:
         units_s: times in seconds (SageServe) rather than ms (Splitwise).
         decode_total: token_time is the total over token_size tokens (SageServe), not per iteration.
-        prefill_batch1_only: prompt_time at batch > 1 is not a whole-batch prefill (SageServe caveat).
+        prefill_batch1_only: prompt_time at batch > 1 is left out of the prefill fit (SageServe's caveat: it is not a
+            whole-batch prefill), for `batch1_reason`.
         exclude / exclude_decode: (prompt, batch, tokens) -> reason, dropped from both / the decode fit.
     """
     exclude = exclude or {}
@@ -254,8 +256,8 @@ def load_batch_table(
         used_d += len(reps)
     if prefill_batch1_only:
         why.append(
-            f"{excl_p - sum(len(groups[k]) for k in exclude)} rows with batch > 1: prompt_time is "
-            "not a whole-batch prefill (README 6), used for decode only"
+            f"{excl_p - sum(len(groups[k]) for k in exclude)} rows with batch > 1: {batch1_reason}, used for decode "
+            "only"
         )
     return (
         Table(f"{name} prefill", tuple(pre), used_p, excl_p, tuple(why)),
