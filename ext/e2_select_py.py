@@ -467,26 +467,38 @@ def decode_in(
             + co_residency([(dx, px) for px, _, dx in queued], prompt_tokens, d, cost)[0])
 
 
-def fill_level(env: ArgminEnv, pool: Sequence[Any], ants: Sequence[Any], p: int, d: int, rate: float) -> float:
-    """The default policy's fill level L for a request of p prompt tokens and d predicted tokens, `rate` arrivals
-    a second: the D_in it meets on any pool worker once the next arrivals have filled the lighter ones.
+def fill_level(
+    env: ArgminEnv, pool: Sequence[Any], ants: Sequence[Any], p: int, d: int, rate: float
+) -> tuple[float, float]:
+    """The default policy's fill level for a request of p prompt tokens and d predicted tokens, `rate` arrivals a
+    second: (L, floor). L is the level of D_self + D_in, the decode time r meets on a pool worker, once the next
+    arrivals have filled the workers where it is least; floor = min over the pool of L − D_self_w, at least 0,
+    the D_in every worker is raised to at least (the pruning's lift).
 
-    Each worker's D_in is its anticipator's `decode_in` (`ants`, in pool order: its records and `env.queued[w]`, the
-    requests dispatched to it without a first token), with its cost model; F = rate × D_self × the marginal of
-    sharing half of r's iterations, ⌊d/2⌋ tokens at context p + ⌊d/2⌋ (the first pool worker's cost model);
-    L = `water_level` of the D_in values and F. 0.0 for an empty pool."""
+    Each worker's D_self is `cost.decode_s(d, p + (d − 1)/2)` (as `head_terms`) and its D_in its anticipator's
+    `decode_in` (`ants`, in pool order: its records and `env.queued[w]`, the requests dispatched to it without a
+    first token), with its cost model; F = rate × D_self × the marginal of sharing half of r's iterations, ⌊d/2⌋
+    tokens at context p + ⌊d/2⌋ (the first pool worker's cost model); L = `water_level` of the D_self + D_in values
+    and F. On a pool of one profile D_self is the same everywhere, so L − D_self is the level of the D_in values
+    alone; on a mixed fleet a slower worker's larger D_self keeps the arrivals off it, as the policy does. (0.0,
+    0.0) for an empty pool."""
     if not pool:
-        return 0.0
-    d_in = []
+        return 0.0, 0.0
+    totals = []
+    slowest = 0.0
+    ctx = p + (d - 1) / 2
     for w, ant in zip(pool, ants, strict=True):
         wid = w.worker_id
         cost = env.cost_memo.get(wid) or env.cost_model(wid)
-        d_in.append(ant.decode_in(env.queued.get(wid, _NO_QUEUED), d, cost))
+        d_self = cost.decode_s(d, ctx)
+        slowest = max(slowest, d_self)
+        totals.append(d_self + ant.decode_in(env.queued.get(wid, _NO_QUEUED), d, cost))
     wid = pool[0].worker_id
     cost = env.cost_memo.get(wid) or env.cost_model(wid)
     # arrivals while r decodes alone (D_self), each sharing half of r's iterations at r's context
-    fill = rate * cost.decode_s(d, p + (d - 1) / 2) * cost.decode_marginal_s(max(1, d // 2), p + d // 2)
-    return water_level(d_in, fill)
+    fill = rate * cost.decode_s(d, ctx) * cost.decode_marginal_s(max(1, d // 2), p + d // 2)
+    level = water_level(totals, fill)
+    return level, max(0.0, level - slowest)
 
 
 def water_level(values: Sequence[float], fill: float) -> float:

@@ -32,12 +32,18 @@ output tokens) on worker w:
              The marginal is linear in context, so the sum is one call at the m-weighted mean context. This is
              what predicted lengths buy: a batch that will live long costs a long request more than one draining.
              Fill level (`decode_fill`, on since 2026-12-07): the batches now are not what r meets. While r
-             decodes, the router's next arrivals go to the lighter workers first, so a worker lighter than the
-             rest does not stay lighter: D_in_w = max(D_in_w, L), where L is the level F seconds of co-running
-             poured over the pool's D_in values reach, the lowest filled first (Σ_w max(0, L − D_in_w) = F):
+             decodes, the router's next arrivals go where their decode is quickest first, so a worker quicker
+             than the rest does not stay so: D_self_w + D_in_w = max(D_self_w + D_in_w, L), where L is the level
+             F seconds of co-running poured over the pool's D_self + D_in values reach, the lowest filled first
+             (Σ_w max(0, L − D_self_w − D_in_w) = F):
                  F = a × D_self × decode_marginal_s(⌊D/2⌋, P + ⌊D/2⌋)
              (a = the model's arrivals per second, B's rate; each arrival during r's decode shares half of r's
-             iterations at r's context; priced with the first pool worker's profile). Without it a worker's
+             iterations at r's context; priced with the first pool worker's profile). On one profile D_self is
+             the same everywhere and L − D_self the level of the D_in values. On a mixed fleet a slower GPU's
+             larger D_self keeps the arrivals off it until the faster ones' batches reach it: a level of D_in
+             alone (the first version) raised the idle slow workers first, as if they were as fast, so the
+             policy loaded the fast ones and left the slow ones idle (4 H100 + 4 A100: 97% of requests on the
+             H100s, TTFT ×1.7 e2's at toolbench's 32 req/s; README "A mixed fleet"). Without it a worker's
              batch pushed r off its cache to an idle worker whose idleness the next arrivals end: follow-ups of a
              multi-turn conversation spilled at light load, and the fleet recomputed their prefixes. Measured
              (bench sim, seeds 0-2, the same runs without it; README "Fill level"): ours ÷ the best peer at 8
@@ -143,7 +149,8 @@ same pick as pricing every worker (a test replays loaded runs both ways). It cut
 misses are dear (R spreads the bounds); where decode co-residency dominates (long answers, busy workers: the
 bound has no D_in) nearly every worker is still priced. The fill level reads every worker's D_in once before any
 is priced (`ext/e2_select.fill_level`: each worker's `Anticipator.decode_in` sums its map's records in C, O(records),
-and its requests without a first token, `queued`); each bound then holds d·L, as every cost does. bench
+and its requests without a first token, `queued`; D_self once per run of workers sharing a cost model); each bound holds
+d·(L − the pool's largest D_self), the D_in every cost holds at least. bench
 decisions, 16 workers: see README.
 
 Ablation keys, one term dropped each: switchyard-no_queue, switchyard-no_prefix (R and M: no prefix awareness),
@@ -217,7 +224,8 @@ class SwitchyardConfig(E2Config):
     # Q_w, I_w: r's prefill joins the prompts queued on w when they fit one iteration (T + m <= B), instead of
     # running in an iteration of its own
     joint_prefill: bool = True
-    # D_in_w: at least the water level L the router's next arrivals fill the lighter workers to while r decodes
+    # D_self_w + D_in_w: at least the water level L the router's next arrivals fill the quicker workers to while r
+    # decodes
     decode_fill: bool = True
     # T_mem: the KV fraction above which O prices the anticipated occupancy as preempted (PreServe §6: 0.8; why
     # 0.9 here: the module docstring's O)
@@ -554,7 +562,7 @@ class Switchyard(PrebleE2):
         all three are >= 0 and rounded float addition is monotone, so each partial sum is <= the total). `ant`:
         w's map already synced at `now` in this select (a second sync at the same `now` and the same Stats
         changes nothing), else it is synced here. `arrivals_per_s`: the requests expected at w per second (B_w;
-        0 prices no arrivals). `level`: the fill level L, D_in's floor (`fill_level`; 0: none)."""
+        0 prices no arrivals). `level`: the fill level L, the floor of D_self + D_in (`fill_level`; 0: none)."""
         cfg = self.sy
         lam = cfg.externality_weight
         wid = w.worker_id
@@ -576,8 +584,8 @@ class Switchyard(PrebleE2):
         queue, d_self, d_in, d_out, interference, behind, missed, head, dec, inter = head_terms(
             self._argmin_env, w, cost, running, queued, p, d, cached_blocks, load, r, q, arrivals_per_s,
             prefill_load, load_span_s)
-        if d_in < level:  # the next arrivals fill w to L while r decodes (module docstring: D_in)
-            d_in = level
+        if d_self + d_in < level:  # the next arrivals fill w to L while r decodes (module docstring: D_in)
+            d_in = level - d_self
             dec = cfg.decode_weight * (d_self + d_in + lam * d_out)
         # the total's sum, left to right: head + λe·M + d·D + λ·(i·I + b·B) + β·O + W (the same float as one
         # expression); the checks against `beat` price the terms not known yet at 0, in the same sum
@@ -633,11 +641,11 @@ class Switchyard(PrebleE2):
         per_worker = rate / n  # B_w: an even share of the model's arrivals
         turn = self._turn
         ants: list[Anticipator] | list[None]
-        level = 0.0
+        level = floor = 0.0
         if self.sy.decode_fill and rate > 0.0:
             # L over the whole pool (the arrivals fill every routable worker, held prefix or not)
             synced = self.tracker.sync_all(full, now)
-            level = fill_level(self._argmin_env, full, synced, ctx.num_prompt_tokens, d, rate)
+            level, floor = fill_level(self._argmin_env, full, synced, ctx.num_prompt_tokens, d, rate)
             ants = synced if pool is full else self.tracker.sync_all(pool, now)
         elif self.sy.prune:
             # every clock moves now, priced or not: the anticipator's integration of the iteration rate depends
@@ -647,7 +655,7 @@ class Switchyard(PrebleE2):
             ants = [None] * n  # the reference: each worker synced as it is priced
         if self.sy.prune:
             # (lower bound, E2's rotation (i - turn) mod n, i), ascending: the rotation is a permutation, so no two
-            # keys tie (the bounds hold under L: it only raises D_in)
+            # keys tie (the bounds hold under the level: it only raises D_in)
             order = argmin_order(self._argmin_env, pool, cached, ctx.num_prompt_tokens, d, turn)
         else:
             order = [(0.0, (i - turn) % n, i) for i in range(n)]
@@ -655,7 +663,7 @@ class Switchyard(PrebleE2):
         best: tuple[float, int] | None = None
         pick = pool[0]
         busy = self.busy if self.sy.busy_period and per_worker > 0.0 else {}  # B's ρ_w (none: ρ = 0)
-        lift = self.sy.decode_weight * level  # every cost holds d·L (D_in >= L); the bounds hold no D_in
+        lift = self.sy.decode_weight * floor  # every cost holds d·floor (D_in >= floor); the bounds hold no D_in
         for bound, r, i in order:
             # exact: an unpriced worker costs >= its bound > the best cost (the margin absorbs float rounding
             # between the bound's and the total's sums, so a tie is always priced and broken by rotation)
@@ -844,7 +852,7 @@ ABLATIONS: dict[str, Callable[[], Policy]] = {
     "switchyard-no_behind": _variant("switchyard-no_behind", "without B", behind_weight=0.0),
     "switchyard-no_kv_wait": _variant("switchyard-no_kv_wait", "without W", kv_wait_weight=0.0),
     "switchyard-e2_split": _variant("switchyard-e2_split", "E2's exploit/explore split", placement="e2"),
-    # not a term: D_in as the worker's batch now, without the level L the next arrivals fill the lighter ones to
+    # not a term: D_in as the worker's batch now, without the level L the next arrivals fill the quicker ones to
     "switchyard-no_fill": _variant("switchyard-no_fill", "D_in without the fill level", decode_fill=False),
     # not a term: other router replicas' requests unseen (each replica knows only its own dispatches)
     "switchyard-no_mirror": _variant("switchyard-no_mirror", "without other replicas' requests", mirror_peers=False),

@@ -531,7 +531,8 @@ def test_cython_fill_level_equals_reference(seed: int) -> None:
     """The default policy's fill level: the Cython build returns the reference's float over random pools (each
     worker's map with running records, overrun and capped ones, its queued requests, profile and fitted cost
     models from the memo or through `cost_model`, with either anticipator build), and L is the water level of
-    the workers' `decode_in` values with F from the first worker's cost model."""
+    the workers' D_self + `decode_in` values with F from the first worker's cost model, the floor L less the
+    largest D_self (at least 0)."""
     from switchyard.ext import _anticipator_c, anticipator_py
 
     rng = random.Random(200 + seed)
@@ -559,17 +560,20 @@ def test_cython_fill_level_equals_reference(seed: int) -> None:
         rate = rng.choice([0.0, 0.5, 12.0, 300.0])
         got = _e2_select_c.fill_level(c_env, pool, ants, p, d, rate)  # type: ignore[union-attr]
         want = e2_select_py.fill_level(ref_env, pool, ants, p, d, rate)  # type: ignore[arg-type]
-        assert got == want and type(got) is float
+        assert got == want and type(got) is tuple and all(type(x) is float for x in got)
         costs = [ref_env.cost_model(v.worker_id) for v in pool]  # type: ignore[attr-defined]
+        d_self = [c.decode_s(d, p + (d - 1) / 2) for c in costs]
         d_in = [a.decode_in(queued.get(v.worker_id, {}), d, c) for v, a, c in zip(pool, ants, costs, strict=True)]
         f = rate * costs[0].decode_s(d, p + (d - 1) / 2) * costs[0].decode_marginal_s(max(1, d // 2), p + d // 2)
-        assert want == e2_select_py.water_level(d_in, f)
+        level = e2_select_py.water_level([s + i for s, i in zip(d_self, d_in, strict=True)], f)
+        assert want == (level, max(0.0, level - max(d_self)))
         seen["idle"] += min(d_in) == 0.0
-        seen["raised"] += want > min(d_in)
-    assert all(seen.values()), seen
+        seen["raised"] += want[1] > min(d_in)
+        seen["mixed"] = seen.get("mixed", 0) + (len(set(d_self)) > 1)
+    assert all(seen.values()) and "mixed" in seen, seen
     with pytest.raises(ValueError):
         _e2_select_c.fill_level(c_env, pool, ants[:-1], 10, 10, 1.0)  # type: ignore[union-attr]
-    assert _e2_select_c.fill_level(c_env, [], [], 10, 10, 1.0) == 0.0  # type: ignore[union-attr]
+    assert _e2_select_c.fill_level(c_env, [], [], 10, 10, 1.0) == (0.0, 0.0)  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("mod", ["py", "c"])

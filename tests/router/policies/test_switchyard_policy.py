@@ -620,17 +620,21 @@ def _stored(ctx: RoutingContext, seq: int = 1):  # noqa: ANN202 - KvEventBatch
     return KvEventBatch(seq, NOW, (BlockStored(ctx.block_hashes, None, ctx.prompt_token_ids[: n * 16], 16),))
 
 
+MIXED_70B = "llama2-70b-h100-tp4:3,llama2-70b-a100-tp4:3"
+
+
 @pytest.mark.parametrize(
-    ("prefix_groups", "predictor", "rate", "kv_blocks"),
-    [(4, "oracle", 60.0, None), (0, "oracle", 60.0, None), (4, "fallback", 60.0, None), (8, "oracle", 10.0, None),
-     (8, "oracle", 10.0, 600)],
-    ids=["prefix", "no_prefix", "fallback", "tool_calls", "tool_calls_small_kv"],
+    ("prefix_groups", "predictor", "rate", "kv_blocks", "profile"),
+    [(4, "oracle", 60.0, None, None), (0, "oracle", 60.0, None, None), (4, "fallback", 60.0, None, None),
+     (8, "oracle", 10.0, None, None), (8, "oracle", 10.0, 600, None), (4, "oracle", 30.0, None, MIXED_70B)],
+    ids=["prefix", "no_prefix", "fallback", "tool_calls", "tool_calls_small_kv", "mixed_fleet"],
 )
 def test_pruned_select_picks_what_pricing_every_worker_picks(
-    prefix_groups: int, predictor: str, rate: float, kv_blocks: int | None
+    prefix_groups: int, predictor: str, rate: float, kv_blocks: int | None, profile: str | None
 ) -> None:
     """Branch and bound is exact: a 6-worker run routes every request as the unpruned reference does (with
-    small KV caches, M is priced, and skipped where the rest of the cost already loses)."""
+    small KV caches, M is priced, and skipped where the rest of the cost already loses; on a mixed fleet, where
+    the bounds are lifted by the least D_in the fill level gives any worker)."""
     tools = rate < 20  # toolbench-like: long shared prompts, short answers
     trace = make_workload(
         WorkloadSpec(
@@ -669,7 +673,8 @@ def test_pruned_select_picks_what_pricing_every_worker_picks(
         pol.terms = counting  # type: ignore[method-assign]
         pol._evict_s = counting_m  # type: ignore[method-assign]
         overrides = {"num_kv_blocks": kv_blocks} if kv_blocks else {}
-        cfg = SimConfig(policy="switchyard", num_workers=6, predictor=predictor, engine_overrides=overrides)
+        cfg = SimConfig(policy="switchyard", num_workers=6, predictor=predictor, engine_overrides=overrides,
+                        **({"profile": profile} if profile else {}))
         res = Simulator(trace, cfg, policy=pol).run()
         picks[prune] = [(r.request_id, r.worker_id) for r in res.records]
         priced[prune] = calls
@@ -958,10 +963,45 @@ def test_arrivals_filling_the_idle_worker_keep_a_follow_up_on_its_holder(
     t = terms(p, fleet, r)  # the terms as the batches are now (no level)
     assert t[W0].decode_in_s > t[W1].prefill_s - t[W0].prefill_s > 0.0 == t[W1].decode_in_s
     pool = fleet.routable("m")
-    level = fill_level(p._argmin_env, pool, p.tracker.sync_all(pool, NOW), 2048, 100, rate.rate(NOW))
-    assert level > t[W0].decode_in_s
+    level, floor = fill_level(p._argmin_env, pool, p.tracker.sync_all(pool, NOW), 2048, 100, rate.rate(NOW))
+    assert floor > t[W0].decode_in_s
+    assert floor == pytest.approx(level - t[W0].decode_self_s)  # one profile: the floor is L less r's D_self
     assert p.select(r, fleet, NOW).worker_id == expected
     assert p.counters()["prefix_spills"] == (1 if expected == W1 else 0)
+
+
+@pytest.mark.parametrize(("decode_fill", "expected"), [(False, W0), (True, W1)])
+def test_on_a_mixed_fleet_the_arrivals_fill_the_faster_worker(decode_fill: bool, expected: WorkerId) -> None:
+    """w0 is an H100 (llama2-70b-h100-tp4) decoding 16 requests, w1 an idle A100 (llama2-70b-a100-tp4), 30
+    requests a second. As the batches are now, r's 100 tokens decode faster on the H100 even beside its 16
+    (D_self + D_in 3.43 s against the A100's 4.37 s alone), so without the fill level r goes there. But the
+    arrivals go where their decode is fastest too: the level is of D_self + D_in, poured on the H100 first,
+    and at 30 req/s it passes the A100's D_self, so both meet the same decode time, and r's externalities on
+    the H100's batch send it to the A100. (A level of D_in alone would have filled the idle A100 first, as if
+    it were as fast: the slower workers raised, the fleet's fast ones loaded, the slow ones idle.)"""
+    fleet = Fleet()
+    fleet.set_time(NOW)
+    for i, profile in enumerate(("llama2-70b-h100-tp4", "llama2-70b-a100-tp4")):
+        fleet.add_worker(make_worker_info(i, "m", 4096, 16, 20000, 256, profile), state=WorkerState.READY,
+                         healthy=True)
+    p = Switchyard(SwitchyardConfig(decode_fill=decode_fill))
+    rate = p.arrival_rate("m")
+    for i in range(284):  # with the 16 dispatches below, 300 arrivals over the last 10 s
+        rate.add(NOW - 10.0 + i * 9.0 / 284)
+    for i in range(16):
+        dispatch(p, fleet, req(f"x{i}", 512, predicted=400), W0, running=True)
+    assert rate.rate(NOW) == pytest.approx(30.0)
+    r = req("r", 512, predicted=100)
+    now = terms(p, fleet, r)  # the terms as the batches are now (no level)
+    assert now[W0].decode_self_s + now[W0].decode_in_s < now[W1].decode_self_s and now[W1].decode_in_s == 0.0
+    pool = fleet.routable("m")
+    level, floor = fill_level(p._argmin_env, pool, p.tracker.sync_all(pool, NOW), 512, 100, rate.rate(NOW))
+    assert level > now[W1].decode_self_s and floor == level - now[W1].decode_self_s  # the A100 is the slower
+    m = p.tree.match(r.block_hashes)
+    filled = {w.worker_id: p.terms(w, r, 0, m.path, 100, NOW, level=level) for w in pool}
+    for w in (W0, W1):  # both raised to the level: r meets the same decode time on either
+        assert filled[w].decode_self_s + filled[w].decode_in_s == pytest.approx(level)
+    assert p.select(r, fleet, NOW).worker_id == expected
 
 
 def test_arrival_rate_counts_first_attempts_over_its_window() -> None:
