@@ -150,7 +150,7 @@ misses are dear (R spreads the bounds); where decode co-residency dominates (lon
 bound has no D_in) nearly every worker is still priced. The fill level reads every worker's D_in once before any
 is priced (`ext/e2_select.fill_level`: each worker's `Anticipator.decode_in` sums its map's records in C, O(records),
 and its requests without a first token, `queued`; D_self once per run of workers sharing a cost model); each bound holds
-d·(L − the pool's largest D_self), the D_in every cost holds at least. bench
+d·max(0, L − the pool's largest D_self), the D_in every cost holds at least. bench
 decisions, 16 workers: see README.
 
 Ablation keys, one term dropped each: switchyard-no_queue, switchyard-no_prefix (R and M: no prefix awareness),
