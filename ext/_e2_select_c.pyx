@@ -986,8 +986,8 @@ def water_level(values, double fill):
 
 def fill_level(ArgminEnv env, pool, ants, Py_ssize_t p, Py_ssize_t d, double rate):
     """As `e2_select_py.fill_level`: the pool read once in C (the cost memo, `env.queued`), each worker's D_self in C
-    and its `decode_in` a C call on the Cython build's anticipators (`DECODE_IN_C`), F's two formulas and the water
-    level in C."""
+    and its `decode_in` a C call on the Cython build's anticipators (`DECODE_IN_C`), F's formulas on the quickest
+    worker and the water level in C."""
     cdef Py_ssize_t n = len(pool), i = 0
     if len(ants) != n:
         raise ValueError("fill_level: the pool and its anticipators differ in length")
@@ -996,16 +996,15 @@ def fill_level(ArgminEnv env, pool, ants, Py_ssize_t p, Py_ssize_t d, double rat
     cdef double* s = <double*>PyMem_Malloc(n * sizeof(double))
     if s == NULL:
         raise MemoryError()
-    cdef object wid, cost, cost0 = None, q, last = None
+    cdef object wid, cost, cost_q = None, q, last = None
     cdef PyObject* got
     cdef Py_ssize_t half = d // 2
     cdef double fill, level, d_self = 0.0, slowest = 0.0, ctx = <double>p + <double>(d - 1) / 2.0
+    cdef double d_self_q = 0.0, s_q = 0.0  # D_self, D_self + D_in on the worker the arrivals fill first
     try:
         for w, ant in zip(pool, ants):
             wid = w.worker_id
             cost = _cost_of(env.cost_memo, env.cost_model, wid)
-            if i == 0:
-                cost0 = cost
             if cost is not last:  # the workers of one profile share its cost model: one D_self for them all
                 d_self = _decode_s(cost, d, ctx)
                 last = cost
@@ -1017,10 +1016,12 @@ def fill_level(ArgminEnv env, pool, ants, Py_ssize_t p, Py_ssize_t d, double rat
                 s[i] = d_self + _decode_in_c(ant, <dict>q, d, cost)
             else:
                 s[i] = d_self + PyFloat_AsDouble(ant.decode_in(q, d, cost))
+            if i == 0 or s[i] < s_q:
+                s_q, d_self_q, cost_q = s[i], d_self, cost
             i += 1
         # arrivals while r decodes alone (D_self), each sharing half of r's iterations at r's context
-        fill = (rate * _decode_s(cost0, d, ctx)
-                * _decode_marginal_s(cost0, <double>(half if half > 1 else 1), <double>(p + half)))
+        fill = (rate * d_self_q
+                * _decode_marginal_s(cost_q, <double>(half if half > 1 else 1), <double>(p + half)))
         level = _water_level(s, n, fill)
         return level, (level - slowest if level > slowest else 0.0)
     finally:

@@ -478,8 +478,9 @@ def fill_level(
     Each worker's D_self is `cost.decode_s(d, p + (d − 1)/2)` (as `head_terms`) and its D_in its anticipator's
     `decode_in` (`ants`, in pool order: its records and `env.queued[w]`, the requests dispatched to it without a
     first token), with its cost model; F = rate × D_self × the marginal of sharing half of r's iterations, ⌊d/2⌋
-    tokens at context p + ⌊d/2⌋ (the first pool worker's cost model); L = `water_level` of the D_self + D_in values
-    and F. On a pool of one profile D_self is the same everywhere, so L − D_self is the level of the D_in values
+    tokens at context p + ⌊d/2⌋, on the worker the arrivals fill first (the least D_self + D_in, the first such
+    in pool order: so the level does not depend on the order the workers joined in); L = `water_level` of the
+    D_self + D_in values and F. On a pool of one profile D_self is the same everywhere, so L − D_self is the level of the D_in values
     alone; on a mixed fleet a slower worker's larger D_self keeps the arrivals off it, as the policy does. (0.0,
     0.0) for an empty pool."""
     if not pool:
@@ -487,16 +488,20 @@ def fill_level(
     totals = []
     slowest = 0.0
     ctx = p + (d - 1) / 2
+    quickest = None  # (D_self + D_in, D_self, cost) of the worker the arrivals fill first
     for w, ant in zip(pool, ants, strict=True):
         wid = w.worker_id
         cost = env.cost_memo.get(wid) or env.cost_model(wid)
         d_self = cost.decode_s(d, ctx)
         slowest = max(slowest, d_self)
-        totals.append(d_self + ant.decode_in(env.queued.get(wid, _NO_QUEUED), d, cost))
-    wid = pool[0].worker_id
-    cost = env.cost_memo.get(wid) or env.cost_model(wid)
+        total = d_self + ant.decode_in(env.queued.get(wid, _NO_QUEUED), d, cost)
+        totals.append(total)
+        if quickest is None or total < quickest[0]:
+            quickest = (total, d_self, cost)
+    assert quickest is not None
+    _, d_self, cost = quickest
     # arrivals while r decodes alone (D_self), each sharing half of r's iterations at r's context
-    fill = rate * cost.decode_s(d, ctx) * cost.decode_marginal_s(max(1, d // 2), p + d // 2)
+    fill = rate * d_self * cost.decode_marginal_s(max(1, d // 2), p + d // 2)
     level = water_level(totals, fill)
     return level, max(0.0, level - slowest)
 

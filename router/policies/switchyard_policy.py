@@ -38,7 +38,8 @@ output tokens) on worker w:
              (Σ_w max(0, L − D_self_w − D_in_w) = F):
                  F = a × D_self × decode_marginal_s(⌊D/2⌋, P + ⌊D/2⌋)
              (a = the model's arrivals per second, B's rate; each arrival during r's decode shares half of r's
-             iterations at r's context; priced with the first pool worker's profile). On one profile D_self is
+             iterations at r's context; priced on the worker the arrivals fill first, the least D_self + D_in,
+             so the level does not depend on the order the workers joined in). On one profile D_self is
              the same everywhere and L − D_self the level of the D_in values. On a mixed fleet a slower GPU's
              larger D_self keeps the arrivals off it until the faster ones' batches reach it: a level of D_in
              alone (the first version) raised the idle slow workers first, as if they were as fast, so the

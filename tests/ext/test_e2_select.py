@@ -531,8 +531,8 @@ def test_cython_fill_level_equals_reference(seed: int) -> None:
     """The default policy's fill level: the Cython build returns the reference's float over random pools (each
     worker's map with running records, overrun and capped ones, its queued requests, profile and fitted cost
     models from the memo or through `cost_model`, with either anticipator build), and L is the water level of
-    the workers' D_self + `decode_in` values with F from the first worker's cost model, the floor L less the
-    largest D_self (at least 0)."""
+    the workers' D_self + `decode_in` values with F on the worker of the least of them (in any pool order), the
+    floor L less the largest D_self (at least 0)."""
     from switchyard.ext import _anticipator_c, anticipator_py
 
     rng = random.Random(200 + seed)
@@ -564,9 +564,13 @@ def test_cython_fill_level_equals_reference(seed: int) -> None:
         costs = [ref_env.cost_model(v.worker_id) for v in pool]  # type: ignore[attr-defined]
         d_self = [c.decode_s(d, p + (d - 1) / 2) for c in costs]
         d_in = [a.decode_in(queued.get(v.worker_id, {}), d, c) for v, a, c in zip(pool, ants, costs, strict=True)]
-        f = rate * costs[0].decode_s(d, p + (d - 1) / 2) * costs[0].decode_marginal_s(max(1, d // 2), p + d // 2)
-        level = e2_select_py.water_level([s + i for s, i in zip(d_self, d_in, strict=True)], f)
+        totals = [s + i for s, i in zip(d_self, d_in, strict=True)]
+        q = totals.index(min(totals))  # F on the worker the arrivals fill first
+        f = rate * d_self[q] * costs[q].decode_marginal_s(max(1, d // 2), p + d // 2)
+        level = e2_select_py.water_level(totals, f)
         assert want == (level, max(0.0, level - max(d_self)))
+        # the order the workers joined in does not matter (the pool reversed, each with its map)
+        assert _e2_select_c.fill_level(c_env, pool[::-1], ants[::-1], p, d, rate) == want  # type: ignore[union-attr]
         seen["idle"] += min(d_in) == 0.0
         seen["raised"] += want[1] > min(d_in)
         seen["mixed"] = seen.get("mixed", 0) + (len(set(d_self)) > 1)
