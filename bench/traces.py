@@ -144,7 +144,10 @@ def parse_where(items: Iterable[str]) -> dict[str, list[str]]:
 
 class _RowFilter:
     """Keeps a row when each `where` column's value (stripped; a JSON value as `str`) is one of its values. It
-    counts the values it saw, so a filter that keeps nothing names what the file has instead."""
+    counts the values it saw (the first `MAX_SEEN` distinct ones per column: a column of timestamps or ids must not
+    hold a week's rows in memory), so a filter that keeps nothing names what the file has instead."""
+
+    MAX_SEEN = 1000
 
     def __init__(self, where: Where | None, source: str) -> None:
         self.where = {k: frozenset(v) for k, v in (where or {}).items()}
@@ -156,7 +159,9 @@ class _RowFilter:
         """`values` in the order of `self.where`'s keys."""
         ok = True
         for (key, allowed), v in zip(self.where.items(), values, strict=True):
-            self.seen[key][v] += 1
+            seen = self.seen[key]
+            if v in seen or len(seen) < self.MAX_SEEN:
+                seen[v] += 1
             ok = ok and v in allowed
         self.kept += ok
         return ok

@@ -13,6 +13,7 @@ from switchyard.bench.traces import (
     NS_MOONCAKE,
     NS_UNIQUE,
     PromptFactory,
+    _RowFilter,
     chunk_tokens,
     chunks_tokens,
     load_trace,
@@ -174,6 +175,16 @@ def test_where_keeps_the_rows_with_the_values_asked_before_the_slice(tmp_path):
         load_trace(str(p), where={"model": ["ChatGPT"]})
     with pytest.raises(ValueError, match="no row has Model in \\['chatgpt'\\].*'ChatGPT', 'GPT-4'"):
         load_trace(str(p), where={"Model": ["chatgpt"]})
+    # a column of distinct values (timestamps) is counted only so far: the error still names some of them
+    many = tmp_path / "many.csv"
+    many.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                    + "".join(f"{i},ChatGPT,5,2,7,x\n" for i in range(1500)))
+    with pytest.raises(ValueError, match="no row has Timestamp in \\['x'\\].*'0', '1'"):
+        load_trace(str(many), where={"Timestamp": ["x"]})
+    rf = _RowFilter({"Timestamp": ["x"]}, "t")
+    for i in range(1500):
+        rf.keep([str(i)])
+    assert len(rf.seen["Timestamp"]) == _RowFilter.MAX_SEEN and rf.kept == 0
     # Qwen-Bailian: JSON fields, compared as text; a Mooncake row has no `type` to select on
     rows = [
         {"chat_id": 1, "parent_chat_id": -1, "timestamp": 10.0, "input_length": 40, "output_length": 5,
