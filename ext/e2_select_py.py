@@ -480,9 +480,9 @@ def fill_level(
     first token), with its cost model; F = rate × D_self × the marginal of sharing half of r's iterations, ⌊d/2⌋
     tokens at context p + ⌊d/2⌋, on the worker the arrivals fill first (the least D_self + D_in, the first such
     in pool order: so the level does not depend on the order the workers joined in); L = `water_level` of the
-    D_self + D_in values and F. On a pool of one profile D_self is the same everywhere, so L − D_self is the level of the D_in values
-    alone; on a mixed fleet a slower worker's larger D_self keeps the arrivals off it, as the policy does. (0.0,
-    0.0) for an empty pool."""
+    D_self + D_in values and F. On a pool of one profile D_self is the same everywhere, so L − D_self is the level
+    of the D_in values alone; on a mixed fleet a slower worker's larger D_self keeps the arrivals off it, as the
+    policy does. (0.0, 0.0) for an empty pool."""
     if not pool:
         return 0.0, 0.0
     totals = []
