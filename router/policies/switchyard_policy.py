@@ -275,7 +275,6 @@ class _Req:
     predicted_tokens: int
     model: str
     kv_prompt_tokens: int  # prompt tokens not shared with w's cache at dispatch (what the map holds for it)
-    running: bool = False
 
 
 class _Window:
@@ -415,8 +414,7 @@ class Switchyard(PrebleE2):
         self.tracker = AnticipationTracker(cfg.horizon, cfg.max_len, cfg.ext_frac)
         self.fallback = LengthFallback(prior=cfg.fallback_prior_tokens)
         self.reqs: dict[str, _Req] = {}
-        self.by_worker: dict[WorkerId, dict[str, _Req]] = {}
-        # the requests of by_worker[w] without a first token yet (the rest are in w's map)
+        # per worker, its requests of `reqs` without a first token yet (the rest are in its map)
         self.queued: dict[WorkerId, dict[str, _Req]] = {}
         self.busy: dict[WorkerId, BusyFraction] = {}  # when queued[w] is not empty, for B's busy period
         self.arrivals: dict[str, ArrivalRate] = {}  # per model, for B_w
@@ -747,17 +745,14 @@ class Switchyard(PrebleE2):
             ctx.num_prompt_tokens - shared,
         )
         self.reqs[ctx.request_id] = rq
-        self.by_worker.setdefault(w, {})[ctx.request_id] = rq
         self.queued.setdefault(w, {})[ctx.request_id] = rq
         self._queued_changed(w, now)
 
     def on_first_token(self, request_id: str, worker_id: WorkerId, now: float) -> None:
         super().on_first_token(request_id, worker_id, now)
         self.tracker.on_first_token(request_id, worker_id, now)
-        rq = self.reqs.get(request_id)
-        if rq is not None and rq.worker == worker_id and not rq.running:
-            rq.running = True
-            del self.queued[worker_id][request_id]
+        q = self.queued.get(worker_id)
+        if q is not None and q.pop(request_id, None) is not None:  # a duplicate or stale first token: not there
             self._queued_changed(worker_id, now)
 
     def on_finish(self, request_id: str, worker_id: WorkerId, now: float, num_output_tokens: int) -> None:
@@ -780,8 +775,8 @@ class Switchyard(PrebleE2):
         super().on_worker_change(worker_id, now)
         if rec is None or not getattr(rec, "healthy", rec.is_routable):  # gone or unhealthy, as E2 decides
             self.tracker.forget_worker(worker_id)
-            for rid in list(self.by_worker.pop(worker_id, {})):
-                self.reqs.pop(rid, None)
+            for rid in [rid for rid, rq in self.reqs.items() if rq.worker == worker_id]:
+                del self.reqs[rid]
             self.queued.pop(worker_id, None)
             self.busy.pop(worker_id, None)
             for a in self.arrivals.values():
@@ -808,10 +803,10 @@ class Switchyard(PrebleE2):
 
     def _drop(self, request_id: str, now: float) -> None:
         rq = self.reqs.pop(request_id, None)
-        if rq is None or self.by_worker.get(rq.worker, {}).pop(request_id, None) is None:
+        if rq is None:
             return
-        if not rq.running:
-            del self.queued[rq.worker][request_id]
+        q = self.queued.get(rq.worker)
+        if q is not None and q.pop(request_id, None) is not None:  # before its first token
             self._queued_changed(rq.worker, now)
 
     def _queued_changed(self, w: WorkerId, now: float) -> None:

@@ -100,7 +100,7 @@ def test_peer_requests_load_the_policy_until_they_end() -> None:
     assert (mirror.count(W[0]), len(policy.queued[W[0]]), set(policy.reqs)) == (1, 1, {key})
     assert policy.reqs[key].prompt_tokens == 512
     mirror.apply(W[0], "m", [RequestFirstToken("r1", "a"), RequestFirstToken("never-seen", "a")], 1.5)
-    assert not policy.queued[W[0]] and policy.reqs[key].running
+    assert not policy.queued[W[0]] and key in policy.reqs  # past its first token: in the map, not queued
     mirror.apply(W[0], "m", [RequestEnded("r1", "a", 40, True), RequestEnded("never-seen", "a", 1, True)], 2.0)
     assert (mirror.count(W[0]), key in policy.reqs, key in policy.in_flight) == (0, False, False)
     mirror.apply(W[1], "m", [admitted(request("r2", 512, 0))], 3.0)

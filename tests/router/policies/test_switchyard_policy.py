@@ -542,17 +542,20 @@ def test_finish_and_abort_release_the_anticipated_load() -> None:
 
 
 def _own_view(p: Switchyard, w: WorkerId, ant: Any) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
-    """w's batch as the policy's own records of its requests describe it (`by_worker`): the running ones with
-    decode left in the map, each with its whole prompt as context; the rest queued."""
+    """w's batch as the policy's own records of its requests describe it (`reqs`): the ones past their first
+    token (not in `queued[w]`) with decode left in the map, each with its whole prompt as context; the rest
+    queued, in `queued[w]`'s order."""
     running, queued = [], []
-    for rid, rq in p.by_worker.get(w, {}).items():
-        if rq.running:
+    waiting = p.queued.get(w, {})
+    mine = {rid: rq for rid, rq in p.reqs.items() if rq.worker == w}
+    assert all(mine.get(rid) is rq for rid, rq in waiting.items())  # queued[w] holds only w's requests
+    for rid, rq in mine.items():
+        if rid not in waiting:
             _, start, _, end = ant.record(rid)  # KeyError: a running request missing from the map
             if end > ant.iteration:
                 running.append((end - ant.iteration, rq.prompt_tokens + ant.iteration - start))
-        else:
-            queued.append((rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens))
-    assert len(ant) == sum(rq.running for rq in p.by_worker.get(w, {}).values())  # no record of another request
+    queued = [(rq.prompt_tokens, rq.kv_prompt_tokens, rq.predicted_tokens) for rq in waiting.values()]
+    assert len(ant) == len(mine) - len(waiting)  # no record of another request
     return sorted(running), queued
 
 
