@@ -258,6 +258,28 @@ def test_azure_2024_timestamps_carry_a_utc_offset():
         parse_csv(io.StringIO("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10,1,1\n"))
 
 
+def test_azure_2025_multimodal_trace(tmp_path):
+    # Azure's LMM trace 2025 (AzurePublicDataset's AzureLMMInferenceDataset2025.md and its notebook: columns
+    # TIMESTAMP, NumImages, ContextTokens, GeneratedTokens; stamps '2024-10-15T12:00:00.269Z'; published gzip): read
+    # as an Azure trace, NumImages ignored unless a --where picks on it (text-only requests: NumImages=0)
+    raw = (
+        "TIMESTAMP,NumImages,ContextTokens,GeneratedTokens\n"
+        "2024-10-15T12:00:00.269Z,0,770,491\n"
+        "2024-10-15T12:00:05.819Z,1,949,126\n"
+        "2024-10-15T12:00:06.513Z,1,964,79\n"
+        "2024-10-15T12:00:07.332Z,0,78,5\n"
+    )
+    p = tmp_path / "AzureLMMInferenceTrace_multimodal.csv.gz"
+    p.write_bytes(gzip.compress(raw.encode()))
+    t = load_trace(str(p))
+    assert t.name == "azurelmminferencetrace-multimodal"
+    assert [r.arrival_s for r in t.requests] == pytest.approx([0.0, 5.55, 6.244, 7.063])
+    assert [(r.num_prompt_tokens, r.num_output_tokens) for r in t.requests] == [(770, 491), (949, 126), (964, 79),
+                                                                              (78, 5)]
+    text = load_trace(str(p), where={"NumImages": ["0"]})
+    assert [(r.arrival_s, r.num_prompt_tokens) for r in text.requests] == [(0.0, 770), (pytest.approx(7.063), 78)]
+
+
 def test_burstgpt_and_splitwise_csv(tmp_path):
     # BurstGPT: relative seconds and its own column names (its other columns are not read); a byte-order mark and
     # a failed request (0 tokens) are kept as in the Azure files: one arrival of one token
