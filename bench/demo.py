@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from switchyard.bench import procs
 from switchyard.bench.metrics import dist
-from switchyard.bench.traces import PromptFactory, load_trace, parse_where
+from switchyard.bench.traces import PromptFactory, Trace, load_trace, parse_where, spread_ties
 from switchyard.router.client import AsyncRouterClient, make_request
 from switchyard.router.policies.registry import DEFAULT_POLICY, POLICIES
 
@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=90.0, help="trace seconds replayed per policy")
     p.add_argument("--where", action="append", default=[], metavar="COLUMN=VALUE",
                    help="only the trace's rows with this value in this column or field (as bench sim's)")
+    p.add_argument("--spread-ties", action="store_true",
+                   help="requests that share a trace time spread over its clock step (as bench sim's)")
     p.add_argument("--speedup", type=float, default=4.0, help="time compression of arrivals and engine alike")
     p.add_argument(
         "--arrival-stretch",
@@ -149,19 +151,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def demo_trace(args: argparse.Namespace) -> Trace:
+    """The slice the demo replays, its rows filtered and its clock's steps spread as asked; SystemExit if it is
+    empty or cannot be read."""
+    try:
+        trace = load_trace(args.trace, start_s=args.start, duration_s=args.duration, where=parse_where(args.where))
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"switchyard demo: {e}") from None
+    if not trace.requests:
+        raise SystemExit(f"switchyard demo: no request of {trace.name} arrives in the slice")
+    return spread_ties(trace) if args.spread_ties else trace
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     policies = [p for p in args.policies.split(",") if p]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or not policies:
         raise SystemExit(f"switchyard demo: unknown policies {unknown or args.policies!r}; known: {', '.join(sorted(POLICIES))}")
-    try:
-        trace = load_trace(args.trace, start_s=args.start, duration_s=args.duration, where=parse_where(args.where))
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"switchyard demo: {e}") from None
+    trace = demo_trace(args)
     requests = list(trace.requests)  # re-based: the slice's first arrival is at 0
-    if not requests:
-        raise SystemExit(f"switchyard demo: no request of {trace.name} arrives in the slice")
     factory = PromptFactory(block_size=args.block_size)
     print(f"demo: {len(requests)} requests from {trace.name} ({args.duration:g} trace-seconds, inter-arrivals "
           f"x{args.arrival_stretch:g}, x{args.speedup:g} time compression), {args.workers} simulated workers "

@@ -52,6 +52,7 @@ from switchyard.bench.traces import (
     resolve_trace_path,
     scale_time,
     scale_to_rate,
+    spread_ties,
     take_slice,
     ttft_floors,
 )
@@ -765,6 +766,11 @@ def build_parser() -> argparse.ArgumentParser:
         "another column, or the same column for either value: e.g. --where Model=ChatGPT --where 'Log Type=API "
         "log' (BurstGPT), --where type=text (Qwen-Bailian)",
     )
+    g.add_argument(
+        "--spread-ties", action="store_true",
+        help="a trace file whose clock steps coarsely (Mooncake's conversation trace: 3 s, ~10 requests a step): "
+        "each request moved to a seeded uniform time within its step, not replayed as one burst per step",
+    )
     g = p.add_argument_group("router model")
     g.add_argument("--stats-interval", type=float, default=0.2, help="Stats poll period, s")
     g.add_argument("--event-lag", type=float, default=0.005, help="KV event delivery lag, s")
@@ -854,8 +860,11 @@ def _preble_spec(args: argparse.Namespace) -> preble.PrebleSpec:
 
 def load_workload(args: argparse.Namespace) -> Trace:
     where = parse_where(args.where)
-    if where and args.trace in SYNTHETIC:
+    generated = args.trace in SYNTHETIC or args.trace == preble.AZURE_MIX
+    if where and generated:
         raise ValueError(f"--where selects rows of a trace file; {args.trace} is generated")
+    if args.spread_ties and generated:
+        raise ValueError(f"--spread-ties spreads a trace file's coarse clock; {args.trace} is generated")
     if args.trace in preble.GENERATORS:
         trace = preble.make_preble_trace(args.trace, _preble_spec(args), seed=args.seed)
         return take_slice(trace, args.start, args.duration, args.max_requests)
@@ -890,7 +899,8 @@ def load_workload(args: argparse.Namespace) -> Trace:
     duration = args.duration
     if duration is None and args.max_requests is None:
         duration = TRACE_DEFAULTS.get(resolve_trace_path(args.trace)[0], {}).get("duration")
-    return load_trace(args.trace, args.start, duration, args.max_requests, where)
+    trace = load_trace(args.trace, args.start, duration, args.max_requests, where)
+    return spread_ties(trace, args.seed) if args.spread_ties else trace
 
 
 def build_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy:
@@ -1080,6 +1090,7 @@ def run_sweep(args: argparse.Namespace, base: Trace, floor: bool = True) -> dict
             "slice_duration_s": base.duration_s,
             "mean_rate_req_s": base.mean_rate,
             "where": parse_where(args.where),
+            "spread_ties": args.spread_ties,
         },
         "config": {
             "workers": args.workers,

@@ -22,6 +22,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import date
 from functools import lru_cache
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -445,6 +446,41 @@ def scale_to_rate(trace: Trace, rate: float) -> Trace:
     if trace.mean_rate <= 0:
         return trace
     return scale_time(trace, trace.mean_rate / rate)
+
+
+def tied_share(trace: Trace) -> float:
+    """The share of requests that arrive at the same time as the one before them: 0 for a trace of distinct
+    arrival times, ~0.9 for Mooncake's conversation trace (its stamps step by 3 s, ~10 requests each)."""
+    reqs = trace.requests
+    if len(reqs) < 2:
+        return 0.0
+    return sum(b.arrival_s == a.arrival_s for a, b in pairwise(reqs)) / len(reqs)
+
+
+def spread_ties(trace: Trace, seed: int = 0) -> Trace:
+    """For a trace whose clock was read in coarse steps (Mooncake's conversation trace: 3 s): each request at time
+    t moved to a seeded uniform time in [t, the next distinct time), the requests of one step kept in the file's
+    order; the last step's over the median step. Replayed as written, each step's ~10 requests reach the router
+    within microseconds, as no clients send them. A trace without ties is returned as it is."""
+    reqs = trace.requests
+    if tied_share(trace) == 0.0:
+        return trace
+    times = sorted({r.arrival_s for r in reqs})
+    gaps = np.diff(np.asarray(times, dtype=np.float64))
+    last_gap = float(np.median(gaps)) if len(gaps) else 0.0
+    nxt = dict(zip(times, [*times[1:], times[-1] + last_gap], strict=True))
+    rng = np.random.default_rng(seed)
+    out: list[TraceRequest] = []
+    i = 0
+    while i < len(reqs):
+        t = reqs[i].arrival_s
+        j = i
+        while j < len(reqs) and reqs[j].arrival_s == t:
+            j += 1
+        offsets = np.sort(rng.uniform(0.0, nxt[t] - t, j - i))
+        out.extend(replace(r, arrival_s=t + float(o)) for r, o in zip(reqs[i:j], offsets, strict=True))
+        i = j
+    return replace(trace, requests=tuple(out))
 
 
 # ---------------------------------------------------------------------------------------------------- tokens, hashes

@@ -26,3 +26,12 @@ def test_a_bad_trace_selection_fails_before_anything_starts(tmp_path) -> None:
         demo.main(["--trace", str(f), "--where", "Model=GPT-4"])
     with pytest.raises(SystemExit, match=r"demo: trace .*missing.csv' is neither a file nor a known name"):
         demo.main(["--trace", str(tmp_path / "missing.csv")])
+
+
+def test_spread_ties_spreads_the_slice_s_bursts() -> None:
+    # the default trace (Mooncake's conversation trace) steps its clock by 3 s: as written a step's requests arrive
+    # together; with --spread-ties each at its own time within the step
+    plain = demo.demo_trace(demo.build_parser().parse_args(["--duration", "30"]))
+    spread = demo.demo_trace(demo.build_parser().parse_args(["--duration", "30", "--spread-ties"]))
+    assert len({r.arrival_s for r in plain.requests}) <= 11 < len(plain.requests)
+    assert len({r.arrival_s for r in spread.requests}) == len(spread.requests) == len(plain.requests)

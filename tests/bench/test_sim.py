@@ -99,6 +99,26 @@ def test_where_replays_one_model_of_a_mixed_trace(tmp_path, capsys):
     assert "no row has Model in ['gpt4']" in capsys.readouterr().err
     assert sim.main(["--trace", "poisson", "--where", "Model=ChatGPT", "--out", str(out)]) == 2
     assert "--where selects rows of a trace file; poisson is generated" in capsys.readouterr().err
+    assert sim.main(["--trace", "preble-azure-mix", "--where", "Model=ChatGPT", "--out", str(out)]) == 2
+    assert "preble-azure-mix is generated" in capsys.readouterr().err
+
+
+def test_spread_ties_replays_a_coarse_clock_s_steps_spread_out(tmp_path, capsys):
+    # Mooncake-shaped rows on a 3 s clock: with --spread-ties each step's requests arrive apart, inside the step
+    f = tmp_path / "m.jsonl"
+    rows = [{"timestamp": 3000 * (i // 3), "input_length": 40, "output_length": 2, "hash_ids": [i]} for i in range(9)]
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "o"
+    argv = ["--trace", str(f), "--workers", "1", "--policies", "round_robin", "--out", str(out), "--no-plots",
+            "--block-size", "16"]
+    assert sim.main(argv) == 0
+    assert json.loads((out / "results.json").read_text())["trace"]["spread_ties"] is False
+    assert sim.main([*argv, "--spread-ties"]) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["trace"]["spread_ties"] is True and data["runs"][0]["metrics"]["num_completed"] == 9
+    capsys.readouterr()
+    assert sim.main(["--trace", "preble-toolbench", "--spread-ties", "--out", str(out)]) == 2
+    assert "--spread-ties spreads a trace file's coarse clock; preble-toolbench is generated" in capsys.readouterr().err
 
 
 def test_the_report_says_what_became_of_requests_not_completed(tmp_path, capsys):

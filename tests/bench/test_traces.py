@@ -7,12 +7,15 @@ import io
 import json
 import random
 
+import numpy as np
 import pytest
 
 from switchyard.bench.traces import (
     NS_MOONCAKE,
     NS_UNIQUE,
     PromptFactory,
+    Trace,
+    TraceRequest,
     _RowFilter,
     chunk_tokens,
     chunks_tokens,
@@ -24,7 +27,9 @@ from switchyard.bench.traces import (
     prefix_hit_bound,
     scale_time,
     scale_to_rate,
+    spread_ties,
     take_slice,
+    tied_share,
 )
 from switchyard.ext.blockhash import block_digests, to_event_hash
 
@@ -278,6 +283,38 @@ def test_azure_2025_multimodal_trace(tmp_path):
                                                                               (78, 5)]
     text = load_trace(str(p), where={"NumImages": ["0"]})
     assert [(r.arrival_s, r.num_prompt_tokens) for r in text.requests] == [(0.0, 770), (pytest.approx(7.063), 78)]
+
+
+def _at(times: list[float]) -> Trace:
+    return Trace("t", tuple(TraceRequest(str(i), t, i + 1, 1, ()) for i, t in enumerate(times)))
+
+
+def test_spread_ties_spreads_each_step_over_the_step():
+    # a 3 s clock: each request lands in [its step, the next step), a step's requests in the file's order; the last
+    # step spreads over the median step; the same seed gives the same times, another seed others
+    t = _at([0.0, 0.0, 0.0, 3.0, 6.0, 6.0, 12.0, 12.0])
+    assert tied_share(t) == pytest.approx(4 / 8)
+    s = spread_ties(t, seed=1)
+    got = [r.arrival_s for r in s.requests]
+    assert [r.num_prompt_tokens for r in s.requests] == list(range(1, 9))  # the file's order
+    assert got == sorted(got) and len(set(got)) == 8
+    steps = [(0, 3), (0, 3), (0, 3), (3, 6), (6, 12), (6, 12), (12, 15), (12, 15)]  # last: the median step, 3 s
+    assert all(lo <= x < hi for x, (lo, hi) in zip(got, steps, strict=True))
+    assert spread_ties(t, seed=1) == s and spread_ties(t, seed=2) != s
+    plain = _at([0.0, 0.5, 2.0])
+    assert tied_share(plain) == 0.0 and spread_ties(plain) is plain
+
+
+def test_mooncake_s_clock_steps_by_three_seconds():
+    # why --spread-ties exists: the conversation trace's stamps step by ~3 s, ~10 requests a step
+    t = load_trace("mooncake-conversation")
+    times = sorted({r.arrival_s for r in t.requests})
+    assert tied_share(t) > 0.85 and len(times) < len(t.requests) / 8
+    steps = np.diff(times)
+    assert np.all(np.abs(steps - 3.0) <= 0.005)
+    spread = spread_ties(t)
+    assert tied_share(spread) == 0.0 and len(spread.requests) == len(t.requests)
+    assert spread.mean_rate == pytest.approx(t.mean_rate, rel=0.01)
 
 
 def test_burstgpt_and_splitwise_csv(tmp_path):
