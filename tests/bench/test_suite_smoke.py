@@ -9,8 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from switchyard.bench import suite
+from switchyard.bench import sim, suite
 from switchyard.bench.micro import decisions
+from switchyard.bench.traces import tied_share
 
 
 def test_decisions_smoke(tmp_path: Path) -> None:
@@ -204,3 +205,13 @@ def test_suite_loads_follow_the_capacity_policys_knee(tmp_path: Path) -> None:
     assert suite.capacity_text({"capacity_req_s": 512.0, "capped": True}) == ">= 512.00"
     assert suite.capacity_text({"capacity_req_s": 22.627, "capped": False}) == "22.63"
     assert suite.capacity_text({"fixed_rates": [5.0, 10.0]}) == "-"
+
+
+def test_the_spread_mooncake_workload_replays_no_step_as_one_burst() -> None:
+    # asked for by name (`--workloads mooncake-conversation-spread`): the same trace, its 3 s clock steps spread
+    argv = suite.WORKLOADS["mooncake-conversation-spread"]
+    assert "mooncake-conversation-spread" in suite.OPT_IN_WORKLOADS
+    spread = sim.load_workload(suite.sim_args([*argv, "--max-requests", "200"]))
+    plain = sim.load_workload(suite.sim_args([*suite.WORKLOADS["mooncake-conversation"], "--max-requests", "200"]))
+    assert tied_share(plain) > 0.8 and tied_share(spread) == 0.0
+    assert [r.request_id for r in spread.requests] == [r.request_id for r in plain.requests]
