@@ -22,7 +22,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import date
 from functools import lru_cache
-from itertools import pairwise
+from itertools import groupby, pairwise
 from pathlib import Path
 
 import numpy as np
@@ -471,15 +471,10 @@ def spread_ties(trace: Trace, seed: int = 0) -> Trace:
     nxt = dict(zip(times, [*times[1:], times[-1] + last_gap], strict=True))
     rng = np.random.default_rng(seed)
     out: list[TraceRequest] = []
-    i = 0
-    while i < len(reqs):
-        t = reqs[i].arrival_s
-        j = i
-        while j < len(reqs) and reqs[j].arrival_s == t:
-            j += 1
-        offsets = np.sort(rng.uniform(0.0, nxt[t] - t, j - i))
-        out.extend(replace(r, arrival_s=t + float(o)) for r, o in zip(reqs[i:j], offsets, strict=True))
-        i = j
+    for t, group in groupby(reqs, key=lambda r: r.arrival_s):
+        step = list(group)
+        offsets = np.sort(rng.uniform(0.0, nxt[t] - t, len(step)))
+        out.extend(replace(r, arrival_s=t + float(o)) for r, o in zip(step, offsets, strict=True))
     return replace(trace, requests=tuple(out))
 
 
