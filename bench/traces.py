@@ -459,22 +459,23 @@ def tied_share(trace: Trace) -> float:
 
 def spread_ties(trace: Trace, seed: int = 0) -> Trace:
     """For a trace whose clock was read in coarse steps (Mooncake's conversation trace: 3 s): each request at time
-    t moved to a seeded uniform time in [t, the next distinct time), the requests of one step kept in the file's
-    order; the last step's over the median step. Replayed as written, each step's ~10 requests reach the router
-    within microseconds, as no clients send them. A trace without ties is returned as it is."""
+    t moved to a seeded uniform time in [t, t + the clock's step), the requests of one stamp kept in the file's
+    order. The step is the least gap between two distinct stamps: 3 s there, and on a trace with a fine clock and a
+    few coincident stamps a few ms, which moves nothing far. Replayed as written, each step's ~10 requests reach
+    the router within microseconds, as no clients send them. A trace without ties is returned as it is."""
     reqs = trace.requests
     if tied_share(trace) == 0.0:
         return trace
-    times = sorted({r.arrival_s for r in reqs})
-    gaps = np.diff(np.asarray(times, dtype=np.float64))
-    last_gap = float(np.median(gaps)) if len(gaps) else 0.0
-    nxt = dict(zip(times, [*times[1:], times[-1] + last_gap], strict=True))
+    times = np.unique(np.asarray([r.arrival_s for r in reqs], dtype=np.float64))
+    if len(times) < 2:
+        return trace  # one stamp: no step to spread over
+    step = float(np.diff(times).min())
     rng = np.random.default_rng(seed)
     out: list[TraceRequest] = []
     for t, group in groupby(reqs, key=lambda r: r.arrival_s):
-        step = list(group)
-        offsets = np.sort(rng.uniform(0.0, nxt[t] - t, len(step)))
-        out.extend(replace(r, arrival_s=t + float(o)) for r, o in zip(step, offsets, strict=True))
+        same = list(group)
+        offsets = np.sort(rng.uniform(0.0, step, len(same)))
+        out.extend(replace(r, arrival_s=t + float(o)) for r, o in zip(same, offsets, strict=True))
     return replace(trace, requests=tuple(out))
 
 

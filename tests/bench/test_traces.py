@@ -289,20 +289,25 @@ def _at(times: list[float]) -> Trace:
     return Trace("t", tuple(TraceRequest(str(i), t, i + 1, 1, ()) for i, t in enumerate(times)))
 
 
-def test_spread_ties_spreads_each_step_over_the_step():
-    # a 3 s clock: each request lands in [its step, the next step), a step's requests in the file's order; the last
-    # step spreads over the median step; the same seed gives the same times, another seed others
+def test_spread_ties_spreads_each_stamp_over_the_clock_s_step():
+    # a 3 s clock (the least gap between stamps): each request lands in [its stamp, its stamp + 3 s), whatever the
+    # gap to the next stamp; one stamp's requests in the file's order; the same seed gives the same times
     t = _at([0.0, 0.0, 0.0, 3.0, 6.0, 6.0, 12.0, 12.0])
     assert tied_share(t) == pytest.approx(4 / 8)
     s = spread_ties(t, seed=1)
     got = [r.arrival_s for r in s.requests]
     assert [r.num_prompt_tokens for r in s.requests] == list(range(1, 9))  # the file's order
     assert got == sorted(got) and len(set(got)) == 8
-    steps = [(0, 3), (0, 3), (0, 3), (3, 6), (6, 12), (6, 12), (12, 15), (12, 15)]  # last: the median step, 3 s
+    steps = [(0, 3), (0, 3), (0, 3), (3, 6), (6, 9), (6, 9), (12, 15), (12, 15)]  # 6 -> 12: an empty step
     assert all(lo <= x < hi for x, (lo, hi) in zip(got, steps, strict=True))
     assert spread_ties(t, seed=1) == s and spread_ties(t, seed=2) != s
+    # a fine clock with one coincidence: nothing moves further than its least gap
+    fine = _at([0.0, 0.0, 0.004, 0.5, 2.0])
+    moved = [b.arrival_s - a.arrival_s for a, b in zip(fine.requests, spread_ties(fine).requests, strict=True)]
+    assert all(0 <= m < 0.004 for m in moved)
     plain = _at([0.0, 0.5, 2.0])
     assert tied_share(plain) == 0.0 and spread_ties(plain) is plain
+    assert spread_ties(_at([1.0, 1.0])).requests == _at([1.0, 1.0]).requests  # one stamp: no step
 
 
 def test_mooncake_s_clock_steps_by_three_seconds():
