@@ -718,6 +718,9 @@ TRACE_DEFAULTS: dict[str, dict[str, float]] = {
 LARGE_SLICE = 100_000  # requests: past this a run without --duration or --max-requests gets a hint
 # generated at --rate, so --rate is not a rescale for them
 SYNTHETIC = (*ARRIVALS, *preble.GENERATORS, conversations.NAME)
+# built here, not read from a trace file (the Azure mix rescales Azure's arrivals, so it is not in SYNTHETIC):
+# --where and --spread-ties have no file to act on
+GENERATED = (*SYNTHETIC, preble.AZURE_MIX)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -860,10 +863,9 @@ def _preble_spec(args: argparse.Namespace) -> preble.PrebleSpec:
 
 def load_workload(args: argparse.Namespace) -> Trace:
     where = parse_where(args.where)
-    generated = args.trace in SYNTHETIC or args.trace == preble.AZURE_MIX
-    if where and generated:
+    if where and args.trace in GENERATED:
         raise ValueError(f"--where selects rows of a trace file; {args.trace} is generated")
-    if args.spread_ties and generated:
+    if args.spread_ties and args.trace in GENERATED:
         raise ValueError(f"--spread-ties spreads a trace file's coarse clock; {args.trace} is generated")
     if args.trace in preble.GENERATORS:
         trace = preble.make_preble_trace(args.trace, _preble_spec(args), seed=args.seed)

@@ -22,7 +22,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import date
 from functools import lru_cache
-from itertools import groupby, pairwise
+from itertools import groupby
 from pathlib import Path
 
 import numpy as np
@@ -448,15 +448,6 @@ def scale_to_rate(trace: Trace, rate: float) -> Trace:
     return scale_time(trace, trace.mean_rate / rate)
 
 
-def tied_share(trace: Trace) -> float:
-    """The share of requests that arrive at the same time as the one before them: 0 for a trace of distinct
-    arrival times, ~0.9 for Mooncake's conversation trace (its stamps step by 3 s, ~10 requests each)."""
-    reqs = trace.requests
-    if len(reqs) < 2:
-        return 0.0
-    return sum(b.arrival_s == a.arrival_s for a, b in pairwise(reqs)) / len(reqs)
-
-
 def spread_ties(trace: Trace, seed: int = 0) -> Trace:
     """For a trace whose clock was read in coarse steps (Mooncake's conversation trace: 3 s): each request at time
     t moved to a seeded uniform time in [t, t + the clock's step), the requests of one stamp kept in the file's
@@ -464,11 +455,9 @@ def spread_ties(trace: Trace, seed: int = 0) -> Trace:
     few coincident stamps a few ms, which moves nothing far. Replayed as written, each step's ~10 requests reach
     the router within microseconds, as no clients send them. A trace without ties is returned as it is."""
     reqs = trace.requests
-    if tied_share(trace) == 0.0:
-        return trace
     times = np.unique(np.asarray([r.arrival_s for r in reqs], dtype=np.float64))
-    if len(times) < 2:
-        return trace  # one stamp: no step to spread over
+    if len(times) == len(reqs) or len(times) < 2:
+        return trace  # no ties, or one stamp: no step to spread over
     step = float(np.diff(times).min())
     rng = np.random.default_rng(seed)
     out: list[TraceRequest] = []

@@ -112,10 +112,13 @@ def test_spread_ties_replays_a_coarse_clock_s_steps_spread_out(tmp_path, capsys)
     argv = ["--trace", str(f), "--workers", "1", "--policies", "round_robin", "--out", str(out), "--no-plots",
             "--block-size", "16"]
     assert sim.main(argv) == 0
-    assert json.loads((out / "results.json").read_text())["trace"]["spread_ties"] is False
+    plain = json.loads((out / "results.json").read_text())["trace"]
+    assert plain["spread_ties"] is False and plain["slice_duration_s"] == 6.0  # stamps 0, 3 and 6 s
     assert sim.main([*argv, "--spread-ties"]) == 0
     data = json.loads((out / "results.json").read_text())
     assert data["trace"]["spread_ties"] is True and data["runs"][0]["metrics"]["num_completed"] == 9
+    moved = data["trace"]["slice_duration_s"]  # the first and last stamps' requests moved within their steps
+    assert 3.0 < moved < 9.0 and moved != 6.0
     capsys.readouterr()
     assert sim.main(["--trace", "preble-toolbench", "--spread-ties", "--out", str(out)]) == 2
     assert "--spread-ties spreads a trace file's coarse clock; preble-toolbench is generated" in capsys.readouterr().err
