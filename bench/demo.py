@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from switchyard.bench import procs
 from switchyard.bench.metrics import dist
-from switchyard.bench.traces import PromptFactory, Trace, load_trace, parse_where, spread_ties
+from switchyard.bench.traces import PromptFactory, Trace, has_clock, load_trace, parse_where, spread_ties
 from switchyard.router.client import AsyncRouterClient, make_request
 from switchyard.router.policies.registry import DEFAULT_POLICY, POLICIES
 
@@ -153,13 +153,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def demo_trace(args: argparse.Namespace) -> Trace:
     """The slice the demo replays, its rows filtered and its clock's steps spread as asked; SystemExit if it is
-    empty or cannot be read."""
+    empty, cannot be read, or lacks timestamps or output lengths (a batch job's: `bench sim` paces and fills it)."""
     try:
         trace = load_trace(args.trace, start_s=args.start, duration_s=args.duration, where=parse_where(args.where))
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"switchyard demo: {e}") from None
     if not trace.requests:
         raise SystemExit(f"switchyard demo: no request of {trace.name} arrives in the slice")
+    if not has_clock(trace) or any(r.num_output_tokens == 0 for r in trace.requests):
+        missing = "timestamps" if not has_clock(trace) else "output lengths"
+        raise SystemExit(f"switchyard demo: {trace.name} has no {missing} (an offline batch job's trace): replay "
+                         "it with `switchyard bench sim --trace PATH --rate R --max-requests N`, which sends it as a "
+                         "Poisson stream and draws the missing lengths")
     return spread_ties(trace) if args.spread_ties else trace
 
 

@@ -22,7 +22,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,10 @@ from switchyard.bench.traces import (
     PromptFactory,
     Trace,
     TraceRequest,
+    fill_outputs,
+    has_clock,
     load_trace,
+    pace_batch,
     parse_where,
     resolve_trace_path,
     scale_time,
@@ -56,7 +59,7 @@ from switchyard.bench.traces import (
     take_slice,
     ttft_floors,
 )
-from switchyard.bench.workloads import ARRIVALS, WorkloadSpec, make_workload
+from switchyard.bench.workloads import ARRIVALS, WorkloadSpec, make_workload, parse_length_dist
 from switchyard.router.clock import VirtualClock
 from switchyard.router.config import split_assignment
 from switchyard.router.fleet import Fleet, StatsSample, WorkerInfo
@@ -750,7 +753,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--time-scale", type=float, default=None, help="multiply inter-arrival times (<1 = more load)"
     )
-    g.add_argument("--rate", type=float, default=None, help="rescale arrivals to this mean req/s")
+    g.add_argument(
+        "--rate", type=float, default=None,
+        help="rescale arrivals to this mean req/s (a batch job's trace, every request at one instant: sent as a "
+        "Poisson stream at this rate, in the file's order)",
+    )
     g.add_argument("--rates", default=None, help="comma-separated req/s values to sweep")
     g.add_argument("--start", type=float, default=0.0, help="slice start, trace seconds")
     g.add_argument(
@@ -812,7 +819,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--cv", type=float, default=2.0, help="gamma inter-arrival CV")
     g.add_argument("--prompt-len", default="lognormal:1024:0.6")
-    g.add_argument("--output-len", default="lognormal:128:0.8")
+    g.add_argument(
+        "--output-len", default="lognormal:128:0.8",
+        help="output lengths (also of a trace file's requests without one: ACDC's content-hash jobs)",
+    )
     g.add_argument("--prefix-groups", type=int, default=0)
     g.add_argument("--prefix-len", type=int, default=512)
     g = p.add_argument_group("Preble workloads (--trace preble-*, specs/preble.md §7)")
@@ -902,7 +912,17 @@ def load_workload(args: argparse.Namespace) -> Trace:
     if duration is None and args.max_requests is None:
         duration = TRACE_DEFAULTS.get(resolve_trace_path(args.trace)[0], {}).get("duration")
     trace = load_trace(args.trace, args.start, duration, args.max_requests, where)
-    return spread_ties(trace, args.seed) if args.spread_ties else trace
+    if args.spread_ties:
+        trace = spread_ties(trace, args.seed)
+    if not has_clock(trace) and (args.rate or args.rates):  # a batch job: the sweep rescales this to its rates
+        trace = pace_batch(trace, 1.0, args.seed)
+        trace = replace(trace, source=f"{trace.source}; a batch job sent as a Poisson stream (seed {args.seed})")
+    without = sum(r.num_output_tokens == 0 for r in trace.requests)
+    if without:
+        trace = fill_outputs(trace, parse_length_dist(args.output_len), args.seed)
+        trace = replace(trace, source=f"{trace.source}; {without} output lengths drawn from {args.output_len} "
+                                      f"(seed {args.seed})")
+    return trace
 
 
 def build_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy:

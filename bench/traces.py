@@ -1,5 +1,5 @@
-"""Request traces for the simulator: parse JSONL traces with block hashes (Mooncake's, Qwen-Bailian's) and CSV
-traces (Azure's, BurstGPT's, splitwise-sim's), gzip-compressed or not, keep the rows whose columns have given
+"""Request traces for the simulator: parse JSONL traces with block hashes (Mooncake's, Qwen-Bailian's, ACDC's offline
+batch jobs) and CSV traces (Azure's, BurstGPT's, splitwise-sim's), gzip-compressed or not, keep the rows whose columns have given
 values (BurstGPT's one model, Qwen-Bailian's text requests), slice and rescale them in time, and turn each
 request's prompt description into deterministic token ids and chained block hashes.
 
@@ -18,7 +18,7 @@ import os
 import re
 from array import array
 from collections import Counter, OrderedDict
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import date
 from functools import lru_cache
@@ -56,7 +56,9 @@ class TraceRequest:
     request_id: str
     arrival_s: float  # seconds from the trace start (after any rescaling)
     num_prompt_tokens: int  # == sum of segment lengths
-    num_output_tokens: int  # the trace's output length (> 0); becomes target_output_tokens and max_tokens
+    # the trace's output length (> 0), target_output_tokens and max_tokens; 0 where the trace has none (ACDC's
+    # content-hash jobs): `fill_outputs` draws them
+    num_output_tokens: int
     segments: tuple[Segment, ...]  # the prompt, as token chunks; see the module docstring
 
 
@@ -187,14 +189,15 @@ class _Rows:
     hash_ids: list[Sequence[int]] | None = None  # JSONL: each row's block ids
     block_tokens: int = MOONCAKE_BLOCK_TOKENS  # tokens per block id
 
-    def add(self, arrival_s: float, prompt_tokens: int, output_tokens: int) -> None:
+    def add(self, arrival_s: float, prompt_tokens: int, output_tokens: int | None) -> None:
         """A request with no prompt or no output is kept, as one token of each (a trace counts it as an arrival);
-        a time that is not finite or a count below 0 is an error (the caller names the line)."""
-        if not math.isfinite(arrival_s) or prompt_tokens < 0 or output_tokens < 0:
+        an output the trace does not give (None) is stored as 0, for `fill_outputs`; a time that is not finite or
+        a count below 0 is an error (the caller names the line)."""
+        if not math.isfinite(arrival_s) or prompt_tokens < 0 or (output_tokens is not None and output_tokens < 0):
             raise ValueError(f"arrival {arrival_s} s, {prompt_tokens} prompt and {output_tokens} output tokens")
         self.arrival_s.append(arrival_s)
         self.prompt_tokens.append(max(1, prompt_tokens))
-        self.output_tokens.append(max(1, output_tokens))
+        self.output_tokens.append(0 if output_tokens is None else max(1, output_tokens))
 
 
 def mooncake_segments(
@@ -220,12 +223,20 @@ def mooncake_segments(
 
 def _read_jsonl(lines: Iterable[str], source: str, where: Where | None = None) -> _Rows:
     """A JSONL trace of input_length, output_length, hash_ids and timestamp: Mooncake's (FAST'25: ms, 512-token
-    blocks), or Qwen-Bailian's (ATC'25, rows with a `chat_id`: seconds, 16-token blocks, or N where the file name
-    says `blksz_N`), told apart by the first row; only the rows `where` keeps (a row without one of its fields is
-    an error)."""
+    blocks), Qwen-Bailian's (ATC'25, rows with a `chat_id`: seconds, 16-token blocks, or N where the file name
+    says `blksz_N`), or ACDC's offline batch jobs (SOSP'26, in alibaba/ServeGen's `data/offline`: a `request_id`
+    and no `timestamp`, the job submitted whole, so every row arrives at 0 in file order; its content-hash traces
+    have no `output_length` either, stored as 0 for `fill_outputs`); only the rows `where` keeps. The first row
+    says which fields the file has: a later row with or without `timestamp` or `output_length` where the first
+    row differs, or a row without input_length, is an error.
+    Outside Bailian's files and a `blksz_N` name, the tokens per block id are what the rows' ids say
+    (`_block_tokens_of`: ACDC's are 16), else Mooncake's 512."""
     rows = _Rows(hash_ids=[])
     rf = _RowFilter(where, source)
     per_ms = True
+    clock = outputs = True
+    named = re.search(r"blksz_(\d+)", Path(source).name)
+    block_votes: Counter[int] = Counter()
     first = True
     for lineno, line in enumerate(lines, 1):
         line = line.strip()
@@ -233,26 +244,54 @@ def _read_jsonl(lines: Iterable[str], source: str, where: Where | None = None) -
             continue
         try:
             row = json.loads(line)
-            if first and ("chat_id" in row or "parent_chat_id" in row):  # Qwen-Bailian
-                per_ms = False
-                named = re.search(r"blksz_(\d+)", Path(source).name)
-                rows.block_tokens = int(named.group(1)) if named else BAILIAN_BLOCK_TOKENS
-            first = False
+            if first:
+                if "chat_id" in row or "parent_chat_id" in row:  # Qwen-Bailian
+                    per_ms = False
+                    rows.block_tokens = BAILIAN_BLOCK_TOKENS
+                clock, outputs = "timestamp" in row, "output_length" in row
+                first = False
             if rf.where:
                 missing = [k for k in rf.where if k not in row]
                 if missing:
                     raise KeyError(f"no field {missing[0]!r} to select on")
                 if not rf.keep([str(row[k]).strip() for k in rf.where]):
                     continue
-            t = float(row["timestamp"])
-            rows.add(t / 1000.0 if per_ms else t, int(row["input_length"]), int(row["output_length"]))
-            rows.hash_ids.append(row.get("hash_ids", ()))
+            for key, has in (("timestamp", clock), ("output_length", outputs)):
+                if (key in row) != has:
+                    raise ValueError(f"{'no' if has else 'a'} {key!r} field, where the first row has "
+                                     f"{'one' if has else 'none'}")
+            t = float(row["timestamp"]) if clock else 0.0
+            n_in, ids = int(row["input_length"]), row.get("hash_ids", ())
+            rows.add(t / 1000.0 if per_ms else t, n_in, int(row["output_length"]) if outputs else None)
+            rows.hash_ids.append(ids)
+            if per_ms and not named and block_votes.total() < 1000:  # the first 1,000 rows that tell
+                b = _block_tokens_of(n_in, len(ids))
+                if b:
+                    block_votes[b] += 1
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{source}: line {lineno}: not a JSONL trace row ({e!r}): {line[:120]!r}") from None
+    if named:
+        rows.block_tokens = int(named.group(1))
+    elif block_votes:
+        rows.block_tokens = block_votes.most_common(1)[0][0]
     if rows.block_tokens < 1:
         raise ValueError(f"{source}: blocks of {rows.block_tokens} tokens")
     rf.check()
     return rows
+
+
+def _block_tokens_of(input_length: int, num_ids: int) -> int | None:
+    """The power of two b (1..65536) with ceil(input_length / b) == num_ids, the tokens each of a row's block ids
+    covers: None where no b fits or the row cannot tell (fewer than 2 ids: any b >= input_length fits one). With
+    2 ids or more at most one power of two fits. The published Mooncake rows all fit 512, ACDC's 16."""
+    if num_ids < 2 or input_length <= 0:
+        return None
+    b = 1
+    while b <= 65536:
+        if -(-input_length // b) == num_ids:
+            return b
+        b *= 2
+    return None
 
 
 def _parse_azure_timestamp(ts: str) -> tuple[int, float]:
@@ -466,6 +505,40 @@ def spread_ties(trace: Trace, seed: int = 0) -> Trace:
         offsets = np.sort(rng.uniform(0.0, step, len(same)))
         out.extend(replace(r, arrival_s=t + float(o)) for r, o in zip(same, offsets, strict=True))
     return replace(trace, requests=tuple(out))
+
+
+def has_clock(trace: Trace) -> bool:
+    """False for a batch job's trace (every request at one instant: ACDC's, which have no timestamps) of two or
+    more requests: no rate can be read from it, nor rescaled to."""
+    reqs = trace.requests
+    return len(reqs) < 2 or reqs[-1].arrival_s > reqs[0].arrival_s
+
+
+def pace_batch(trace: Trace, rate: float, seed: int = 0) -> Trace:
+    """A batch job's requests (`has_clock` False) sent as a Poisson stream at `rate` req/s in the file's order, the
+    first at 0, the gaps from `default_rng(seed)`; a trace with a clock is returned as it is. Replayed as written,
+    the whole job reaches the router at once."""
+    if has_clock(trace):
+        return trace
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(trace.requests))
+    gaps[0] = 0.0
+    times = np.cumsum(gaps).tolist()
+    return replace(trace, requests=tuple(replace(r, arrival_s=t) for r, t in zip(trace.requests, times, strict=True)))
+
+
+def fill_outputs(trace: Trace, draw: Callable[[np.random.Generator, int], np.ndarray], seed: int = 0) -> Trace:
+    """The requests whose trace gives no output length (0: ACDC's content-hash jobs) get one from `draw(rng, n)`
+    (`workloads.parse_length_dist`, values >= 1), `default_rng(seed)` in request order; the rest keep theirs."""
+    missing = [i for i, r in enumerate(trace.requests) if r.num_output_tokens == 0]
+    if not missing:
+        return trace
+    drawn = iter(np.maximum(1, draw(np.random.default_rng(seed), len(missing))).tolist())
+    reqs = list(trace.requests)
+    for i in missing:
+        reqs[i] = replace(reqs[i], num_output_tokens=int(next(drawn)))
+    return replace(trace, requests=tuple(reqs))
 
 
 # ---------------------------------------------------------------------------------------------------- tokens, hashes

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from switchyard.bench import demo
@@ -35,3 +37,15 @@ def test_spread_ties_spreads_the_slice_s_bursts() -> None:
     spread = demo.demo_trace(demo.build_parser().parse_args(["--duration", "30", "--spread-ties"]))
     assert len({r.arrival_s for r in plain.requests}) <= 11 < len(plain.requests)
     assert len({r.arrival_s for r in spread.requests}) == len(spread.requests) == len(plain.requests)
+
+
+def test_a_batch_job_s_trace_is_refused_with_the_way_to_replay_it(tmp_path) -> None:
+    # ACDC's offline jobs have no timestamps (and some no output lengths): the demo replays a clock, bench sim paces
+    f = tmp_path / "trace_d.jsonl"
+    f.write_text("".join(json.dumps({"request_id": i, "input_length": 50, "output_length": 9}) + "\n" for i in range(3)))
+    with pytest.raises(SystemExit, match=r"trace-d has no timestamps .*bench sim --trace PATH --rate R"):
+        demo.main(["--trace", str(f)])
+    g = tmp_path / "trace_a.jsonl"
+    g.write_text("".join(json.dumps({"timestamp": i, "input_length": 50, "hash_ids": []}) + "\n" for i in range(3)))
+    with pytest.raises(SystemExit, match=r"trace-a has no output lengths"):
+        demo.main(["--trace", str(g)])

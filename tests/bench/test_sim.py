@@ -124,6 +124,29 @@ def test_spread_ties_replays_a_coarse_clock_s_steps_spread_out(tmp_path, capsys)
     assert "--spread-ties spreads a trace file's coarse clock; preble-toolbench is generated" in capsys.readouterr().err
 
 
+def test_a_batch_job_without_output_lengths_is_paced_and_filled(tmp_path, capsys):
+    # ACDC's content-hash jobs (alibaba/ServeGen data/offline): no timestamp and no output_length. As written the
+    # whole job arrives at once; with --rate it is a Poisson stream at that rate, and --output-len draws the lengths
+    f = tmp_path / "trace_b.jsonl"
+    rows = [{"request_id": i, "type": "text", "input_length": 200 + i,
+             "hash_ids": [*range(10), *range(100 * i, 100 * i + 3 + i // 16)], "img_ids": []} for i in range(40)]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "o"
+    argv = ["--trace", str(f), "--workers", "2", "--policies", "round_robin", "--out", str(out), "--no-plots",
+            "--output-len", "uniform:3:9"]
+    assert sim.main(argv) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["trace"]["slice_duration_s"] == 0.0
+    assert "40 output lengths drawn from uniform:3:9" in data["trace"]["source"]
+    assert data["runs"][0]["metrics"]["num_completed"] == 40
+    assert sim.main([*argv, "--rate", "5"]) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert "a batch job sent as a Poisson stream" in data["trace"]["source"]
+    assert data["runs"][0]["rate"] == pytest.approx(5.0) and data["runs"][0]["metrics"]["num_completed"] == 40
+    assert data["runs"][0]["metrics"]["prefix_cache_hit_ratio"] > 0  # the 10 shared blocks are 16 tokens each
+    capsys.readouterr()
+
+
 def test_the_report_says_what_became_of_requests_not_completed(tmp_path, capsys):
     # a prompt over the model's length is rejected at admission: the table's "done" counts 2/3, and the line
     # under it (printed and in results.md) names the outcome

@@ -19,8 +19,11 @@ from switchyard.bench.traces import (
     _RowFilter,
     chunk_tokens,
     chunks_tokens,
+    fill_outputs,
+    has_clock,
     load_trace,
     mooncake_segments,
+    pace_batch,
     parse_csv,
     parse_jsonl,
     parse_where,
@@ -150,6 +153,85 @@ def test_qwen_bailian_jsonl(tmp_path):
     q = tmp_path / "qwen_coder_blksz_32.jsonl"
     q.write_text(text)
     assert [n for _, _, n in load_trace(str(q)).requests[1].segments] == [32, 32, 6]
+
+
+# ACDC's offline batch jobs (SOSP'26; alibaba/ServeGen data/offline/README.md): rows in file order, no timestamp;
+# content-hash jobs give hash_ids of 16-token blocks and no output_length, stat jobs the lengths and a duration
+ACDC_HASH_ROWS = [
+    {"request_id": 0, "type": "text", "input_length": 271, "hash_ids": list(range(17)), "img_ids": []},
+    {"request_id": 1, "type": "text", "input_length": 288, "hash_ids": [*range(10), *range(17, 25)], "img_ids": []},
+    {"request_id": 2, "type": "multimodal", "input_length": 446, "hash_ids": list(range(655296, 655324)),
+     "img_ids": ["img_00001"]},
+]
+ACDC_STAT_ROWS = [
+    {"request_id": 0, "type": "text", "input_length": 61, "output_length": 2370, "duration": 14000},
+    {"request_id": 1, "type": "text", "input_length": 54, "output_length": 2031, "duration": 11630},
+]
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_acdc_batch_jobs_arrive_at_once_with_16_token_blocks(tmp_path):
+    t = load_trace(_jsonl(tmp_path / "trace_a.jsonl", ACDC_HASH_ROWS))
+    assert [r.arrival_s for r in t.requests] == [0.0, 0.0, 0.0] and not has_clock(t)
+    assert [r.num_prompt_tokens for r in t.requests] == [271, 288, 446]
+    assert [r.num_output_tokens for r in t.requests] == [0, 0, 0]  # the job does not say: fill_outputs draws them
+    # the ids' count says 16 tokens each (ceil(271 / 16) = 17), not Mooncake's 512: the last block is cut short
+    assert t.requests[0].segments[-1] == (NS_MOONCAKE, 16, 271 - 16 * 16)
+    assert {n for _, _, n in t.requests[0].segments[:-1]} == {16}
+    pf = PromptFactory(block_size=16)
+    a, b = pf.tokens(t.requests[0]), pf.tokens(t.requests[1])
+    assert a[:160] == b[:160] and a[160:176] != b[160:176]  # 10 shared blocks: a 160-token common prefix
+    assert [r.num_prompt_tokens for r in load_trace(str(tmp_path / "trace_a.jsonl"),
+                                                     where={"type": ["text"]}).requests] == [271, 288]
+    s = load_trace(_jsonl(tmp_path / "trace_d.jsonl", ACDC_STAT_ROWS))
+    assert [(r.arrival_s, r.num_prompt_tokens, r.num_output_tokens) for r in s.requests] == [(0, 61, 2370), (0, 54, 2031)]
+    # the first row says which fields the file has; a row that differs is an error naming its line
+    for key, rows in (("timestamp", [*ACDC_STAT_ROWS, {**ACDC_STAT_ROWS[0], "timestamp": 5}]),
+                      ("output_length", [*ACDC_STAT_ROWS[:1], ACDC_HASH_ROWS[0]])):
+        with pytest.raises(ValueError, match=f"line {len(rows)}: .*'{key}' field, where the first row has"):
+            load_trace(_jsonl(tmp_path / "mixed.jsonl", rows))
+
+
+def test_block_tokens_come_from_the_rows_ids_unless_the_format_says():
+    # Mooncake's rows fit 512 (1100 tokens in 3 ids); a row of one id cannot tell, so a file of only those stays 512
+    assert _mooncake().requests[0].segments[0][2] == 512
+    one = parse_jsonl([json.dumps({"timestamp": 0, "input_length": 40, "output_length": 2, "hash_ids": [1]})])
+    assert one.requests[0].segments == ((NS_MOONCAKE, 1, 40),)
+    # 130 tokens in 3 ids: 64 each (ceil(130 / 64) = 3); the most common answer wins over a row that fits another
+    rows = [{"timestamp": i, "input_length": 130, "output_length": 2, "hash_ids": [1, 2, 3]} for i in range(3)]
+    rows.append({"timestamp": 9, "input_length": 100, "output_length": 2, "hash_ids": [1, 2, 3, 4, 5, 6, 7]})  # 16
+    t = parse_jsonl(json.dumps(r) for r in rows)
+    assert [n for _, _, n in t.requests[0].segments] == [64, 64, 2]
+
+
+def test_a_batch_job_is_paced_as_a_poisson_stream_in_file_order():
+    batch = parse_jsonl(json.dumps(r) for r in ACDC_STAT_ROWS * 200)
+    paced = pace_batch(batch, 4.0, seed=3)
+    times = [r.arrival_s for r in paced.requests]
+    assert times[0] == 0.0 and times == sorted(times) and has_clock(paced)
+    assert [r.num_prompt_tokens for r in paced.requests] == [r.num_prompt_tokens for r in batch.requests]
+    assert paced.mean_rate == pytest.approx(4.0, rel=0.15)  # 400 exponential gaps of mean 0.25 s
+    assert pace_batch(batch, 4.0, seed=3) == paced and pace_batch(batch, 4.0, seed=4) != paced
+    clocked = _mooncake()
+    assert pace_batch(clocked, 4.0) is clocked and has_clock(clocked)
+
+
+def test_fill_outputs_draws_only_the_lengths_a_trace_lacks():
+    t = Trace("t", (TraceRequest("a", 0.0, 5, 0, ((NS_UNIQUE, 0, 5),)), TraceRequest("b", 1.0, 5, 7, ((NS_UNIQUE, 1, 5),)),
+                    TraceRequest("c", 2.0, 5, 0, ((NS_UNIQUE, 2, 5),))))
+    calls = []
+
+    def draw(rng, n):
+        calls.append(n)
+        return np.array([0, 42])  # a draw of 0 still gives a length of 1
+
+    f = fill_outputs(t, draw, seed=1)
+    assert [r.num_output_tokens for r in f.requests] == [1, 7, 42] and calls == [2]
+    assert fill_outputs(f, draw) is f and calls == [2]
 
 
 BURSTGPT = (
