@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from switchyard.bench import conversations, report
+from switchyard.bench import conversations, report, servegen
 from switchyard.bench import preble_workloads as preble
 from switchyard.bench.metrics import (
     INCOMPLETE,
@@ -721,9 +721,9 @@ TRACE_DEFAULTS: dict[str, dict[str, float]] = {
 LARGE_SLICE = 100_000  # requests: past this a run without --duration or --max-requests gets a hint
 # generated at --rate, so --rate is not a rescale for them
 SYNTHETIC = (*ARRIVALS, *preble.GENERATORS, conversations.NAME)
-# built here, not read from a trace file (the Azure mix rescales Azure's arrivals, so it is not in SYNTHETIC):
-# --where and --spread-ties have no file to act on
-GENERATED = (*SYNTHETIC, preble.AZURE_MIX)
+# built here, not read from a trace file (the Azure mix rescales Azure's arrivals and ServeGen's are its clients'
+# own, so they are not in SYNTHETIC): --where and --spread-ties have no file to act on
+GENERATED = (*SYNTHETIC, preble.AZURE_MIX, *servegen.NAMES)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -734,7 +734,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace",
         default="mooncake-conversation",
         help="mooncake-conversation | azure-code | azure-conv | poisson | gamma | "
-        f"{' | '.join(preble.TRACE_NAMES)} | {conversations.NAME} | PATH (.jsonl/.csv)",
+        f"{' | '.join(preble.TRACE_NAMES)} | {conversations.NAME} | {' | '.join(servegen.NAMES)} | PATH (.jsonl/.csv)",
     )
     p.add_argument("--workers", type=int, default=None, help="default 8, or the sum of a mixed --profile's counts")
     p.add_argument(
@@ -759,13 +759,16 @@ def build_parser() -> argparse.ArgumentParser:
         "Poisson stream at this rate, in the file's order)",
     )
     g.add_argument("--rates", default=None, help="comma-separated req/s values to sweep")
-    g.add_argument("--start", type=float, default=0.0, help="slice start, trace seconds")
+    g.add_argument(
+        "--start", type=float, default=0.0,
+        help="slice start, trace seconds (servegen-*: from the trace's first local midnight; 72000 = 20:00)",
+    )
     g.add_argument(
         "--duration",
         type=float,
         default=None,
         help="slice length in trace seconds before rescaling (default per trace: mooncake 600, "
-        "azure-code 600, azure-conv 300, also for a path to their files, and Azure 2024's week files by name as "
+        "azure-code 600, azure-conv 300, servegen-* 600 (with --max-requests too), also for a path to their files, and Azure 2024's week files by name as "
         "their 2023 counterparts; other files, or with --max-requests: no time limit; the window is cut while the "
         "file is read)",
     )
@@ -885,6 +888,9 @@ def load_workload(args: argparse.Namespace) -> Trace:
         if duration is None and args.max_requests is None:
             duration = TRACE_DEFAULTS[preble.AZURE_MIX]["duration"]
         return preble.azure_mix(_preble_spec(args), args.seed, args.start, duration, args.max_requests)
+    if args.trace in servegen.NAMES:
+        return servegen.servegen_trace(args.trace.removeprefix(servegen.PREFIX), args.start,
+                                       args.duration or servegen.WINDOW_S, args.seed, args.max_requests)
     if args.trace == conversations.NAME:
         conv = conversations.ConversationSpec(
             num_requests=args.max_requests or args.num_requests or 5000,
