@@ -61,7 +61,7 @@ from switchyard.bench.traces import (
 )
 from switchyard.bench.workloads import ARRIVALS, WorkloadSpec, make_workload, parse_length_dist
 from switchyard.router.clock import VirtualClock
-from switchyard.router.config import split_assignment
+from switchyard.router.config import WorkersConfig, split_assignment
 from switchyard.router.fleet import Fleet, StatsSample, WorkerInfo
 from switchyard.router.peer_mirror import PeerMirror
 from switchyard.router.policies.base import Policy, RoutingContext, WorkerId
@@ -103,7 +103,7 @@ class SimConfig:
     num_workers: int = 8
     profile: str = DEFAULT_PROFILE  # every worker's, or a mixed fleet's `NAME:COUNT,...` (`fleet_profiles`)
     block_size: int = 16
-    stats_interval_s: float = 0.2  # the daemon's Stats poll period (router.config WorkersConfig default)
+    stats_interval_s: float = WorkersConfig().stats_interval_s  # the daemon's Stats poll period
     event_lag_s: float = 0.005  # step end -> KV events ingested by the router
     tick_interval_s: float = 0.1  # Policy.on_tick period (RoutingConfig.tick_interval_ms default)
     use_queue: bool = True  # hold requests in the router queue while every worker is saturated
@@ -785,7 +785,11 @@ def build_parser() -> argparse.ArgumentParser:
         "each request moved to a seeded uniform time within its step, not replayed as one burst per step",
     )
     g = p.add_argument_group("router model")
-    g.add_argument("--stats-interval", type=float, default=0.2, help="Stats poll period, s")
+    g.add_argument(
+        "--stats-interval", type=float, default=None,
+        help="Stats poll period, s (default: the daemon's 0.2, or a peer's own where its deployment documents one: "
+        "llmd_scorer 0.05)",
+    )
     g.add_argument("--event-lag", type=float, default=0.005, help="KV event delivery lag, s")
     g.add_argument("--tick-interval", type=float, default=0.1, help="policy on_tick period, s")
     g.add_argument("--no-queue", action="store_true", help="route at arrival; never hold in the router queue")
@@ -1016,6 +1020,15 @@ def ttft_floor(
     return {"ttft_s": dist([f for f, _ in kept]), "ttft_warm_s": dist([f for f, r in kept if r.arrival_s >= t_warm])}
 
 
+def stats_interval(args: argparse.Namespace, policy: str) -> float:
+    """The Stats poll period of `policy`'s runs: `--stats-interval`, else the policy's `load_poll_s` (a peer's own
+    deployment's, so a baseline sees load as fresh as it does where it runs), else the daemon's default."""
+    if args.stats_interval is not None:
+        return args.stats_interval
+    own = getattr(build_policy(policy), "load_poll_s", None)  # a `NAME@REV` from before the attribute has none
+    return own if own is not None else WorkersConfig().stats_interval_s
+
+
 def sim_config(
     args: argparse.Namespace, policy: str, params: Mapping[str, str] | None = None, replicas: int = 1
 ) -> SimConfig:
@@ -1025,7 +1038,7 @@ def sim_config(
         num_workers=args.workers,
         profile=args.profile,
         block_size=args.block_size,
-        stats_interval_s=args.stats_interval,
+        stats_interval_s=stats_interval(args, policy),
         event_lag_s=args.event_lag,
         tick_interval_s=args.tick_interval,
         use_queue=not args.no_queue,
@@ -1050,7 +1063,7 @@ def run_one(
     res = Simulator(trace, sim_config(args, policy, params, replicas), prompts).run()
     sim_s = res.sim_end_s
     speed = sim_s / res.wall_s if res.wall_s > 0 else 0.0
-    entry: dict[str, Any] = {"policy": policy}
+    entry: dict[str, Any] = {"policy": policy, "stats_interval_s": stats_interval(args, policy)}
     if replicas != 1:
         entry["router_replicas"] = replicas
     print(

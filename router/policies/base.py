@@ -111,6 +111,10 @@ class Policy:
     # True: other router replicas' requests reach its hooks too (`router.peer_mirror`), request ids namespaced by
     # replica, so replicas side by side keep the same state; False: it knows only its own dispatches
     mirrors_peers: bool = False
+    # a peer baseline whose decisions read polled load (Stats) and whose own deployment documents how often it
+    # polls: that period, s, which `bench sim` polls at for its runs unless `--stats-interval` is given (llm-d:
+    # 50 ms); None: the daemon's `workers.stats_interval_s`
+    load_poll_s: float | None = None
 
     def select(self, ctx: RoutingContext, fleet: FleetView, now: float) -> Decision | None:
         """Choose a worker among `fleet.routable(ctx.model)` minus `ctx.excluded_workers`; None if none."""

@@ -7,7 +7,7 @@ kvcacheutilization,prefix}/README.md` and the approximate prefix data producer (
 
     total_w = 2 * queue_w + 2 * kv_util_w + 3 * prefix_w            argmax, ties uniform at random
     queue_w   = (max_q - q_w) / (max_q - min_q)   over the candidates; 1.0 for all when max_q == min_q
-                (q = waiting-queue depth from the last Stats; llm-d scrapes it every 50 ms)
+                (q = waiting-queue depth from the last Stats; llm-d scrapes it every 50 ms, `load_poll_s`)
     kv_util_w = 1 - kv_usage_frac_w
     prefix_w  = matched_blocks_w / total_blocks,  total_blocks = min(prompt blocks, max_prefix_blocks)
 
@@ -103,6 +103,7 @@ class ApproxPrefixIndex:
 
 class LlmdScorer(Policy):
     name = "llmd_scorer"
+    load_poll_s = 0.05  # the EPP's RefreshMetricsInterval (pkg/epp/server/options.go; specs/peers.md §3)
 
     def __init__(self, config: LlmdScorerConfig | None = None) -> None:
         self.config = config or LlmdScorerConfig()

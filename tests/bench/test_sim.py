@@ -253,6 +253,22 @@ def test_fleet_sees_signals_only_after_the_modelled_lag():
     assert spy.ticks[:3] == pytest.approx([0.1, 0.2, 0.3])
 
 
+def test_a_peer_polls_load_as_often_as_its_own_deployment(tmp_path):
+    # llm-d's EPP refreshes metrics every 50 ms: its runs poll Stats at that period, the others at the daemon's
+    # 0.2 s; --stats-interval sets one period for every run
+    args = sim.build_parser().parse_args([])
+    assert sim.sim_config(args, "llmd_scorer").stats_interval_s == 0.05
+    assert sim.sim_config(args, "llmd_precise").stats_interval_s == 0.05
+    assert sim.sim_config(args, "switchyard").stats_interval_s == 0.2 == sim.SimConfig().stats_interval_s
+    args = sim.build_parser().parse_args(["--stats-interval", "0.3"])
+    assert {sim.sim_config(args, p).stats_interval_s for p in ("llmd_scorer", "switchyard")} == {0.3}
+    out = tmp_path / "o"
+    assert sim.main(["--trace", "poisson", "--num-requests", "20", "--workers", "2", "--policies",
+                     "round_robin,llmd_scorer", "--out", str(out), "--no-plots"]) == 0
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [(r["policy"], r["stats_interval_s"]) for r in runs] == [("round_robin", 0.2), ("llmd_scorer", 0.05)]
+
+
 class InFlightSpy(LeastRequest):
     def __init__(self) -> None:
         self.fleet = None
