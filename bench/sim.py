@@ -768,9 +768,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="slice length in trace seconds before rescaling (default per trace: mooncake 600, "
-        "azure-code 600, azure-conv 300, servegen-* 600 (with --max-requests too), also for a path to their files, and Azure 2024's week files by name as "
-        "their 2023 counterparts; other files, or with --max-requests: no time limit; the window is cut while the "
-        "file is read)",
+        "azure-code 600, azure-conv 300, servegen-* 600 (with --max-requests too), also for a path to their files, "
+        "and Azure 2024's week files by name as their 2023 counterparts; other files, or with --max-requests: no "
+        "time limit; the window is cut while the file is read)",
     )
     g.add_argument("--max-requests", type=int, default=None)
     g.add_argument(

@@ -1,7 +1,7 @@
-"""Request traces for the simulator: parse JSONL traces with block hashes (Mooncake's, Qwen-Bailian's, ACDC's offline
-batch jobs) and CSV traces (Azure's, BurstGPT's, splitwise-sim's), gzip-compressed or not, keep the rows whose columns have given
-values (BurstGPT's one model, Qwen-Bailian's text requests), slice and rescale them in time, and turn each
-request's prompt description into deterministic token ids and chained block hashes.
+"""Request traces for the simulator: parse JSONL traces with block hashes (Mooncake's, Qwen-Bailian's, ACDC's
+offline batch jobs) and CSV traces (Azure's, BurstGPT's, splitwise-sim's), gzip-compressed or not, keep the rows
+whose columns have given values (BurstGPT's one model, Qwen-Bailian's text requests), slice and rescale them in
+time, and turn each request's prompt description into deterministic token ids and chained block hashes.
 
 A prompt is described by *segments* `(namespace, key, length)`: equal `(namespace, key)` give identical tokens,
 so prefix sharing in a trace (Mooncake's 512-token `hash_ids`, Bailian's 16-token ones, synthetic shared-prefix

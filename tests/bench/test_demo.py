@@ -42,7 +42,8 @@ def test_spread_ties_spreads_the_slice_s_bursts() -> None:
 def test_a_batch_job_s_trace_is_refused_with_the_way_to_replay_it(tmp_path) -> None:
     # ACDC's offline jobs have no timestamps (and some no output lengths): the demo replays a clock, bench sim paces
     f = tmp_path / "trace_d.jsonl"
-    f.write_text("".join(json.dumps({"request_id": i, "input_length": 50, "output_length": 9}) + "\n" for i in range(3)))
+    rows = ({"request_id": i, "input_length": 50, "output_length": 9} for i in range(3))
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(SystemExit, match=r"trace-d has no timestamps .*bench sim --trace PATH --rate R"):
         demo.main(["--trace", str(f)])
     g = tmp_path / "trace_a.jsonl"

@@ -188,7 +188,8 @@ def test_acdc_batch_jobs_arrive_at_once_with_16_token_blocks(tmp_path):
     assert [r.num_prompt_tokens for r in load_trace(str(tmp_path / "trace_a.jsonl"),
                                                      where={"type": ["text"]}).requests] == [271, 288]
     s = load_trace(_jsonl(tmp_path / "trace_d.jsonl", ACDC_STAT_ROWS))
-    assert [(r.arrival_s, r.num_prompt_tokens, r.num_output_tokens) for r in s.requests] == [(0, 61, 2370), (0, 54, 2031)]
+    assert [(r.arrival_s, r.num_prompt_tokens, r.num_output_tokens) for r in s.requests] == [
+        (0, 61, 2370), (0, 54, 2031)]
     # the first row says which fields the file has; a row that differs is an error naming its line
     for key, rows in (("timestamp", [*ACDC_STAT_ROWS, {**ACDC_STAT_ROWS[0], "timestamp": 5}]),
                       ("output_length", [*ACDC_STAT_ROWS[:1], ACDC_HASH_ROWS[0]])):
@@ -221,8 +222,8 @@ def test_a_batch_job_is_paced_as_a_poisson_stream_in_file_order():
 
 
 def test_fill_outputs_draws_only_the_lengths_a_trace_lacks():
-    t = Trace("t", (TraceRequest("a", 0.0, 5, 0, ((NS_UNIQUE, 0, 5),)), TraceRequest("b", 1.0, 5, 7, ((NS_UNIQUE, 1, 5),)),
-                    TraceRequest("c", 2.0, 5, 0, ((NS_UNIQUE, 2, 5),))))
+    t = Trace("t", tuple(TraceRequest(k, float(i), 5, out, ((NS_UNIQUE, i, 5),))
+                         for i, (k, out) in enumerate((("a", 0), ("b", 7), ("c", 0)))))
     calls = []
 
     def draw(rng, n):
