@@ -64,7 +64,7 @@ from switchyard.router.clock import VirtualClock
 from switchyard.router.config import WorkersConfig, split_assignment
 from switchyard.router.fleet import Fleet, StatsSample, WorkerInfo
 from switchyard.router.peer_mirror import PeerMirror
-from switchyard.router.policies.base import Policy, RoutingContext, WorkerId
+from switchyard.router.policies.base import Policy, RoutingContext, WorkerId, load_poll_period
 from switchyard.router.policies.oracle_partition import OraclePartition
 from switchyard.router.policies.preble_cost import profile_cost
 from switchyard.router.policies.preble_e2 import E2Config
@@ -358,6 +358,8 @@ class Simulator:
         self._peers = cfg.router_replicas > 1  # workers' request events matter only to another replica
         first = self.routers[0]
         self.policy, self.fleet, self.queue, self.lengths = first.policy, first.fleet, first.queue, first.lengths
+        # as the daemon's registry polls with this policy: a peer that polls faster where it runs at that period
+        self.stats_interval_s = load_poll_period(self.policy, cfg.stats_interval_s)
         self._router_of: dict[str, RouterReplica] = {}  # request id -> the replica that took it
         self.clock = VirtualClock()  # the routers' clock; advanced by the event loop
         self.cores: list[Any] = []
@@ -436,7 +438,7 @@ class Simulator:
         # run i/K of a period after replica 0's (live they are not in step; in step, every replica would release
         # its held requests at the same instant, none seeing the others' dispatches yet).
         k = len(self.routers)
-        stats_s, tick_s = self.cfg.stats_interval_s, self.cfg.tick_interval_s
+        stats_s, tick_s = self.stats_interval_s, self.cfg.tick_interval_s
         next_stats = [stats_s * i / k for i in range(k)]
         next_tick = [tick_s * (1 + i / k) for i in range(k)]
         heap = self._heap
@@ -607,7 +609,7 @@ class Simulator:
         r.fleet.set_time(now)
         for w, core in enumerate(self.cores):
             s = core.stats()
-            r.fleet.apply_stats(self.worker_ids[w], _stats_sample(s, prev[w], self.cfg.stats_interval_s), now)
+            r.fleet.apply_stats(self.worker_ids[w], _stats_sample(s, prev[w], self.stats_interval_s), now)
             prev[w] = s.generation_tokens_total
         self._drain_queue(r, now)
 
@@ -786,9 +788,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("router model")
     g.add_argument(
-        "--stats-interval", type=float, default=None,
-        help="Stats poll period, s (default: the daemon's 0.2, or a peer's own where its deployment documents one: "
-        "llmd_scorer 0.05)",
+        "--stats-interval", type=float, default=WorkersConfig().stats_interval_s,
+        help="Stats poll period, s (the daemon's default, 0.2); a peer that polls faster where it runs is polled at "
+        "that, as the daemon does (llmd_scorer 0.05)",
     )
     g.add_argument("--event-lag", type=float, default=0.005, help="KV event delivery lag, s")
     g.add_argument("--tick-interval", type=float, default=0.1, help="policy on_tick period, s")
@@ -1020,15 +1022,6 @@ def ttft_floor(
     return {"ttft_s": dist([f for f, _ in kept]), "ttft_warm_s": dist([f for f, r in kept if r.arrival_s >= t_warm])}
 
 
-def stats_interval(args: argparse.Namespace, policy: str) -> float:
-    """The Stats poll period of `policy`'s runs: `--stats-interval`, else the policy's `load_poll_s` (a peer's own
-    deployment's, so a baseline sees load as fresh as it does where it runs), else the daemon's default."""
-    if args.stats_interval is not None:
-        return args.stats_interval
-    own = getattr(build_policy(policy), "load_poll_s", None)  # a `NAME@REV` from before the attribute has none
-    return own if own is not None else WorkersConfig().stats_interval_s
-
-
 def sim_config(
     args: argparse.Namespace, policy: str, params: Mapping[str, str] | None = None, replicas: int = 1
 ) -> SimConfig:
@@ -1038,7 +1031,7 @@ def sim_config(
         num_workers=args.workers,
         profile=args.profile,
         block_size=args.block_size,
-        stats_interval_s=stats_interval(args, policy),
+        stats_interval_s=args.stats_interval,
         event_lag_s=args.event_lag,
         tick_interval_s=args.tick_interval,
         use_queue=not args.no_queue,
@@ -1060,10 +1053,11 @@ def run_one(
     replicas: int = 1,
 ) -> dict[str, Any]:
     """One (policy, load, replicas) run -> its report entry (module-level so a process pool can call it)."""
-    res = Simulator(trace, sim_config(args, policy, params, replicas), prompts).run()
+    simulator = Simulator(trace, sim_config(args, policy, params, replicas), prompts)
+    res = simulator.run()
     sim_s = res.sim_end_s
     speed = sim_s / res.wall_s if res.wall_s > 0 else 0.0
-    entry: dict[str, Any] = {"policy": policy, "stats_interval_s": stats_interval(args, policy)}
+    entry: dict[str, Any] = {"policy": policy, "stats_interval_s": simulator.stats_interval_s}
     if replicas != 1:
         entry["router_replicas"] = replicas
     print(

@@ -25,7 +25,7 @@ from switchyard.router.config import WorkersConfig
 from switchyard.router.fleet import Fleet, WorkerInfo, WorkerState
 from switchyard.router.metrics import RouterMetrics
 from switchyard.router.peer_mirror import PeerMirror
-from switchyard.router.policies.base import Policy, WorkerId
+from switchyard.router.policies.base import Policy, WorkerId, load_poll_period
 from switchyard.router.worker_session import SessionCall, WorkerSender
 from switchyard.tls import aio_channel
 from switchyard.v1 import router_pb2, worker_pb2, worker_pb2_grpc
@@ -79,6 +79,7 @@ class WorkerRegistry:
         channel_close_grace_s: float = 5.0,
     ) -> None:
         self._cfg = config
+        self.poll_interval_s = load_poll_period(policy, config.stats_interval_s)  # a peer's own, where faster
         self.tls = config.client_tls()  # re-read when rotated, before a worker is dialled again (`_renew_channel`)
         self._fleet = fleet
         self._policy = policy
@@ -431,7 +432,7 @@ class WorkerRegistry:
         self._spawn(self.probe(worker_id, reason))
 
     async def _run(self, conn: WorkerConn) -> None:
-        """Connect, then poll Stats every `stats_interval_s`; reconnect every `health_interval_s` when down."""
+        """Connect, then poll Stats every `poll_interval_s`; reconnect every `health_interval_s` when down."""
         first = True
         while not conn.removed:
             if not conn.connected:
@@ -442,7 +443,7 @@ class WorkerRegistry:
                     await asyncio.sleep(self._cfg.health_interval_s)
                     continue
             await self._poll_stats(conn)
-            await asyncio.sleep(self._cfg.stats_interval_s)
+            await asyncio.sleep(self.poll_interval_s)
 
     # ------------------------------------------------------------------ KV events
     async def _kv_loop(self, conn: WorkerConn) -> None:

@@ -111,9 +111,8 @@ class Policy:
     # True: other router replicas' requests reach its hooks too (`router.peer_mirror`), request ids namespaced by
     # replica, so replicas side by side keep the same state; False: it knows only its own dispatches
     mirrors_peers: bool = False
-    # a peer baseline whose decisions read polled load (Stats) and whose own deployment documents how often it
-    # polls: that period, s, which `bench sim` polls at for its runs unless `--stats-interval` is given (llm-d:
-    # 50 ms); None: the daemon's `workers.stats_interval_s`
+    # a peer baseline whose decisions read polled load (Stats) and whose own deployment polls faster than the
+    # daemon: that period, s (llm-d: 50 ms), which caps the Stats poll period wherever it runs (`load_poll_period`)
     load_poll_s: float | None = None
 
     def select(self, ctx: RoutingContext, fleet: FleetView, now: float) -> Decision | None:
@@ -156,6 +155,14 @@ class Policy:
         """The sizes of what the policy holds now (E2: its tree's nodes and blocks, the block index's bytes), so an
         operator sees its memory follow the load and fall back after a burst; {} when it holds nothing that grows."""
         return {}
+
+
+def load_poll_period(policy: Policy, configured_s: float) -> float:
+    """The Stats poll period with `policy` routing: the configured one (`workers.stats_interval_s`, `bench sim
+    --stats-interval`), capped at the policy's `load_poll_s`, so a peer baseline sees load as fresh as its own
+    deployment does, in the daemon and in the simulator alike (a policy built from an older revision may lack it)."""
+    own = getattr(policy, "load_poll_s", None)
+    return min(configured_s, own) if own else configured_s
 
 
 def candidates(ctx: RoutingContext, fleet: FleetView) -> list[WorkerView]:

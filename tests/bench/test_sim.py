@@ -254,14 +254,20 @@ def test_fleet_sees_signals_only_after_the_modelled_lag():
 
 
 def test_a_peer_polls_load_as_often_as_its_own_deployment(tmp_path):
-    # llm-d's EPP refreshes metrics every 50 ms: its runs poll Stats at that period, the others at the daemon's
-    # 0.2 s; --stats-interval sets one period for every run
-    args = sim.build_parser().parse_args([])
-    assert sim.sim_config(args, "llmd_scorer").stats_interval_s == 0.05
-    assert sim.sim_config(args, "llmd_precise").stats_interval_s == 0.05
-    assert sim.sim_config(args, "switchyard").stats_interval_s == 0.2 == sim.SimConfig().stats_interval_s
-    args = sim.build_parser().parse_args(["--stats-interval", "0.3"])
-    assert {sim.sim_config(args, p).stats_interval_s for p in ("llmd_scorer", "switchyard")} == {0.3}
+    # llm-d's EPP refreshes metrics every 50 ms: with llmd_scorer the simulated router polls Stats at that period,
+    # as the daemon's registry does, and at the configured one (the daemon's 0.2 s, or --stats-interval) otherwise
+    def period(policy, configured=0.2):
+        return sim.Simulator(_workload(n=2), _cfg(policy=policy, stats_interval_s=configured)).stats_interval_s
+
+    assert period("llmd_scorer") == period("llmd_precise") == 0.05
+    assert period("switchyard") == 0.2 and period("switchyard", 0.3) == 0.3 and period("llmd_scorer", 0.3) == 0.05
+    assert period("llmd_scorer", 0.01) == 0.01  # a cap, not a setting
+    spy = SpyPolicy()
+    spy.load_poll_s = 0.05
+    s = sim.Simulator(_workload(n=30), _cfg(stats_interval_s=0.25), policy=spy)
+    spy.clock = s.clock
+    s.run()
+    assert spy.stats_seen and all(now - at < 0.05 + 1e-9 for now, at in spy.stats_seen)  # polled every 50 ms
     out = tmp_path / "o"
     assert sim.main(["--trace", "poisson", "--num-requests", "20", "--workers", "2", "--policies",
                      "round_robin,llmd_scorer", "--out", str(out), "--no-plots"]) == 0

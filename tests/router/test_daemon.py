@@ -822,3 +822,16 @@ async def test_duplicate_request_id_in_flight_is_rejected() -> None:
         assert e.value.code() is grpc.StatusCode.ALREADY_EXISTS
         w.gate.set()
         await first
+
+
+def test_the_registry_polls_as_often_as_the_policy_s_peer_polls() -> None:
+    """llm-d's EPP scrapes load every 50 ms: a daemon routing with llmd_scorer polls its workers' Stats at that
+    period (the simulator models the same cap), another policy at `workers.stats_interval_s`; a faster configured
+    period stays."""
+    def period(policy: str, configured: float) -> float:
+        config = load_config(environ={}, overrides={"routing": {"policy": policy},
+                                                    "workers": {"stats_interval_s": configured}})
+        return RouterDaemon(config).registry.poll_interval_s
+
+    assert period("llmd_scorer", 0.2) == 0.05 and period("llmd_scorer", 0.01) == 0.01
+    assert period(DEFAULT_POLICY, 0.2) == 0.2 and period("smg_cache_aware", 0.5) == 0.5
