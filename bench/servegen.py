@@ -123,10 +123,7 @@ def window_arrivals(w: Window, rng: np.random.Generator) -> np.ndarray:
         gaps = rng.weibull(w.shape, n + 1) * w.scale
     else:
         gaps = rng.exponential(1.0, n + 1)
-    total = gaps.sum()
-    if not total > 0 or not math.isfinite(total):
-        return np.sort(rng.uniform(0.0, WINDOW_S, n))
-    return np.cumsum(gaps[:-1]) * (WINDOW_S / total)
+    return np.cumsum(gaps[:-1]) * (WINDOW_S / gaps.sum())
 
 
 def servegen_trace(
